@@ -1,0 +1,143 @@
+"""The codec interface: what every compressor of a saved activation provides.
+
+A codec turns a tensor into an `Encoded` record (packed payload + scales + indices, whose
+`.nbytes` is the true stored size) and back. Lossy codecs also carry an error model, the
+expected squared error predicted from the tensor's statistics, which the planner uses
+as the noise S(option) a codec adds (GACT sec. 4).
+
+Conventions shared by all codecs:
+- `decode(encode(x))` has the shape, dtype and device of `x`; non-contiguous inputs are
+  read as if contiguous; empty tensors round-trip.
+- Non-finite inputs (NaN, +-Inf) decode to NaN at exactly the same positions, so a NaN
+  in an activation stays a NaN in the gradient and the loss scaler still sees overflow.
+- Stochastic rounding draws from the codec's own generator (one per device, seeded from
+  `seed`), never from torch's global one, so compression changes no dropout mask.
+- Integer and complex tensors raise `TypeError` naming the codec and the dtype.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class Encoded:
+    """A stored activation: the tensors that live until backward, and what decode needs.
+
+    `data` holds every tensor that is kept (payload, scales, indices, masks); `meta` holds
+    small Python values (sizes, flags). `.nbytes` counts every byte of `data`.
+    """
+
+    codec: str
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    data: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.data.values())
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def bits_per_element(self) -> float:
+        return 8.0 * self.nbytes / max(self.numel, 1)
+
+
+class Codec:
+    """Base class. Subclasses implement `_encode` / `_decode` and `expected_error`."""
+
+    #: registry name ("int4", "outlier_int4", ...); set by the registry or the subclass
+    name: str = "codec"
+    #: decode(encode(x)) == x bit for bit
+    lossless: bool = False
+    #: uses stochastic rounding (unbiased, random); deterministic codecs have a bias
+    stochastic: bool = False
+
+    def __init__(self, seed: int = 1234):
+        self.seed = int(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    # ---- public API -------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> Encoded:
+        self.check_input(x)
+        return self._encode(x.contiguous())
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        if enc.numel == 0:
+            return torch.empty(enc.shape, dtype=enc.dtype, device=enc.device)
+        return self._decode(enc)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x))
+
+    def expected_error(self, x: torch.Tensor) -> float:
+        """Predicted mean squared error per element of `decode(encode(x))` against `x`.
+
+        Computed analytically from statistics of `x` (group ranges, scales), not by
+        encoding it; for stochastic codecs this is the variance, for nearest rounding
+        the expected squared rounding error (bias^2 for the planner).
+        """
+        if self.lossless:
+            return 0.0
+        raise NotImplementedError(f"{type(self).__name__} has no error model")
+
+    def nbytes_for(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:
+        """Stored bytes for a tensor of this shape and dtype, without encoding one."""
+        raise NotImplementedError(f"{type(self).__name__}.nbytes_for")
+
+    # ---- checks ----------------------------------------------------------------------
+    def check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"codec {self.name!r} encodes tensors, got {type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"codec {self.name!r} encodes floating-point tensors "
+                f"(float32, float16, bfloat16), got dtype {x.dtype}"
+            )
+
+    # ---- the codec's own random stream ----------------------------------------------
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The codec's private generator on `device` (created and seeded on first use)."""
+        device = torch.device(device)
+        key = str(device)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed + (device.index or 0))
+            self._generators[key] = gen
+        return gen
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "generators": {k: g.get_state() for k, g in self._generators.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state["seed"])
+        self._generators = {}
+        for key, st in state.get("generators", {}).items():
+            self.generator(torch.device(key)).set_state(st)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+    # ---- subclass hooks ----------------------------------------------------------------
+    def _encode(self, x: torch.Tensor) -> Encoded:  # x is contiguous and floating
+        raise NotImplementedError
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _record(self, x: torch.Tensor, **data: torch.Tensor) -> Encoded:
+        """An `Encoded` for `x` holding `data`; meta can be added by the caller."""
+        return Encoded(self.name, x.shape, x.dtype, x.device, dict(data))

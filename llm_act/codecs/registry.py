@@ -1,0 +1,127 @@
+"""Codec names used by plans, flags and JSON, and the factory behind them."""
+from __future__ import annotations
+
+from typing import Callable
+
+from llm_act.codecs.base import Codec
+from llm_act.sites import MASK_SITES, check_site
+
+#: Choices that are not codecs.
+KEEP, RECOMPUTE = "keep", "recompute"
+NON_CODECS = (KEEP, RECOMPUTE)
+
+
+def _intquant(**kw) -> Callable[..., Codec]:
+    def make(seed: int = 1234, **_ignored) -> Codec:
+        from llm_act.codecs.intquant import IntQuant
+
+        return IntQuant(seed=seed, **kw)
+
+    return make
+
+
+def _outlier(seed: int = 1234, **_ignored) -> Codec:
+    from llm_act.codecs.outlier import OutlierInt4
+
+    return OutlierInt4(seed=seed)
+
+
+def _dual(seed: int = 1234, **_ignored) -> Codec:
+    from llm_act.codecs.dual import DualPrecision
+
+    return DualPrecision(seed=seed)
+
+
+def _fp8(fmt: str) -> Callable[..., Codec]:
+    def make(seed: int = 1234, **_ignored) -> Codec:
+        from llm_act.codecs.fp8 import FP8
+
+        return FP8(fmt=fmt, seed=seed)
+
+    return make
+
+
+def _fewbit(bits: int) -> Callable[..., Codec]:
+    def make(seed: int = 1234, activation: str = "gelu", **_ignored) -> Codec:
+        from llm_act.codecs.fewbit import FewBit
+
+        return FewBit(activation, bits, seed=seed)
+
+    return make
+
+
+def _bitmask(seed: int = 1234, **_ignored) -> Codec:
+    from llm_act.codecs.masks import BitMask
+
+    return BitMask(seed=seed)
+
+
+def _regen(seed: int = 1234, **_ignored) -> Codec:
+    from llm_act.codecs.masks import RegenMask
+
+    return RegenMask(seed=seed)
+
+
+_FACTORIES: dict[str, Callable[..., Codec]] = {
+    "int1": _intquant(bits=1),
+    "int2": _intquant(bits=2),
+    "int4": _intquant(bits=4),
+    "int8": _intquant(bits=8),
+    "int4_sym": _intquant(bits=4, symmetric=True, stochastic=False),
+    "int8_sym": _intquant(bits=8, symmetric=True, stochastic=False),
+    "int4_asym": _intquant(bits=4, symmetric=False, stochastic=False),
+    "int4_channel": _intquant(bits=4, symmetric=True, stochastic=False, axis=-1),
+    "outlier_int4": _outlier,
+    "dual2": _dual,
+    "fp8_e4m3": _fp8("e4m3"),
+    "fp8_e5m2": _fp8("e5m2"),
+    "fewbit1": _fewbit(1),
+    "fewbit2": _fewbit(2),
+    "fewbit3": _fewbit(3),
+    "fewbit4": _fewbit(4),
+    "bitmask": _bitmask,
+    "regen": _regen,
+}
+
+CODEC_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+MASK_CODECS = frozenset({"bitmask", "regen"})
+FEWBIT_CODECS = frozenset({"fewbit1", "fewbit2", "fewbit3", "fewbit4"})
+#: every name a plan may hold for a site
+CHOICE_NAMES: tuple[str, ...] = NON_CODECS + CODEC_NAMES
+
+
+def make_codec(name: str, *, seed: int = 1234, activation: str = "gelu") -> Codec:
+    """Build the codec registered as `name` (`activation` selects the few-bit derivative)."""
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown codec {name!r}; known codecs: {', '.join(CODEC_NAMES)}"
+        ) from None
+    codec = factory(seed=seed, activation=activation)
+    codec.name = name
+    return codec
+
+
+def check_choice(site: str, name: str) -> str:
+    """Validate that `name` ("keep", "recompute" or a codec) may be chosen at `site`."""
+    check_site(site)
+    if name not in CHOICE_NAMES:
+        raise ValueError(
+            f"unknown choice {name!r} for site {site!r}; "
+            f"choose one of: {', '.join(CHOICE_NAMES)}"
+        )
+    if name in MASK_CODECS and site not in MASK_SITES:
+        raise ValueError(f"codec {name!r} applies only to dropout-mask sites, not {site!r}")
+    if site in MASK_SITES and name not in MASK_CODECS and name not in NON_CODECS:
+        raise ValueError(
+            f"site {site!r} holds a dropout mask: choose keep, recompute, bitmask or regen, "
+            f"not {name!r}"
+        )
+    if name in FEWBIT_CODECS and site != "mlp.act_input":
+        raise ValueError(f"codec {name!r} applies only to 'mlp.act_input', not {site!r}")
+    if name == RECOMPUTE and site == "ln1.input":
+        raise ValueError(
+            "'ln1.input' is the block's checkpoint: keep or compress it, it cannot be recomputed"
+        )
+    return name

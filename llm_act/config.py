@@ -1,0 +1,157 @@
+"""`ActConfig`: the one configuration object behind every door.
+
+Every field is a key of the DeepSpeed `"activation_compression"` section and an
+`--act-compress-<field-with-dashes>` flag. `from_dict` rejects unknown keys and bad
+values with a `ValueError` that names the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+PLAN_MODES = ("auto", "keep", "compress", "recompute")
+ATTENTION_MODES = ("auto", "stock", "sdpa", "chunked")
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(value: Union[int, float, str], key: str = "budget") -> int:
+    """'60GB' -> 60e9, '60GiB' -> 60 * 2**30, 123 -> 123. Raises ValueError naming `key`."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected a byte count or a size like '60GB', got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        m = _SIZE.match(value)
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(
+                f"{key}: cannot read {value!r} as a size; write bytes or a number with "
+                f"one of the units {', '.join(u for u in _UNITS if u)} (e.g. '60GB', '60GiB')"
+            )
+        number, unit = float(m.group(1)), m.group(2).upper()
+    else:
+        raise ValueError(f"{key}: expected a byte count or a size like '60GB', got {value!r}")
+    nbytes = number * _UNITS[unit]
+    if not nbytes > 0 or nbytes != nbytes or nbytes == float("inf"):
+        raise ValueError(f"{key}: must be a positive size, got {value!r}")
+    return int(nbytes)
+
+
+@dataclass
+class ActConfig:
+    """How llm_act stores the activations a transformer block saves for backward."""
+
+    enabled: bool = True
+    """Turn activation compression on; when False the model is left untouched."""
+
+    plan: str = "auto"
+    """"auto" (the planner decides under `budget`), "keep" (exactly stock megatron-core,
+    stock attention included), "compress" (every site at its default codec), "recompute"
+    (Megatron-style full block recompute), or a path to a JSON plan."""
+
+    budget: Optional[Union[int, str]] = None
+    """Activation memory budget: bytes, or a size such as "60GB" (1e9) / "60GiB" (2**30).
+    None: on a GPU the free memory after the first iteration minus a margin, on CPU the
+    memory of the "compress" plan. Normalised to an int of bytes."""
+
+    codecs: dict[str, str] = field(default_factory=dict)
+    """Per-site overrides {site: codec name or "keep"/"recompute"}."""
+
+    attention: str = "auto"
+    """"stock", "sdpa", "chunked", or "auto": stock under plan "keep", memory-efficient otherwise."""
+
+    adapt: bool = True
+    """Re-profile and re-plan during training at exponentially growing intervals."""
+
+    adapt_interval_max: int = 1024
+    """The longest interval (iterations) between two re-planning points."""
+
+    sensitivity: bool = True
+    """Measure GACT gradient sensitivity per site and spend bits where they matter."""
+
+    variance_budget: Optional[float] = None
+    """Upper bound on the summed gradient noise sum_i c_i * S_i; None: no bound."""
+
+    seed: int = 1234
+    """Seed of the codecs' private generator for stochastic rounding."""
+
+    def __post_init__(self) -> None:
+        self._check_bool("enabled")
+        self._check_bool("adapt")
+        self._check_bool("sensitivity")
+        if not isinstance(self.plan, str) or not self.plan:
+            raise ValueError(f"plan: expected one of {PLAN_MODES} or a JSON plan path, got {self.plan!r}")
+        if self.plan not in PLAN_MODES and not (self.plan.endswith(".json") or os.path.exists(self.plan)):
+            raise ValueError(
+                f"plan: {self.plan!r} is neither one of {', '.join(PLAN_MODES)} "
+                "nor the path of a JSON plan file"
+            )
+        if self.budget is not None:
+            self.budget = parse_bytes(self.budget, "budget")
+        if not isinstance(self.codecs, dict):
+            raise ValueError(f"codecs: expected a mapping site -> codec name, got {self.codecs!r}")
+        from llm_act.codecs.registry import check_choice
+
+        for site, name in self.codecs.items():
+            try:
+                check_choice(site, name)
+            except ValueError as err:
+                raise ValueError(f"codecs: {err}") from None
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(
+                f"attention: expected one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}"
+            )
+        if isinstance(self.adapt_interval_max, bool) or not isinstance(self.adapt_interval_max, int) \
+                or self.adapt_interval_max < 1:
+            raise ValueError(
+                f"adapt_interval_max: expected a positive integer, got {self.adapt_interval_max!r}"
+            )
+        if self.variance_budget is not None:
+            if isinstance(self.variance_budget, bool) or not isinstance(self.variance_budget, (int, float)) \
+                    or not self.variance_budget >= 0:
+                raise ValueError(
+                    f"variance_budget: expected a non-negative number or None, got {self.variance_budget!r}"
+                )
+            self.variance_budget = float(self.variance_budget)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed: expected an integer, got {self.seed!r}")
+
+    def _check_bool(self, key: str) -> None:
+        if not isinstance(getattr(self, key), bool):
+            raise ValueError(f"{key}: expected true or false, got {getattr(self, key)!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ActConfig":
+        """Build from a mapping (e.g. the DeepSpeed section); unknown keys raise ValueError."""
+        if not isinstance(d, dict):
+            raise ValueError(f"activation_compression: expected a mapping, got {type(d).__name__}")
+        known = cls.field_names()
+        for key in d:
+            if key not in known:
+                raise ValueError(
+                    f"unknown key {key!r} in the activation compression config; "
+                    f"known keys: {', '.join(known)}"
+                )
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

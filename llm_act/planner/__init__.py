@@ -1,0 +1,1 @@
+"""The per-block MILP planner (filled by the planner issue)."""

@@ -1,0 +1,29 @@
+"""Test setup shared by every test.
+
+Without CUDA, Triton kernels run under the interpreter (`TRITON_INTERPRET=1`, set here
+before anything imports triton), so kernel tests compare them on CPU with the torch
+references. `gpu` tests are skipped without CUDA.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

@@ -1,1 +1,25 @@
-"""The per-block MILP planner (filled by the planner issue)."""
+"""The per-block MILP planner: keep, compress or recompute each saved tensor at the least
+added step time that fits a memory budget and a gradient-noise budget."""
+from llm_act.planner.milp import (
+    OBJECTIVES,
+    InfeasibleBudget,
+    InfeasibleVariance,
+    Plan,
+    evaluate_plan,
+    load_plan_json,
+    solve_plan,
+)
+from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
+
+__all__ = [
+    "BlockProfile",
+    "CodecOption",
+    "InfeasibleBudget",
+    "InfeasibleVariance",
+    "OBJECTIVES",
+    "Plan",
+    "SiteProfile",
+    "evaluate_plan",
+    "load_plan_json",
+    "solve_plan",
+]

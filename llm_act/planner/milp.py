@@ -1,0 +1,509 @@
+"""The per-block MILP (Adacc sec. 3.3, extended with codecs per site, a transient peak
+and GACT's variance budget, sec. 4): for every saved tensor choose keep, a codec, or
+recompute, at the least added step time that fits the memory budget.
+
+Model, per distinct block k (blocks with equal (sites, inflight) share variables, their
+counts add up) and site i, binary x[k,i,o] over o in {keep, codec..., recompute}:
+
+    minimise   sum_k count_k * sum_i,o cost(i,o) x[k,i,o]
+    s.t.       sum_o x[k,i,o] = 1
+               peak >= sum_i nbytes_i * (1 - x[k,i,keep])          for every k
+               sum_k count_k * inflight_k * sum_i,o stored(i,o) x[k,i,o] + peak <= budget - static
+               sum_k count_k * sum_i,o sensitivity_i * S(o) x[k,i,o] <= variance_budget
+
+cost: keep 0, codec encode+decode, recompute the producer's forward time (once: an input
+that is itself recomputed is charged on its own site, never again by its readers).
+stored: keep nbytes, codec option.nbytes, recompute 0. `peak` is the transient of the
+block being backpropagated: its decoded and recomputed tensors at full precision, all
+live at once. A recomputed site needs each input available in backward: kept, decoded,
+or itself recomputed first (in the order of the input DAG, the block input always
+there). Keep, recompute and value codecs all qualify; a few-bit codec does not (its
+decode yields f'(x), not x), hence the row
+
+               x[k,i,recompute] + sum_{o few-bit} x[k,j,o] <= 1      for every input j of i
+
+Memory rows are written in MiB (a power-of-two scale, so byte counts stay exact in
+floating point) and every plan the solver returns is re-checked in integer bytes.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from llm_act._imports import require
+from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE, check_choice
+from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
+
+OBJECTIVES = ("time", "variance")
+_MIB = float(2**20)
+_GIB = float(2**30)
+_TIE = 1e-6  # the tie-break term never weighs more than this fraction of a primary step
+_VAR_RTOL = 1e-6  # relative tolerance of the variance budget
+
+
+class InfeasibleBudget(ValueError):
+    """No plan fits the memory budget; `min_budget_bytes` is the smallest budget (static
+    memory included) that some plan fits."""
+
+    def __init__(self, budget_bytes: int, static_bytes: int, min_budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.static_bytes = static_bytes
+        self.min_budget_bytes = min_budget_bytes
+        super().__init__(
+            f"budget_bytes={budget_bytes} ({budget_bytes / _GIB:.3f} GiB) cannot hold the "
+            f"activations: with static_bytes={static_bytes} ({static_bytes / _GIB:.3f} GiB) the "
+            f"smallest budget any plan fits is {min_budget_bytes} bytes "
+            f"({min_budget_bytes / _GIB:.3f} GiB)"
+        )
+
+
+class InfeasibleVariance(ValueError):
+    """No plan that fits the memory budget meets the variance budget; `min_variance` is
+    the least summed noise any plan within the memory budget reaches."""
+
+    def __init__(self, variance_budget: float, min_variance: float):
+        self.variance_budget = variance_budget
+        self.min_variance = min_variance
+        super().__init__(
+            f"variance_budget={variance_budget!r} cannot be met within the memory budget: "
+            f"the least achievable summed noise is {min_variance!r}"
+        )
+
+
+@dataclass
+class Plan:
+    """The planner's answer for one device. `choice[i][site]` is "keep", "recompute" or a
+    codec name, indexed like the `blocks` given to `solve_plan`."""
+
+    blocks: tuple[BlockProfile, ...]
+    choice: list[dict[str, str]]
+    activation_bytes: int
+    """sum over blocks of count * inflight * stored bytes, plus `peak_bytes`."""
+    overhead_ms: float
+    """added time per iteration: sum over blocks of count * per-block time."""
+    solve_seconds: float = 0.0
+    variance: float = 0.0
+    """summed noise: sum over blocks of count * sensitivity * S(option)."""
+    peak_bytes: int = 0
+    """the transient: the largest block's decoded and recomputed tensors."""
+    num_variables: int = 0
+    objective: str = "time"
+
+    def to_dict(self, first_layer: int = 0) -> dict[str, Any]:
+        """The JSON plan; block i covers the next `blocks[i].count` layers from
+        `first_layer`, and contiguous layers with equal choices are merged."""
+        runs: list[dict[str, Any]] = []
+        layer = first_layer
+        for block, choice in zip(self.blocks, self.choice):
+            last = layer + block.count - 1
+            if runs and runs[-1]["choice"] == choice:
+                runs[-1]["layers"][1] = last
+            else:
+                runs.append({"layers": [layer, last], "choice": dict(choice)})
+            layer = last + 1
+        return {"version": 1, "blocks": runs}
+
+    def to_json(self, first_layer: int = 0, indent: Optional[int] = None) -> str:
+        return json.dumps(self.to_dict(first_layer), indent=indent)
+
+
+@dataclass
+class _Option:
+    name: str
+    stored: int
+    cost_ms: float
+    noise: float  # sensitivity * S(option)
+
+    @property
+    def gives_value(self) -> bool:
+        """Can a recomputation read this site? Not from a few-bit code (it holds f'(x))."""
+        return self.name not in FEWBIT_CODECS
+
+
+@dataclass
+class _Class:
+    """Blocks with equal (sites, inflight): one set of variables."""
+
+    sites: tuple[SiteProfile, ...]
+    inflight: int
+    count: int = 0
+    options: list[list[_Option]] = field(default_factory=list)
+
+
+def _site_options(site: SiteProfile) -> list[_Option]:
+    opts = [_Option(KEEP, site.nbytes, 0.0, 0.0)]
+    opts += [_Option(c.name, c.nbytes, c.cost_ms, site.sensitivity * c.variance) for c in site.codecs]
+    if site.recomputable:
+        opts.append(_Option(RECOMPUTE, 0, float(site.forward_ms), 0.0))
+    return opts
+
+
+def _classes(blocks: Sequence[BlockProfile]) -> tuple[list[_Class], list[int]]:
+    index: dict[tuple, int] = {}
+    classes: list[_Class] = []
+    owner: list[int] = []
+    for block in blocks:
+        key = (block.sites, block.inflight)
+        if key not in index:
+            index[key] = len(classes)
+            classes.append(_Class(block.sites, block.inflight,
+                                  options=[_site_options(s) for s in block.sites]))
+        classes[index[key]].count += block.count
+        owner.append(index[key])
+    return classes, owner
+
+
+def _evaluate(classes: list[_Class], picks: list[list[int]]) -> tuple[int, int, float, float]:
+    """Exact figures of a choice: (stored bytes, peak bytes, time ms, noise)."""
+    stored, peak, ms, noise = 0, 0, 0.0, 0.0
+    for cls, pick in zip(classes, picks):
+        opts = [cls.options[i][o] for i, o in enumerate(pick)]
+        stored += cls.count * cls.inflight * sum(o.stored for o in opts)
+        peak = max(peak, sum(s.nbytes for s, o in zip(cls.sites, opts) if o.name != KEEP))
+        ms += cls.count * sum(o.cost_ms for o in opts)
+        noise += cls.count * sum(o.noise for o in opts)
+    return stored, peak, ms, noise
+
+
+@functools.lru_cache(maxsize=1)
+def _solver_name() -> str:
+    """HiGHS when highspy is installed, else a CBC on PATH, else the CBC bundled with pulp."""
+    pulp = require("pulp", "the activation planner")
+    available = pulp.listSolvers(onlyAvailable=True)
+    for name in ("HiGHS", "COIN_CMD"):
+        if name in available:
+            return name
+    return "PULP_CBC_CMD"
+
+
+def _solve(prob) -> bool:
+    """Solve in place; True when an optimal solution was found, False when infeasible."""
+    pulp = require("pulp", "the activation planner")
+    name = _solver_name()
+    with warnings.catch_warnings():
+        # pulp 3.x announces the bundled CBC's removal in 4.0; it is still the fallback
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if name == "HiGHS":
+            solver = pulp.HiGHS(msg=False)
+        else:
+            solver = getattr(pulp, name)(msg=False, gapRel=0.0)
+        status = prob.solve(solver)
+    if status == pulp.LpStatusOptimal:
+        return True
+    if status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
+        return False
+    raise RuntimeError(f"the MILP solver ({name}) ended with status {pulp.LpStatus[status]!r}")
+
+
+def _variable(prob, name: str, cat: str, low: float = 0):
+    """A variable of `prob` (pulp >= 3.3 attaches it to the model; older pulp cannot)."""
+    pulp = require("pulp", "the activation planner")
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lowBound=low, upBound=1 if cat == "Binary" else None, cat=cat)
+    return pulp.LpVariable(name, lowBound=low, cat=cat)
+
+
+class _Model:
+    """The MILP over `classes`, with an objective in {"time", "variance", "memory"} and
+    optional memory / variance rows."""
+
+    def __init__(self, classes: list[_Class], objective: str,
+                 mem_limit: Optional[int], var_limit: Optional[float]):
+        pulp = require("pulp", "the activation planner")
+        self.classes = classes
+        self.prob = pulp.LpProblem("llm_act_plan", pulp.LpMinimize)
+        self.x: list[list[list[Any]]] = []
+        for k, cls in enumerate(classes):
+            xs = []
+            for i, opts in enumerate(cls.options):
+                row = [_variable(self.prob, f"x_{k}_{i}_{o}", "Binary") for o in range(len(opts))]
+                self.prob += pulp.lpSum(row) == 1, f"one_{k}_{i}"
+                if var_limit is not None and var_limit == 0:
+                    for v, opt in zip(row, opts):
+                        if opt.noise > 0:
+                            v.upBound = 0
+                xs.append(row)
+            self.x.append(xs)
+        for k, cls in enumerate(classes):
+            where = {s.name: i for i, s in enumerate(cls.sites)}
+            for i, (site, opts) in enumerate(zip(cls.sites, cls.options)):
+                if opts[-1].name != RECOMPUTE:
+                    continue
+                for dep in site.inputs:
+                    j = where[dep]
+                    blind = [v for v, o in zip(self.x[k][j], cls.options[j]) if not o.gives_value]
+                    if blind:
+                        self.prob += self.x[k][i][-1] + pulp.lpSum(blind) <= 1, f"dep_{k}_{i}_{j}"
+        self.peak = _variable(self.prob, "peak", "Continuous")
+        for k, cls in enumerate(classes):
+            self.prob += self.peak >= pulp.lpSum(
+                (s.nbytes / _MIB) * v
+                for s, row, opts in zip(cls.sites, self.x[k], cls.options)
+                for v, opt in zip(row, opts) if opt.name != KEEP
+            ), f"peak_{k}"
+        self.memory = self._sum(lambda c, o: c.count * c.inflight * o.stored / _MIB) + self.peak
+        self.mem_row = self.var_row = None
+        if mem_limit is not None:
+            self.mem_row = "memory"
+            self.prob += self.memory <= mem_limit / _MIB, self.mem_row
+        if var_limit is not None and var_limit > 0:
+            self.var_row = "variance"
+            self.prob += self._sum(lambda c, o: c.count * o.noise / var_limit) <= 1.0, self.var_row
+        self._objective(objective)
+
+    def _sum(self, coef):
+        pulp = require("pulp", "the activation planner")
+        return pulp.lpSum(
+            coef(cls, opt) * v
+            for cls, xs in zip(self.classes, self.x)
+            for row, opts in zip(xs, cls.options)
+            for v, opt in zip(row, opts)
+        )
+
+    def _objective(self, objective: str) -> None:
+        """The primary objective plus a tie-break too small to outweigh any primary step:
+        under "time" prefer keep, then less noise; under "variance" prefer keep, then less
+        time (so a zero-noise site is kept rather than recomputed when memory allows)."""
+        if objective == "memory":
+            self.prob += self.memory
+            return
+        every = [(c, o) for c in self.classes for site in c.options for o in site]
+        noise_max = max(o.noise for _, o in every) or 1.0
+        cost_max = max(o.cost_ms for _, o in every) or 1.0
+
+        def primary(c: _Class, o: _Option) -> float:
+            return c.count * (o.cost_ms if objective == "time" else o.noise / noise_max)
+
+        def secondary(c: _Class, o: _Option) -> float:
+            other = o.noise / noise_max if objective == "time" else o.cost_ms / cost_max
+            return c.count * ((o.name != KEEP) + other)
+
+        steps = [primary(c, o) for c, o in every if primary(c, o) > 0]
+        total = sum(max(secondary(c, o) for o in site) for c in self.classes for site in c.options)
+        eps = _TIE * (min(steps) if steps else 1.0) / (total + 1.0)
+        self.prob += self._sum(lambda c, o: primary(c, o) + eps * secondary(c, o))
+
+    def picks(self) -> list[list[int]]:
+        return [
+            [max(range(len(row)), key=lambda o: row[o].varValue or 0.0) for row in xs]
+            for xs in self.x
+        ]
+
+    def set_rhs(self, row: str, rhs: float) -> None:
+        get = getattr(self.prob, "get_constraint_by_name", None)
+        c = get(row) if get else self.prob.constraints[row]
+        c.constant = -rhs  # the row reads expr + constant <= 0
+
+
+def _limits(budget_bytes, static_bytes) -> tuple[int, int]:
+    return (_byte_count(budget_bytes, "budget_bytes"), _byte_count(static_bytes, "static_bytes"))
+
+
+def _check_blocks(blocks) -> tuple[BlockProfile, ...]:
+    if isinstance(blocks, BlockProfile):
+        blocks = (blocks,)
+    try:
+        blocks = tuple(blocks)
+    except TypeError:
+        raise TypeError(f"blocks: expected a sequence of BlockProfile, got {blocks!r}") from None
+    if not blocks:
+        raise ValueError("blocks: expected at least one BlockProfile, got none")
+    for b in blocks:
+        if not isinstance(b, BlockProfile):
+            raise TypeError(f"blocks: expected BlockProfile items, got {b!r}")
+    return blocks
+
+
+def _run(classes, objective, mem_limit, var_limit) -> tuple[Optional[list[list[int]]], int]:
+    """Solve and verify the answer in exact arithmetic (integer bytes; noise within a
+    relative 1e-6). A plan that passed a row only within the solver's tolerance is cut
+    away once by moving that row's bound in by less than one byte (resp. 1e-6)."""
+    model = _Model(classes, objective, mem_limit, var_limit)
+    nvars = len(model.prob.variables())
+    for _ in range(2):
+        if not _solve(model.prob):
+            return None, nvars
+        picks = model.picks()
+        stored, peak, _ms, noise = _evaluate(classes, picks)
+        over_mem = mem_limit is not None and stored + peak > mem_limit
+        over_var = var_limit is not None and noise > var_limit * (1 + _VAR_RTOL)
+        if not over_mem and not over_var:
+            return picks, nvars
+        if over_mem:
+            model.set_rhs(model.mem_row, (mem_limit - 0.5) / _MIB)
+        if over_var and model.var_row is not None:
+            model.set_rhs(model.var_row, 1.0 - _VAR_RTOL)
+    return None, nvars
+
+
+def solve_plan(
+    blocks: Sequence[BlockProfile],
+    budget_bytes: int,
+    static_bytes: int = 0,
+    variance_budget: Optional[float] = None,
+    objective: str = "time",
+) -> Plan:
+    """The cheapest plan for one device whose activations fit `budget_bytes - static_bytes`
+    (and whose summed noise stays within `variance_budget`, when given).
+
+    objective="time" minimises the added step time; "variance" minimises the summed noise
+    under the memory budget (GACT's allocation). Raises InfeasibleBudget when no plan fits
+    the memory, InfeasibleVariance when none that fits meets the variance budget.
+    """
+    start = time.perf_counter()
+    blocks = _check_blocks(blocks)
+    budget, static = _limits(budget_bytes, static_bytes)
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if variance_budget is not None:
+        if isinstance(variance_budget, bool) or not isinstance(variance_budget, (int, float)) \
+                or not variance_budget >= 0 or math.isinf(variance_budget):
+            raise ValueError(
+                f"variance_budget: expected a finite number >= 0 or None, got {variance_budget!r}"
+            )
+        variance_budget = float(variance_budget)
+    classes, owner = _classes(blocks)
+    mem_limit = budget - static
+    picks, nvars = (None, 0) if mem_limit < 0 else _run(classes, objective, mem_limit, variance_budget)
+    if picks is None:
+        least, _ = _run(classes, "memory", None, None)
+        min_act = sum(_evaluate(classes, least)[:2])
+        if mem_limit < min_act:
+            raise InfeasibleBudget(budget, static, min_act + static)
+        if variance_budget is None:
+            raise RuntimeError("the MILP solver found no plan although one fits the memory budget")
+        quiet, _ = _run(classes, "variance", mem_limit, None)
+        raise InfeasibleVariance(variance_budget, _evaluate(classes, quiet)[3])
+    plan = _plan(blocks, classes, owner, picks)
+    plan.num_variables = nvars
+    plan.objective = objective
+    plan.solve_seconds = time.perf_counter() - start
+    return plan
+
+
+def _plan(blocks, classes, owner, picks) -> Plan:
+    stored, peak, ms, noise = _evaluate(classes, picks)
+    per_class = [
+        {s.name: cls.options[i][o].name for i, (s, o) in enumerate(zip(cls.sites, pick))}
+        for cls, pick in zip(classes, picks)
+    ]
+    return Plan(blocks=tuple(blocks), choice=[dict(per_class[k]) for k in owner],
+                activation_bytes=stored + peak, overhead_ms=ms, variance=noise, peak_bytes=peak)
+
+
+def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str]]) -> Plan:
+    """The figures of a given choice (e.g. the fixed "keep"/"compress"/"recompute" plans)
+    under the same cost model; a site missing from a choice is kept."""
+    blocks = _check_blocks(blocks)
+    choice = list(choice)
+    if len(choice) != len(blocks):
+        raise ValueError(f"choice: expected {len(blocks)} entries (one per block), got {len(choice)}")
+    classes = [_Class(b.sites, b.inflight, b.count, [_site_options(s) for s in b.sites]) for b in blocks]
+    picks = []
+    for n, (cls, ch) in enumerate(zip(classes, choice)):
+        unknown = set(ch) - {s.name for s in cls.sites}
+        if unknown:
+            raise ValueError(f"choice[{n}]: sites {sorted(unknown)} are not in the block")
+        pick = []
+        for s, opts in zip(cls.sites, cls.options):
+            name = ch.get(s.name, KEEP)
+            names = [o.name for o in opts]
+            if name not in names:
+                raise ValueError(
+                    f"choice[{n}][{s.name!r}]: {name!r} is not an option here ({', '.join(names)})"
+                )
+            pick.append(names.index(name))
+        where = {t.name: j for j, t in enumerate(cls.sites)}
+        for i, site in enumerate(cls.sites):
+            if cls.options[i][pick[i]].name != RECOMPUTE:
+                continue
+            for dep in site.inputs:
+                j = where[dep]
+                if not cls.options[j][pick[j]].gives_value:
+                    raise ValueError(
+                        f"choice[{n}]: {site.name!r} is recomputed from {dep!r}, whose codec "
+                        f"{cls.options[j][pick[j]].name!r} does not keep the value"
+                    )
+        picks.append(pick)
+    return _plan(blocks, classes, list(range(len(blocks))), picks)
+
+
+def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> list[dict[str, str]]:
+    """Read and validate a JSON plan `{"version": 1, "blocks": [{"layers": [a, b],
+    "choice": {site: name}}]}` (layers inclusive); returns one choice dict per layer.
+    Every layer in [0, num_layers) must be covered exactly once; sites a block does not
+    name are kept."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers: expected an int >= 1, got {num_layers!r}")
+    data = _read(source)
+    if not isinstance(data, dict):
+        raise ValueError(f"plan: expected a JSON object, got {type(data).__name__}")
+    extra = set(data) - {"version", "blocks"}
+    if extra:
+        raise ValueError(f"plan: unknown keys {sorted(extra)}; expected 'version' and 'blocks'")
+    if data.get("version") != 1:
+        raise ValueError(f"plan version: expected 1, got {data.get('version')!r}")
+    runs = data.get("blocks")
+    if not isinstance(runs, list) or not runs:
+        raise ValueError(f"plan blocks: expected a non-empty list, got {runs!r}")
+    layers: list[Optional[dict[str, str]]] = [None] * num_layers
+    owner: list[Optional[int]] = [None] * num_layers
+    for n, run in enumerate(runs):
+        where = f"plan blocks[{n}]"
+        if not isinstance(run, dict) or set(run) != {"layers", "choice"}:
+            raise ValueError(f"{where}: expected an object with keys 'layers' and 'choice', got {run!r}")
+        span, choice = run["layers"], run["choice"]
+        if (not isinstance(span, list) or len(span) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in span)
+                or not 0 <= span[0] <= span[1] < num_layers):
+            raise ValueError(
+                f"{where} layers: expected [first, last] with 0 <= first <= last < {num_layers}, got {span!r}"
+            )
+        if not isinstance(choice, dict):
+            raise ValueError(f"{where} choice: expected an object site -> name, got {choice!r}")
+        for site, name in choice.items():
+            if not isinstance(name, str):
+                raise ValueError(f"{where} choice[{site!r}]: expected a name, got {name!r}")
+            try:
+                check_choice(site, name)
+            except ValueError as err:
+                raise ValueError(f"{where} choice: {err}") from None
+        for layer in range(span[0], span[1] + 1):
+            if owner[layer] is not None:
+                raise ValueError(
+                    f"{where} layers {span}: layer {layer} is already planned by blocks[{owner[layer]}]"
+                )
+            owner[layer], layers[layer] = n, dict(choice)
+    missing = [i for i, c in enumerate(layers) if c is None]
+    if missing:
+        raise ValueError(f"plan blocks: layers {_ranges(missing)} of {num_layers} have no plan")
+    return layers  # type: ignore[return-value]
+
+
+def _read(source) -> Any:
+    if isinstance(source, dict):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"plan: expected a dict or a path to a JSON file, got {source!r}")
+    try:
+        with open(source, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as err:
+        raise ValueError(f"plan: cannot read {os.fspath(source)!r}: {err}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"plan: {os.fspath(source)!r} is not valid JSON: {err}") from None
+
+
+def _ranges(idx: list[int]) -> str:
+    out, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)

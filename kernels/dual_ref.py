@@ -1,0 +1,118 @@
+"""DIVISION's dual precision along tokens (1-D), pure-torch reference: the spec of the kernels.
+
+A tensor is read as a matrix `x2` of shape [s, C]: s tokens (the pooled dimension) by C
+channels (every other index, e.g. (b, h) of megatron's [s, b, h]). DIVISION (sec. 4.1,
+App. F) adapted to 1-D:
+
+- LFC: the mean of each block of `pool` consecutive tokens per channel (the last block
+  averages what is there; non-finite values are left out of the mean, a block with none
+  finite has LFC 0), rounded to bfloat16 (nearest even): lfc [ceil(s / pool), C].
+- HFC: h = x - upsample(lfc) (nearest: token t uses block t // pool), float32.
+- Per channel over all tokens (DIVISION's per-channel quantization): zero = min h,
+  step = (max h - min h) / (2^bits - 1), both stored as bfloat16 as in the paper, rounded
+  outward (zero down, max up, step up) so every h lies in [zero, zero + levels * step] and
+  stochastic rounding stays unbiased. Codes: floor((h - zero) / step + u), u ~ U[0, 1).
+- Non-finite inputs: a channel holding one stores its step negated (sign bit = flag); its
+  finite values use codes 0 .. 2^bits - 2 (step = range / (2^bits - 2)) and code
+  2^bits - 1 decodes to NaN.
+- Codes are packed along channels, 8 // bits per byte (`packing_ref` layout), each token
+  row padded to whole bytes: codes [s, ceil(C * bits / 8)].
+
+Decode: upsample(lfc) + zero + code * |step|, in float32, clamped to the output dtype's
+finite range, NaN for the flagged code.
+"""
+from __future__ import annotations
+
+import torch
+
+from llm_act.kernels.packing_ref import pack_bits, unpack_bits
+
+BITS_ALLOWED = (2, 4, 8)
+
+
+def row_bytes(C: int, bits: int) -> int:
+    return -(-C * bits // 8)
+
+
+def num_pool_blocks(s: int, pool: int) -> int:
+    return -(-s // pool)
+
+
+def bf16_down(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the largest bfloat16 value <= x (as float32), by bit operations."""
+    b = x.float().view(torch.int32)
+    t = b & -65536
+    t = torch.where((b < 0) & ((b & 0xFFFF) != 0), t + 0x10000, t)
+    return t.view(torch.float32)
+
+
+def bf16_up(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the smallest bfloat16 value >= x (as float32), by bit operations."""
+    b = x.float().view(torch.int32)
+    t = b & -65536
+    t = torch.where((b >= 0) & ((b & 0xFFFF) != 0), t + 0x10000, t)
+    return t.view(torch.float32)
+
+
+def upsample(lfc: torch.Tensor, pool: int, s: int) -> torch.Tensor:
+    """[s, C] float32: token t gets lfc[t // pool]."""
+    return lfc.float().repeat_interleave(pool, dim=0)[:s]
+
+
+def dual_stats_ref(x2: torch.Tensor, pool: int, bits: int):
+    """(lfc bf16 [nb, C], h float32 [s, C], finite bool [s, C], zero float32 [C],
+    step float32 [C] (>= 0), bad bool [C]): everything but the rounding."""
+    s, C = x2.shape
+    xf = x2.float()
+    fin = torch.isfinite(xf)
+    xz = torch.where(fin, xf, torch.zeros_like(xf))
+    nb = num_pool_blocks(s, pool)
+    pad = nb * pool - s
+    xp = torch.cat([xz, xz.new_zeros(pad, C)]).view(nb, pool, C)
+    cnt = torch.cat([fin, fin.new_zeros(pad, C)]).view(nb, pool, C).sum(dim=1).float()
+    mean = torch.where(cnt > 0, xp.sum(dim=1) / cnt.clamp(min=1), torch.zeros_like(cnt))
+    lfc = mean.to(torch.bfloat16)
+    h = xf - upsample(lfc, pool, s)
+    big = torch.finfo(torch.float32).max
+    lo = torch.where(fin, h, torch.full_like(h, big)).amin(dim=0)
+    hi = torch.where(fin, h, torch.full_like(h, -big)).amax(dim=0)
+    empty = lo > hi  # no finite value in the channel
+    lo = bf16_down(torch.where(empty, torch.zeros_like(lo), lo))
+    hi = bf16_up(torch.where(empty, torch.zeros_like(hi), hi))
+    bad = ~fin.all(dim=0)
+    levels = (1 << bits) - 1 - bad.float()
+    step = bf16_up((hi - lo) / levels)
+    return lfc, h, fin, lo, step, bad
+
+
+def dual_encode_ref(x2: torch.Tensor, pool: int, bits: int, noise: torch.Tensor):
+    """(lfc bf16 [nb, C], codes uint8 [s, row_bytes], zero bf16 [C], step bf16 [C] signed)
+    of the [s, C] matrix `x2`, with uniforms `noise` [s, C] for the stochastic rounding."""
+    s, C = x2.shape
+    lfc, h, fin, lo, step, bad = dual_stats_ref(x2, pool, bits)
+    top = (1 << bits) - 1
+    levels = top - bad.float()
+    r = torch.where(step > 0, (h - lo) / torch.where(step > 0, step, 1.0), torch.zeros_like(h))
+    q = torch.minimum(torch.floor(r + noise.float()).clamp(min=0), levels)
+    q = torch.where(fin, q, torch.full_like(q, top)).to(torch.uint8)
+    per = 8 // bits
+    qp = torch.cat([q, q.new_zeros(s, (-C) % per)], dim=1)
+    codes = pack_bits(qp, bits).view(s, row_bytes(C, bits))
+    signed = torch.where(bad, -step, step)
+    return lfc, codes, lo.to(torch.bfloat16), signed.to(torch.bfloat16)
+
+
+def dual_decode_ref(lfc: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor,
+                    step: torch.Tensor, pool: int, bits: int, s: int, C: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """[s, C] tensor of `dtype`: upsample(lfc) + zero + code * |step| (NaN where flagged)."""
+    rb = row_bytes(C, bits)
+    q = unpack_bits(codes.reshape(-1), bits, s * rb * (8 // bits)).view(s, -1)[:, :C]
+    stepf = step.float()
+    y = upsample(lfc, pool, s) + zero.float() + q.float() * stepf.abs()
+    if dtype != torch.float32 and dtype != torch.float64:
+        big = torch.finfo(dtype).max
+        y = y.clamp(-big, big)
+    nan = torch.signbit(stepf) & (q == (1 << bits) - 1)
+    y = torch.where(nan, torch.full_like(y, float("nan")), y)
+    return y.to(dtype)

@@ -1,0 +1,151 @@
+"""Block-scaled FP8 (E4M3 / E5M2) Triton kernels; the spec is `fp8_ref`.
+
+One program handles GROUPS blocks as a [GROUPS, BLOCK_P] tile (BLOCK_P = next power of two
+of `block`, masked): amax, scale, divide, round and store in one pass. Float8 conversion
+is done with integer bit operations, not `.to(tl.float8*)`: the interpreter's float8 casts
+lose carries into the exponent, and bit arithmetic gives the same bits on every backend.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llm_act.kernels.fp8_ref import NAN_CODE, get_format, num_blocks
+
+GROUPS = 8  # blocks per program
+
+
+@triton.jit
+def _fp8_bits(y, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """float32 y (finite, |y| <= FMAX) -> int32 float8 bits, round to nearest even."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a = bits & 0x7FFFFFFF
+    SHIFT: tl.constexpr = 23 - MBITS
+    odd = (a >> SHIFT) & 1
+    normal = ((a + ((1 << (SHIFT - 1)) - 1) + odd) >> SHIFT) - ((127 - BIAS) << MBITS)
+    # subnormals: |y| in units of 2**(1 - BIAS - MBITS); adding 2**23 rounds to an integer (RNE)
+    t = tl.minimum(tl.abs(y) * (2.0 ** (BIAS - 1 + MBITS)), 2.0 ** MBITS)  # used below 2**MBITS
+    sub = ((t + 8388608.0) - 8388608.0).to(tl.int32)
+    mag = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
+    return (sign << 7) | mag
+
+
+@triton.jit
+def bf16_rne(x):
+    """float32 x rounded to the nearest bfloat16 (ties to even), still as float32.
+
+    Storing this to a bfloat16 pointer is exact on every backend (the interpreter's own
+    float32 -> bfloat16 cast truncates instead of rounding)."""
+    b = x.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x == x, r.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def _fp8_value(c, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+               IS_E4M3: tl.constexpr):
+    """int32 float8 bits -> float32 value (NaN codes -> NaN, e5m2 infinities -> inf)."""
+    sign = (c >> 7) & 1
+    e = (c >> MBITS) & ((1 << EBITS) - 1)
+    m = c & ((1 << MBITS) - 1)
+    normal = ((sign << 31) | ((e + 127 - BIAS) << 23) | (m << (23 - MBITS))).to(
+        tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * (2.0 ** (1 - BIAS - MBITS))
+    sub = tl.where(sign == 1, -sub, sub)
+    v = tl.where(e == 0, sub, normal)
+    if IS_E4M3:
+        v = tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+    else:
+        top = e == ((1 << EBITS) - 1)
+        inf = tl.where(sign == 1, float("-inf"), float("inf"))
+        v = tl.where(top, tl.where(m == 0, inf, float("nan")), v)
+    return v
+
+
+@triton.jit
+def _fp8_encode_kernel(
+    x_ptr,  # [n] input, any float dtype
+    out_ptr,  # [n] uint8 float8 bits
+    scale_ptr,  # [nblocks] float32 block scales
+    n, nblocks, block,
+    FMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, NAN_BITS: tl.constexpr,
+    BLOCK_P: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """scale = amax(finite |x|) / FMAX per block (0 -> 1); bits = RNE(clamp(x / scale))."""
+    pid = tl.program_id(0)
+    g = pid * GROUPS + tl.arange(0, GROUPS)
+    j = tl.arange(0, BLOCK_P)
+    offs = g[:, None].to(tl.int64) * block + j[None, :]
+    mask = (g[:, None] < nblocks) & (j[None, :] < block) & (offs < n)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    finite = tl.abs(x) < float("inf")  # False for NaN and +-inf
+    amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
+    scale = amax / FMAX
+    scale = tl.where(scale > 0, scale, 1.0)
+    y = x / scale[:, None]
+    y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    y = tl.where(finite, y, 0.0)
+    bits = _fp8_bits(y, MBITS, BIAS)
+    bits = tl.where(finite, bits, NAN_BITS)
+    tl.store(out_ptr + offs, bits.to(tl.uint8), mask=mask)
+    tl.store(scale_ptr + g, scale, mask=g < nblocks)
+
+
+@triton.jit
+def _fp8_decode_kernel(
+    code_ptr,  # [n] uint8 float8 bits
+    scale_ptr,  # [nblocks] float32 block scales
+    out_ptr,  # [n] output dtype
+    n, nblocks, block,
+    EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, IS_E4M3: tl.constexpr,
+    BLOCK_P: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """out = float8 value * block scale."""
+    pid = tl.program_id(0)
+    g = pid * GROUPS + tl.arange(0, GROUPS)
+    j = tl.arange(0, BLOCK_P)
+    offs = g[:, None].to(tl.int64) * block + j[None, :]
+    mask = (g[:, None] < nblocks) & (j[None, :] < block) & (offs < n)
+    c = tl.load(code_ptr + offs, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(scale_ptr + g, mask=g < nblocks, other=1.0)
+    v = _fp8_value(c, EBITS, MBITS, BIAS, IS_E4M3) * scale[:, None]
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        v = bf16_rne(v)
+    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_encode(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `fp8_ref.fp8_encode_ref`."""
+    f = get_format(fmt)
+    flat = x.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    nb = num_blocks(n, block)
+    out = torch.empty(n, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(nb, dtype=torch.float32, device=x.device)
+    if n:
+        grid = (triton.cdiv(nb, GROUPS),)
+        _fp8_encode_kernel[grid](
+            flat, out, scale, n, nb, block,
+            FMAX=f.fmax, MBITS=f.mbits, BIAS=f.bias, NAN_BITS=NAN_CODE,
+            BLOCK_P=triton.next_power_of_2(block), GROUPS=GROUPS)
+    return out, scale
+
+
+def fp8_decode(payload: torch.Tensor, scale: torch.Tensor, block: int, fmt: str,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Same contract as `fp8_ref.fp8_decode_ref`."""
+    f = get_format(fmt)
+    n = payload.numel()
+    nb = num_blocks(n, block)
+    out = torch.empty(n, dtype=dtype, device=payload.device)
+    if n:
+        grid = (triton.cdiv(nb, GROUPS),)
+        _fp8_decode_kernel[grid](
+            payload, scale, out, n, nb, block,
+            EBITS=f.ebits, MBITS=f.mbits, BIAS=f.bias, IS_E4M3=f.name == "e4m3",
+            BLOCK_P=triton.next_power_of_2(block), GROUPS=GROUPS)
+    return out

@@ -1,0 +1,153 @@
+"""Integer quantization of activations, pure torch: the specification the Triton kernels match.
+
+ActNN sec. 4.1's quantizer with one scale (and zero point) per group of `group_size`
+consecutive elements of the flattened tensor (the last group padded), or per slice along
+one axis (`*_axis_*`: x viewed as [rows, C], statistics of column c over all rows).
+
+- asymmetric: zero = min, scale = (max - min) / (2^b - 1), codes in [0, 2^b - 1];
+- symmetric: scale = amax / (2^(b-1) - 1), q in [-(2^(b-1) - 1), 2^(b-1) - 1], stored as
+  q + 2^(b-1), so stored code 0 is never used by a finite value.
+
+Rounding: nearest is floor(v + 0.5) (ties go up, the same in the kernels); stochastic is
+floor(v + u) with u ~ U[0, 1) passed in as `noise`, which is unbiased.
+
+Non-finite inputs decode to NaN without a host sync: symmetric groups store them as the
+spare code 0; an asymmetric group that holds one is flagged by the sign bit of its stored
+scale, its finite values use 2^b - 1 levels and the top code means "non-finite" (with one
+bit, its finite values all decode to the middle of their range). Statistics are taken over
+finite values only. Codes are packed with `packing_ref` (8 // bits codes per byte).
+"""
+from __future__ import annotations
+
+import torch
+
+from llm_act.kernels.packing_ref import pack_bits, unpack_bits
+
+INT_BITS = (1, 2, 4, 8)
+
+
+def check_bits(bits: int, symmetric: bool) -> None:
+    if bits not in INT_BITS:
+        raise ValueError(f"bits must be one of {INT_BITS}, got {bits!r}")
+    if symmetric and bits < 2:
+        raise ValueError(f"symmetric quantization needs bits >= 2, got bits={bits}")
+
+
+def num_groups(numel: int, group_size: int) -> int:
+    return (numel + group_size - 1) // group_size
+
+
+# ---- shared pieces (per-parameter statistics -> scale/zero; codes <-> values) -------------
+def quant_params(lo, hi, amax, bad, bits: int, symmetric: bool):
+    """Stored (scale, zero) from finite min/max/amax and the has-non-finite flag, float32.
+
+    Asymmetric flagged groups store -scale (sign bit set, also for a zero scale).
+    """
+    if symmetric:
+        scale = amax / float(2 ** (bits - 1) - 1)
+        return scale, torch.empty(0, dtype=torch.float32, device=scale.device)
+    full = float(2**bits - 1)
+    bins = torch.where(bad, full - 1.0, full)
+    rng = hi - lo
+    scale = torch.where(bins > 0, rng / bins.clamp_min(1.0), torch.zeros_like(rng))
+    zero = torch.where(bins > 0, lo, lo + 0.5 * rng)
+    return torch.where(bad, -scale, scale), zero
+
+
+def quantize(xf, scale, zero, bits: int, symmetric: bool, noise=None) -> torch.Tensor:
+    """Codes (uint8) of float32 `xf` given per-element stored scale/zero (broadcast)."""
+    finite = torch.isfinite(xf)
+    mag = scale.abs()
+    if symmetric:
+        top = float(2 ** (bits - 1) - 1)
+        v = torch.where(mag > 0, xf / torch.where(mag > 0, mag, 1.0), torch.zeros_like(xf))
+        lo_code, hi_code, bad_code = -top, top, 0.0
+    else:
+        flagged = torch.signbit(scale)
+        hi_code = torch.where(flagged, float(2**bits - 2), float(2**bits - 1))
+        lo_code, bad_code = 0.0, float(2**bits - 1)
+        v = torch.where(mag > 0, (xf - zero) / torch.where(mag > 0, mag, 1.0),
+                        torch.zeros_like(xf))
+    q = torch.floor(v + (0.5 if noise is None else noise))
+    q = q.clamp_min(lo_code)
+    q = q.clamp_max(hi_code) if symmetric else torch.minimum(q, hi_code)
+    if symmetric:
+        q = q + float(2 ** (bits - 1))
+    return torch.where(finite, q, bad_code).to(torch.uint8)
+
+
+def dequantize(codes, scale, zero, bits: int, symmetric: bool) -> torch.Tensor:
+    """float32 values of uint8 `codes` given per-element stored scale/zero (broadcast)."""
+    c = codes.to(torch.float32)
+    if symmetric:
+        val = (c - float(2 ** (bits - 1))) * scale
+        return torch.where(codes == 0, float("nan"), val)
+    flagged = torch.signbit(scale)
+    val = c * scale.abs() + zero
+    return torch.where(flagged & (codes == 2**bits - 1), float("nan"), val)
+
+
+def finite_stats(xf: torch.Tensor, valid: torch.Tensor, dim: int):
+    """Finite min, max, amax and has-non-finite flag along `dim` (0 for empty reductions)."""
+    if xf.shape[dim] == 0:
+        zeros = xf.new_zeros(xf.shape[1 - dim])
+        return zeros, zeros, zeros, zeros.bool()
+    finite = torch.isfinite(xf) & valid
+    bad = (valid & ~finite).any(dim)
+    lo = torch.where(finite, xf, float("inf")).amin(dim)
+    hi = torch.where(finite, xf, float("-inf")).amax(dim)
+    none = ~finite.any(dim)
+    lo = torch.where(none, 0.0, lo)
+    hi = torch.where(none, 0.0, hi)
+    amax = torch.maximum(lo.abs(), hi.abs())
+    return lo, hi, amax, bad
+
+
+# ---- per group ----------------------------------------------------------------------------
+def int_quant_encode_ref(x, bits, group_size, symmetric, noise=None):
+    """(packed uint8 [ceil(n*bits/8)], scale float32 [G], zero float32 [G] or empty)."""
+    check_bits(bits, symmetric)
+    xf = x.reshape(-1).to(torch.float32)
+    n = xf.numel()
+    G = num_groups(n, group_size)
+    pad = G * group_size - n
+    xp = torch.cat([xf, xf.new_zeros(pad)]).view(G, group_size)
+    valid = (torch.arange(G * group_size, device=x.device) < n).view(G, group_size)
+    lo, hi, amax, bad = finite_stats(xp, valid, 1)
+    scale, zero = quant_params(lo, hi, amax, bad, bits, symmetric)
+    if noise is not None:
+        noise = torch.cat([noise.reshape(-1).to(torch.float32), xf.new_zeros(pad)])
+        noise = noise.view(G, group_size)
+    z = zero[:, None] if zero.numel() else zero
+    codes = quantize(xp, scale[:, None], z, bits, symmetric, noise)
+    return pack_bits(codes.reshape(-1)[:n], bits), scale, zero
+
+
+def int_quant_decode_ref(packed, scale, zero, bits, group_size, symmetric, numel, dtype):
+    """1-D tensor of `dtype` with `numel` values."""
+    codes = unpack_bits(packed, bits, numel).to(torch.int64)
+    gid = torch.arange(numel, device=packed.device) // group_size
+    z = zero[gid] if zero.numel() else zero
+    return dequantize(codes, scale[gid], z, bits, symmetric).to(dtype)
+
+
+# ---- per slice along an axis (x viewed as [rows, C]) --------------------------------------
+def int_quant_axis_encode_ref(x, bits, symmetric, noise=None):
+    """x: [rows, C] -> (packed codes of x.reshape(-1), scale float32 [C], zero [C] or empty)."""
+    check_bits(bits, symmetric)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, C], got shape {tuple(x.shape)}")
+    xf = x.to(torch.float32)
+    lo, hi, amax, bad = finite_stats(xf, torch.ones_like(xf, dtype=torch.bool), 0)
+    scale, zero = quant_params(lo, hi, amax, bad, bits, symmetric)
+    if noise is not None:
+        noise = noise.reshape(xf.shape).to(torch.float32)
+    codes = quantize(xf, scale, zero, bits, symmetric, noise)
+    return pack_bits(codes.reshape(-1), bits), scale, zero
+
+
+def int_quant_axis_decode_ref(packed, scale, zero, bits, symmetric, numel, dtype):
+    """1-D tensor of `dtype` with `numel` values (row-major [numel // C, C], C = scale.numel())."""
+    C = scale.numel()
+    codes = unpack_bits(packed, bits, numel).to(torch.int64).view(-1, C)
+    return dequantize(codes, scale, zero, bits, symmetric).reshape(-1).to(dtype)

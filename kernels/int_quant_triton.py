@@ -1,0 +1,302 @@
+"""Triton kernels for integer quantization; `int_quant_ref` is the specification.
+
+Per-group encode is one fused pass: a program loads GPP whole groups as a [GPP, BLOCK_G]
+tile, reduces min/max (or amax) and the non-finite flag per row, computes scale and zero,
+rounds, packs 8 // bits codes per byte in registers and stores bytes and scales. Decode
+reads packed bytes, unpacks, gathers each element's scale and writes the output dtype.
+Per-axis encode needs a column reduction over all rows before any code can be formed, so
+it runs a stats kernel (partial min/max per row chunk), a tiny torch reduction over the
+chunks (no host sync) and a flat quantize-and-pack kernel.
+
+Stochastic rounding takes either `noise` (u ~ U[0,1), one per element, as in the
+reference) or `seed` (a 1-element int64 tensor on the device: `tl.rand(seed, index)`,
+which avoids writing and reading a noise tensor but cannot match torch's stream).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llm_act.kernels.int_quant_ref import check_bits, num_groups, quant_params
+from llm_act.kernels.packing_ref import packed_numel
+
+_TILE = 4096  # elements per program
+
+
+@triton.jit
+def _params(lo, hi, bad, BITS: tl.constexpr, SYM: tl.constexpr):
+    """Stored (scale, zero) from finite min/max and the flag; matches `quant_params`."""
+    if SYM:
+        amax = tl.maximum(tl.abs(lo), tl.abs(hi))
+        scale = amax / (2 ** (BITS - 1) - 1)
+        zero = scale * 0.0
+    else:
+        full = 2**BITS - 1.0
+        bins = tl.where(bad, full - 1.0, full)
+        rng = hi - lo
+        scale = tl.where(bins > 0, rng / tl.maximum(bins, 1.0), 0.0)
+        zero = tl.where(bins > 0, lo, lo + 0.5 * rng)
+        scale = tl.where(bad, -scale, scale)
+    return scale, zero
+
+
+@triton.jit
+def _codes(x, finite, scale, zero, u, BITS: tl.constexpr, SYM: tl.constexpr):
+    """int32 codes of float32 x given broadcast stored scale/zero; matches `quantize`."""
+    mag = tl.abs(scale)
+    safe = tl.where(mag > 0, mag, 1.0)
+    if SYM:
+        top = 2 ** (BITS - 1) - 1.0
+        v = tl.where(mag > 0, x / safe, 0.0)
+        q = tl.floor(v + u)
+        q = tl.minimum(tl.maximum(q, -top), top) + 2 ** (BITS - 1)
+        q = tl.where(finite, q, 0.0)
+    else:
+        flagged = scale.to(tl.int32, bitcast=True) < 0
+        hi_code = tl.where(flagged, 2**BITS - 2.0, 2**BITS - 1.0)
+        v = tl.where(mag > 0, (x - zero) / safe, 0.0)
+        q = tl.floor(v + u)
+        q = tl.minimum(tl.maximum(q, 0.0), hi_code)
+        q = tl.where(finite, q, 2**BITS - 1.0)
+    return q.to(tl.int32)
+
+
+@triton.jit
+def _noise(noise_ptr, seed_ptr, idx, valid, NOISE: tl.constexpr):
+    """0.5 (nearest), the passed-in noise, or tl.rand from the seed."""
+    if NOISE == 1:
+        u = tl.load(noise_ptr + idx, mask=valid, other=0.0).to(tl.float32)
+    elif NOISE == 2:
+        seed = tl.load(seed_ptr)
+        u = tl.rand(seed, idx.to(tl.int32))
+    else:
+        u = tl.full(idx.shape, 0.5, tl.float32)
+    return u
+
+
+@triton.jit
+def _pack(codes, R: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
+    """[R, COLS] int32 codes -> [R, COLS // PER] bytes (code j of a byte at bits j*BITS)."""
+    PER: tl.constexpr = 8 // BITS
+    c3 = tl.reshape(codes, (R, COLS // PER, PER))
+    shifts = tl.arange(0, PER) * BITS
+    return tl.sum(c3 << shifts[None, None, :], axis=2)
+
+
+@triton.jit
+def _encode_groups_kernel(x_ptr, noise_ptr, seed_ptr, out_ptr, scale_ptr, zero_ptr,
+                          n, n_groups, n_bytes,
+                          GS: tl.constexpr, BLOCK_G: tl.constexpr, GPP: tl.constexpr,
+                          BITS: tl.constexpr, SYM: tl.constexpr, NOISE: tl.constexpr):
+    PER: tl.constexpr = 8 // BITS
+    pid = tl.program_id(0)
+    g = pid * GPP + tl.arange(0, GPP)
+    e = tl.arange(0, BLOCK_G)
+    gmask = g < n_groups
+    idx = g.to(tl.int64)[:, None] * GS + e[None, :]
+    valid = gmask[:, None] & (e[None, :] < GS) & (idx < n)
+    x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
+    finite = valid & (tl.abs(x) < float("inf"))
+    lo = tl.min(tl.where(finite, x, float("inf")), axis=1)
+    hi = tl.max(tl.where(finite, x, float("-inf")), axis=1)
+    some = tl.max(finite.to(tl.int32), axis=1) > 0
+    bad = tl.max((valid & ~finite).to(tl.int32), axis=1) > 0
+    lo = tl.where(some, lo, 0.0)
+    hi = tl.where(some, hi, 0.0)
+    scale, zero = _params(lo, hi, bad, BITS, SYM)
+    tl.store(scale_ptr + g, scale, mask=gmask)
+    if not SYM:
+        tl.store(zero_ptr + g, zero, mask=gmask)
+    u = _noise(noise_ptr, seed_ptr, idx, valid, NOISE)
+    codes = _codes(x, finite, scale[:, None], zero[:, None], u, BITS, SYM)
+    codes = tl.where(valid, codes, 0)
+    packed = _pack(codes, GPP, BLOCK_G, BITS)
+    j = tl.arange(0, BLOCK_G // PER)
+    bidx = g.to(tl.int64)[:, None] * (GS // PER) + j[None, :]
+    bmask = gmask[:, None] & (j[None, :] < GS // PER) & (bidx < n_bytes)
+    tl.store(out_ptr + bidx, packed.to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _axis_stats_kernel(x_ptr, lo_ptr, hi_ptr, bad_ptr, rows, C, rows_per_chunk,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Partial finite min/max and non-finite flag of each column over one chunk of rows."""
+    pc = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    lo = tl.full((BLOCK_C,), float("inf"), tl.float32)
+    hi = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+    bad = tl.zeros((BLOCK_C,), tl.int32)
+    r0 = chunk * rows_per_chunk
+    for start in range(0, rows_per_chunk, BLOCK_R):
+        r = r0 + start + tl.arange(0, BLOCK_R)
+        valid = ((r < rows) & (r < r0 + rows_per_chunk))[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + cols[None, :], mask=valid,
+                    other=0.0).to(tl.float32)
+        finite = valid & (tl.abs(x) < float("inf"))
+        lo = tl.minimum(lo, tl.min(tl.where(finite, x, float("inf")), axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(finite, x, float("-inf")), axis=0))
+        bad = tl.maximum(bad, tl.max((valid & ~finite).to(tl.int32), axis=0))
+    out = chunk.to(tl.int64) * C + cols
+    tl.store(lo_ptr + out, lo, mask=cmask)
+    tl.store(hi_ptr + out, hi, mask=cmask)
+    tl.store(bad_ptr + out, bad, mask=cmask)
+
+
+@triton.jit
+def _quantize_flat_kernel(x_ptr, noise_ptr, seed_ptr, out_ptr, scale_ptr, zero_ptr, n, C,
+                          BLOCK_B: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
+                          NOISE: tl.constexpr):
+    """Codes of x[rows, C] with one stored scale/zero per column, packed; flat layout."""
+    PER: tl.constexpr = 8 // BITS
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    idx = b[:, None] * PER + tl.arange(0, PER)[None, :]
+    valid = idx < n
+    x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
+    finite = valid & (tl.abs(x) < float("inf"))
+    col = idx % C
+    scale = tl.load(scale_ptr + col, mask=valid, other=0.0)
+    if SYM:
+        zero = scale * 0.0
+    else:
+        zero = tl.load(zero_ptr + col, mask=valid, other=0.0)
+    u = _noise(noise_ptr, seed_ptr, idx, valid, NOISE)
+    codes = tl.where(valid, _codes(x, finite, scale, zero, u, BITS, SYM), 0)
+    shifts = tl.arange(0, PER) * BITS
+    packed = tl.sum(codes << shifts[None, :], axis=1)
+    tl.store(out_ptr + b, packed.to(tl.uint8), mask=b * PER < n)
+
+
+@triton.jit
+def _decode_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, n, DIV, MOD,
+                   BLOCK_B: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
+                   BF16_BITS: tl.constexpr):
+    """Unpack codes and dequantize; element i uses parameter (i // DIV) % MOD."""
+    PER: tl.constexpr = 8 // BITS
+    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    byte = tl.load(packed_ptr + b, mask=b * PER < n, other=0).to(tl.int32)
+    shifts = tl.arange(0, PER) * BITS
+    codes = (byte[:, None] >> shifts[None, :]) & ((1 << BITS) - 1)
+    idx = b[:, None] * PER + tl.arange(0, PER)[None, :]
+    valid = idx < n
+    p = (idx // DIV) % MOD
+    scale = tl.load(scale_ptr + p, mask=valid, other=0.0)
+    c = codes.to(tl.float32)
+    if SYM:
+        val = (c - 2 ** (BITS - 1)) * scale
+        val = tl.where(codes == 0, float("nan"), val)
+    else:
+        zero = tl.load(zero_ptr + p, mask=valid, other=0.0)
+        flagged = scale.to(tl.int32, bitcast=True) < 0
+        val = c * tl.abs(scale) + zero
+        val = tl.where(flagged & (codes == 2**BITS - 1), float("nan"), val)
+    if BF16_BITS:  # round to nearest even by hand: the interpreter's cast truncates
+        u = val.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        tl.store(out_ptr + idx, u.to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
+    else:
+        tl.store(out_ptr + idx, val.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+# ---- launchers (signatures of the reference functions, plus `seed`) ----------------------
+def _noise_args(x, noise, seed):
+    if noise is not None:
+        return 1, noise.reshape(-1).contiguous(), x
+    if seed is not None:
+        if not torch.is_tensor(seed):
+            seed = torch.tensor([int(seed)], dtype=torch.int64, device=x.device)
+        return 2, x, seed
+    return 0, x, x
+
+
+def _check_group(bits, group_size):
+    per = 8 // bits
+    if group_size <= 0 or group_size % per:
+        raise ValueError(
+            f"group_size must be a positive multiple of {per} for {bits}-bit codes, "
+            f"got {group_size}")
+
+
+def int_quant_encode(x, bits, group_size, symmetric, noise=None, seed=None):
+    """Per-group encode; see `int_quant_encode_ref`. `seed`: tl.rand stochastic rounding."""
+    check_bits(bits, symmetric)
+    _check_group(bits, group_size)
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    G = num_groups(n, group_size)
+    n_bytes = packed_numel(n, bits)
+    out = torch.empty(n_bytes, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(G, dtype=torch.float32, device=x.device)
+    zero = torch.empty(0 if symmetric else G, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out, scale, zero
+    mode, noise_t, seed_t = _noise_args(x, noise, seed)
+    block_g = triton.next_power_of_2(group_size)
+    gpp = max(1, _TILE // block_g)
+    _encode_groups_kernel[(triton.cdiv(G, gpp),)](
+        x, noise_t, seed_t, out, scale, zero if not symmetric else scale, n, G, n_bytes,
+        GS=group_size, BLOCK_G=block_g, GPP=gpp, BITS=bits, SYM=symmetric, NOISE=mode)
+    return out, scale, zero
+
+
+def _decode(packed, scale, zero, bits, symmetric, numel, dtype, div, mod):
+    out = torch.empty(numel, dtype=dtype, device=packed.device)
+    if numel == 0:
+        return out
+    block_b = _TILE // (8 // bits)
+    bf16 = dtype == torch.bfloat16
+    _decode_kernel[(triton.cdiv(packed_numel(numel, bits), block_b),)](
+        packed, scale, zero if not symmetric else scale, out.view(torch.int16) if bf16 else out,
+        numel, div, mod, BLOCK_B=block_b, BITS=bits, SYM=symmetric, BF16_BITS=bf16)
+    return out
+
+
+def int_quant_decode(packed, scale, zero, bits, group_size, symmetric, numel, dtype):
+    """Per-group decode; see `int_quant_decode_ref`."""
+    check_bits(bits, symmetric)
+    return _decode(packed, scale, zero, bits, symmetric, numel, dtype,
+                   group_size, max(scale.numel(), 1))
+
+
+def int_quant_axis_encode(x, bits, symmetric, noise=None, seed=None):
+    """Per-column encode of x [rows, C]; see `int_quant_axis_encode_ref`."""
+    check_bits(bits, symmetric)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, C], got shape {tuple(x.shape)}")
+    x = x.contiguous()
+    rows, C = x.shape
+    n = x.numel()
+    dev = x.device
+    out = torch.empty(packed_numel(n, bits), dtype=torch.uint8, device=dev)
+    if n == 0:
+        zeros = torch.zeros(C, dtype=torch.float32, device=dev)
+        return out, zeros, (zeros.new_empty(0) if symmetric else zeros.clone())
+    block_c = min(64, triton.next_power_of_2(C))
+    block_r = max(1, min(_TILE // block_c, triton.next_power_of_2(rows)))
+    chunks = min(triton.cdiv(rows, block_r), 64)
+    rows_per_chunk = triton.cdiv(triton.cdiv(rows, chunks), block_r) * block_r
+    chunks = triton.cdiv(rows, rows_per_chunk)
+    lo = torch.empty(chunks, C, dtype=torch.float32, device=dev)
+    hi = torch.empty_like(lo)
+    bad = torch.empty(chunks, C, dtype=torch.int32, device=dev)
+    _axis_stats_kernel[(triton.cdiv(C, block_c), chunks)](
+        x, lo, hi, bad, rows, C, rows_per_chunk, BLOCK_R=block_r, BLOCK_C=block_c)
+    lo, hi, bad = lo.amin(0), hi.amax(0), bad.amax(0) > 0
+    none = lo > hi  # no finite value in the column
+    lo = torch.where(none, 0.0, lo)
+    hi = torch.where(none, 0.0, hi)
+    scale, zero = quant_params(lo, hi, torch.maximum(lo.abs(), hi.abs()), bad, bits, symmetric)
+    mode, noise_t, seed_t = _noise_args(x, noise, seed)
+    block_b = _TILE // (8 // bits)
+    _quantize_flat_kernel[(triton.cdiv(out.numel(), block_b),)](
+        x, noise_t, seed_t, out, scale, zero if not symmetric else scale, n, C,
+        BLOCK_B=block_b, BITS=bits, SYM=symmetric, NOISE=mode)
+    return out, scale, zero
+
+
+def int_quant_axis_decode(packed, scale, zero, bits, symmetric, numel, dtype):
+    """Per-column decode; see `int_quant_axis_decode_ref`."""
+    check_bits(bits, symmetric)
+    return _decode(packed, scale, zero, bits, symmetric, numel, dtype, 1, max(scale.numel(), 1))

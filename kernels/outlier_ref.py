@@ -1,0 +1,141 @@
+"""Outlier-separated INT4 (Adacc sec. 3.2), pure-torch reference: the spec of the kernels.
+
+A tensor is read as a matrix `x2` of shape [rows, C] (C = last dim = channels). Channels
+whose absolute column sum has a z-score above a threshold are outliers: their values are
+kept exactly ([rows, n] in x's dtype, non-finite ones stored as NaN) with their channel
+indices. Everything else is IntQuant's asymmetric INT4 (`int_quant_ref`, called here) over groups
+of `group_size` consecutive elements of the flattened row-major matrix (no transpose, the
+paper's point). Outlier positions are replaced by their group's finite-inlier min before
+quantizing, so they do not stretch the group's range and get code 0; decode overwrites
+them with the stored values. (Adacc sets them to 0, which would stretch the range of a
+group lying away from 0.)
+
+INT4 layout (IntQuant's): zero = group min, scale = (max - min) / 15,
+code = clamp(floor((x - zero) / scale + u), 0, 15) with u ~ U[0, 1) (stochastic) or
+u = 0.5 (nearest), two codes per byte, element 2k in the low nibble. A group holding a
+non-finite inlier is flagged by the sign bit of its stored scale; its finite values use
+codes 0..14 (scale = range / 14) and code 15 decodes to NaN. All arithmetic is float32.
+"""
+from __future__ import annotations
+
+import torch
+
+from llm_act.kernels.int_quant_ref import int_quant_decode_ref, int_quant_encode_ref
+
+BITS = 4
+LEVELS = (1 << BITS) - 1  # 15 steps in an unflagged group, 14 in a flagged one
+
+
+def outlier_colsum_ref(x2: torch.Tensor) -> torch.Tensor:
+    """Per-channel sum of |x| over rows, float32 [C]; non-finite entries count as 0."""
+    a = x2.float().abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).sum(dim=0)
+
+
+def select_outliers(colsum: torch.Tensor, z_threshold: float, max_outliers: int) -> torch.Tensor:
+    """Sorted int64 indices of the channels with z-score > `z_threshold`, at most
+    `max_outliers` of them (those with the largest z). Shared by both paths.
+
+    z = (S_c - mean(S)) / std(S) with the population std (Adacc eq. 1). Learning how many
+    channels qualify needs one host sync (`.item()`), on the GPU too.
+    """
+    C = colsum.numel()
+    empty = torch.empty(0, dtype=torch.int64, device=colsum.device)
+    if max_outliers <= 0 or C < 2:
+        return empty
+    s = colsum.float()
+    sd = s.std(correction=0)
+    z = (s - s.mean()) / sd
+    z = torch.where(torch.isfinite(z), z, torch.zeros_like(z))  # sd == 0 or inf sums
+    n = min(int((z > z_threshold).sum().item()), int(max_outliers))
+    if n == 0:
+        return empty
+    return torch.topk(z, n).indices.sort().values
+
+
+def outlier_positions(idx: torch.Tensor, C: int) -> torch.Tensor:
+    """int32 [C]: the position of each channel in `idx`, -1 for inlier channels."""
+    pos = torch.full((C,), -1, dtype=torch.int32, device=idx.device)
+    pos[idx.long()] = torch.arange(idx.numel(), dtype=torch.int32, device=idx.device)
+    return pos
+
+
+def as_groups(t: torch.Tensor, group_size: int, fill) -> torch.Tensor:
+    """Flattened `t` padded with `fill` to whole groups, viewed as [G, group_size]."""
+    flat = t.reshape(-1)
+    pad = (-flat.numel()) % group_size
+    if pad:
+        flat = torch.cat([flat, flat.new_full((pad,), fill)])
+    return flat.view(-1, group_size)
+
+
+def group_stats(x2: torch.Tensor, idx: torch.Tensor, group_size: int):
+    """Per-group statistics of the inliers of `x2` (outlier channels `idx` excluded).
+
+    Returns float32 groups [G, group_size], the masks `use` (finite inlier) and `bad`
+    (non-finite inlier) of the same shape, the finite-inlier min and max [G] (0 for a
+    group without any), and the non-finite flag [G].
+    """
+    rows, C = x2.shape
+    xf = x2.float()
+    is_out = outlier_positions(idx, C).ge(0).expand(rows, C)
+    finite = torch.isfinite(xf)
+    use = as_groups(finite & ~is_out, group_size, False)
+    bad = as_groups(~finite & ~is_out, group_size, False)
+    xg = as_groups(xf, group_size, 0.0)
+    inf = torch.tensor(float("inf"), device=x2.device)
+    has = use.any(dim=1)
+    mn = torch.where(use, xg, inf).amin(dim=1)
+    mx = torch.where(use, xg, -inf).amax(dim=1)
+    mn = torch.where(has, mn, torch.zeros_like(mn))
+    mx = torch.where(has, mx, torch.zeros_like(mx))
+    return xg, use, bad, mn, mx, bad.any(dim=1)
+
+
+def outlier_encode_ref(
+    x2: torch.Tensor,
+    idx: torch.Tensor,
+    group_size: int,
+    noise: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Encode contiguous `x2` [rows, C] given sorted outlier channel indices `idx`.
+
+    `noise`: float [rows*C] in [0, 1) for stochastic rounding; `seed` (1-element int
+    tensor) draws it here from a generator seeded with it (the kernel uses Philox instead:
+    same distribution, other stream); neither: nearest rounding.
+    Returns (packed uint8 [ceil(rows*C/2)], scale float32 [G] (sign bit = non-finite
+    flag), zero float32 [G], values x2.dtype [rows, n]).
+    """
+    rows, C = x2.shape
+    n = rows * C
+    if noise is None and seed is not None:
+        gen = torch.Generator(device=x2.device).manual_seed(int(seed.reshape(-1)[0].item()))
+        noise = torch.rand(n, generator=gen, device=x2.device)
+    values = x2[:, idx.long()]
+    values = torch.where(torch.isfinite(values), values, torch.full_like(values, float("nan")))
+    # outlier positions take their group's inlier min: code 0, no effect on the range
+    xg, use, bad, mn, mx, flag = group_stats(x2, idx, group_size)
+    is_out = as_groups(outlier_positions(idx, C).ge(0).expand(rows, C), group_size, False)
+    filled = torch.where(is_out, mn[:, None], xg).reshape(-1)[:n]
+    packed, scale, zero = int_quant_encode_ref(filled, BITS, group_size, False, noise)
+    return packed, scale, zero, values
+
+
+def outlier_decode_ref(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    idx: torch.Tensor,
+    values: torch.Tensor,
+    group_size: int,
+    rows: int,
+    C: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverse of `outlier_encode_ref`: a [rows, C] tensor of `dtype`."""
+    out = int_quant_decode_ref(packed, scale, zero, BITS, group_size, False, rows * C, dtype)
+    out = out.view(rows, C)
+    if idx.numel():
+        out[:, idx.long()] = values.to(dtype)
+    return out

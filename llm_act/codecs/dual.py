@@ -1,0 +1,113 @@
+"""DIVISION's dual-precision activations (sec. 4), along the token dimension.
+
+Backward mostly uses an activation's low-frequency component (LFC), which is small, while
+the high-frequency component (HFC) holds most of the bytes and tolerates low precision.
+So: keep the average over each `pool` consecutive tokens in bfloat16 (the LFC) and
+quantize the residual x - upsample(LFC) to `hfc_bits` bits with stochastic rounding,
+unbiased given the LFC. Quantization follows the paper: asymmetric (zero = min,
+step = range / (2^bits - 1), both bfloat16), one (zero, step) per channel over all tokens
+("per-channel quantization"), a channel being every index of the other dimensions
+((b, h) in megatron's [s, b, h]).
+
+Layout, with s tokens along `dim`, C channels, nb = ceil(s / pool): lfc bfloat16 [nb, C],
+codes uint8 [s, ceil(C * bits / 8)], zero and step bfloat16 [C] each (see
+`llm_act.kernels.dual_ref`). Size: 2 * nb * C + s * ceil(C * bits / 8) + 4 * C bytes.
+Smooth-along-tokens activations leave a small residual, hence a small step and error.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llm_act.codecs.base import Codec, Encoded
+from llm_act.kernels import dual_ref as ref
+from llm_act.kernels import use_triton
+
+
+def _kernels(x: torch.Tensor):
+    if use_triton(x):
+        from llm_act.kernels import dual_triton
+
+        return dual_triton.dual_encode, dual_triton.dual_decode
+    return ref.dual_encode_ref, ref.dual_decode_ref
+
+
+class DualPrecision(Codec):
+    """bfloat16 token-pooled LFC + `hfc_bits`-bit stochastic per-channel HFC (DIVISION)."""
+
+    name = "dual2"
+    stochastic = True
+
+    def __init__(self, pool: int = 8, hfc_bits: int = 2, dim: int = 0, seed: int = 1234):
+        super().__init__(seed=seed)
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
+            raise ValueError(f"pool must be a positive integer, got {pool!r}")
+        if hfc_bits not in ref.BITS_ALLOWED or isinstance(hfc_bits, bool):
+            raise ValueError(f"hfc_bits must be one of {ref.BITS_ALLOWED}, got {hfc_bits!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise ValueError(f"dim must be an integer, got {dim!r}")
+        self.pool, self.hfc_bits, self.dim = pool, hfc_bits, dim
+
+    # ---- the [s, C] view ----------------------------------------------------------------
+    def _dim(self, ndim: int) -> int:
+        nd = max(ndim, 1)
+        if not -nd <= self.dim < nd:
+            raise ValueError(f"dim={self.dim} is out of range for a {ndim}-d tensor")
+        return self.dim % nd
+
+    def _matrix(self, shape) -> tuple[int, int]:
+        shape = tuple(int(v) for v in shape) or (1,)
+        s = shape[self._dim(len(shape))]
+        return s, (math.prod(shape) // s if s else 0)
+
+    def _as_matrix(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(1) if x.dim() == 0 else x
+        s, C = self._matrix(x.shape)
+        return x.movedim(self._dim(x.dim()), 0).reshape(s, C)
+
+    # ---- size ---------------------------------------------------------------------------
+    def nbytes_for(self, shape, dtype: torch.dtype) -> int:
+        s, C = self._matrix(shape)
+        if s * C == 0:
+            return 0
+        nb = ref.num_pool_blocks(s, self.pool)
+        return 2 * nb * C + s * ref.row_bytes(C, self.hfc_bits) + 4 * C
+
+    # ---- encode / decode --------------------------------------------------------------
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        if x.numel() == 0:
+            return self._record(x)
+        x2 = self._as_matrix(x)
+        encode_fn, _ = _kernels(x2)
+        gen = self.generator(x.device)
+        if use_triton(x2):
+            seed = torch.randint(0, 2**31 - 1, (1,), generator=gen, device=x.device)
+            lfc, codes, zero, step = encode_fn(x2, self.pool, self.hfc_bits, seed=seed)
+        else:
+            noise = torch.rand(x2.shape, generator=gen, device=x.device)
+            lfc, codes, zero, step = encode_fn(x2, self.pool, self.hfc_bits, noise)
+        return self._record(x, lfc=lfc, codes=codes, zero=zero, step=step)
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        d = enc.data
+        s, C = self._matrix(enc.shape)
+        _, decode_fn = _kernels(d["codes"])
+        y2 = decode_fn(d["lfc"], d["codes"], d["zero"], d["step"], self.pool,
+                       self.hfc_bits, s, C, enc.dtype)
+        shape = tuple(enc.shape) or (1,)
+        k = self._dim(len(shape))
+        moved = (shape[k],) + shape[:k] + shape[k + 1:]
+        return y2.reshape(moved).movedim(0, k).contiguous().reshape(enc.shape)
+
+    # ---- error model ------------------------------------------------------------------
+    def expected_error(self, x: torch.Tensor) -> float:
+        """Stochastic-rounding variance per element: each channel's finite elements add
+        step_c^2 / 6 (residual uniform within a step), over the finite count."""
+        self.check_input(x)
+        if x.numel() == 0:
+            return 0.0
+        _, _, fin, _, step, _ = ref.dual_stats_ref(self._as_matrix(x), self.pool,
+                                                   self.hfc_bits)
+        n = fin.sum(dim=0).double()
+        return float((n * step.double() ** 2 / 6.0).sum()) / max(float(n.sum()), 1.0)

@@ -1,0 +1,173 @@
+"""ActNN's per-group integer quantizer (ActNN sec. 4.1) as a codec.
+
+Activations have very different ranges in different places, so one scale per tensor
+wastes most levels; one scale (and zero point) per small group keeps the quantization
+variance R_g^2 / (6 B^2) per element small at 32 or 64 bits of overhead per group.
+Stochastic rounding makes the decoded tensor unbiased (the gradient stays unbiased);
+nearest rounding halves the error but leaves a bias.
+
+Layout (`Encoded.data`): `codes` uint8 [ceil(numel * bits / 8)] (8 // bits codes per byte,
+`packing_ref` order, codes in the row-major order of x, or of x with `axis` moved last),
+`scale` float32 [G] and, asymmetric only, `zero` float32 [G]; G = ceil(numel / group_size),
+or the size of `axis` when it is set (0 for empty tensors).
+Size: ceil(numel * bits / 8) + 4 G (symmetric) or + 8 G (asymmetric) bytes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llm_act.codecs.base import Codec, Encoded
+from llm_act.kernels import int_quant_ref as ref
+from llm_act.kernels import use_triton
+from llm_act.kernels.packing_ref import packed_numel
+
+
+def _kernels(t: torch.Tensor):
+    if use_triton(t):
+        from llm_act.kernels import int_quant_triton as tri
+
+        return (tri.int_quant_encode, tri.int_quant_decode,
+                tri.int_quant_axis_encode, tri.int_quant_axis_decode)
+    return (ref.int_quant_encode_ref, ref.int_quant_decode_ref,
+            ref.int_quant_axis_encode_ref, ref.int_quant_axis_decode_ref)
+
+
+class IntQuant(Codec):
+    """`bits`-bit integer codes with a float32 scale (and zero) per group or per `axis` slice."""
+
+    name = "intquant"
+
+    def __init__(self, bits: int = 4, group_size: int = 128, symmetric: bool = False,
+                 stochastic: bool = True, axis: int | None = None, seed: int = 1234):
+        super().__init__(seed=seed)
+        if isinstance(bits, bool) or bits not in ref.INT_BITS:
+            raise ValueError(f"bits must be one of {ref.INT_BITS}, got {bits!r}")
+        if symmetric and bits < 2:
+            raise ValueError(f"symmetric=True needs bits >= 2, got bits={bits}")
+        per = 8 // bits
+        if isinstance(group_size, bool) or not isinstance(group_size, int) \
+                or group_size < 1 or group_size % per:
+            raise ValueError(
+                f"group_size must be a positive multiple of {per} for {bits}-bit codes, "
+                f"got {group_size!r}")
+        if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
+            raise ValueError(f"axis must be None or an int, got {axis!r}")
+        self.bits = bits
+        self.group_size = group_size
+        self.symmetric = bool(symmetric)
+        self.stochastic = bool(stochastic)
+        self.axis = axis
+        self.name = f"int{bits}" + ("_sym" if symmetric else "") + ("_channel" if axis is not None else "")
+
+    def __repr__(self) -> str:
+        return (f"IntQuant(bits={self.bits}, group_size={self.group_size}, "
+                f"symmetric={self.symmetric}, stochastic={self.stochastic}, axis={self.axis})")
+
+    # ---- layout ----------------------------------------------------------------------
+    def _axis_of(self, ndim: int) -> int:
+        if ndim == 0 or not -ndim <= self.axis < ndim:
+            raise ValueError(f"axis={self.axis} is out of range for a tensor with {ndim} dims")
+        return self.axis % ndim
+
+    def _num_params(self, shape) -> int:
+        numel = math.prod(shape)
+        if numel == 0:
+            return 0
+        if self.axis is None:
+            return ref.num_groups(numel, self.group_size)
+        return int(shape[self._axis_of(len(shape))])
+
+    def nbytes_for(self, shape, dtype: torch.dtype) -> int:
+        shape = tuple(int(s) for s in shape)
+        per_param = 4 if self.symmetric else 8
+        return packed_numel(math.prod(shape), self.bits) + per_param * self._num_params(shape)
+
+    # ---- encode / decode -------------------------------------------------------------
+    def _rounding(self, x: torch.Tensor) -> dict:
+        """Noise for stochastic rounding, from the codec's own generator."""
+        if not self.stochastic:
+            return {}
+        gen = self.generator(x.device)
+        if use_triton(x):  # a seed for tl.rand: no noise tensor to write and read
+            return {"seed": torch.randint(0, 2**62, (1,), generator=gen, device=x.device,
+                                          dtype=torch.int64)}
+        return {"noise": torch.rand(x.numel(), generator=gen, device=x.device,
+                                    dtype=torch.float32)}
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        enc_fn, _, axis_enc_fn, _ = _kernels(x)
+        meta = {}
+        if x.numel() == 0:
+            codes = torch.empty(0, dtype=torch.uint8, device=x.device)
+            return self._finish(x, codes, None, None, meta)
+        if self.axis is None:
+            codes, scale, zero = enc_fn(x, self.bits, self.group_size, self.symmetric,
+                                        **self._rounding(x))
+        else:
+            ax = self._axis_of(x.dim())
+            moved = x.movedim(ax, -1).contiguous()
+            meta["axis"], meta["moved_shape"] = ax, moved.shape
+            codes, scale, zero = axis_enc_fn(moved.view(-1, moved.shape[-1]), self.bits,
+                                             self.symmetric, **self._rounding(x))
+        return self._finish(x, codes, scale, zero, meta)
+
+    def _finish(self, x, codes, scale, zero, meta) -> Encoded:
+        data = {"codes": codes}
+        if scale is not None:
+            data["scale"] = scale
+            if not self.symmetric:
+                data["zero"] = zero
+        enc = self._record(x, **data)
+        enc.meta.update(meta)
+        return enc
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        codes, scale = enc.data["codes"], enc.data["scale"]
+        zero = enc.data.get("zero", scale.new_empty(0))
+        _, dec_fn, _, axis_dec_fn = _kernels(codes)
+        if self.axis is None:
+            flat = dec_fn(codes, scale, zero, self.bits, self.group_size, self.symmetric,
+                          enc.numel, enc.dtype)
+            return flat.view(enc.shape)
+        flat = axis_dec_fn(codes, scale, zero, self.bits, self.symmetric, enc.numel, enc.dtype)
+        return flat.view(enc.meta["moved_shape"]).movedim(-1, enc.meta["axis"]).contiguous()
+
+    # ---- error model -----------------------------------------------------------------
+    def step_sizes(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantization step Delta per element of `x` (flattened), from finite min/max."""
+        self.check_input(x)
+        xf = x.detach().reshape(-1).float()
+        n = xf.numel()
+        if self.axis is None:
+            G = ref.num_groups(n, self.group_size)
+            pad = G * self.group_size - n
+            xp = torch.cat([xf, xf.new_zeros(pad)]).view(G, self.group_size)
+            valid = (torch.arange(G * self.group_size, device=xf.device) < n).view_as(xp)
+            lo, hi, amax, _ = ref.finite_stats(xp, valid, 1)
+        else:
+            ax = self._axis_of(x.dim())
+            xm = x.detach().movedim(ax, -1).float().reshape(-1, x.shape[ax])
+            lo, hi, amax, _ = ref.finite_stats(xm, torch.ones_like(xm, dtype=torch.bool), 0)
+        if self.symmetric:
+            delta = amax / (2 ** (self.bits - 1) - 1)
+        else:
+            delta = (hi - lo) / (2**self.bits - 1)
+        if self.axis is None:
+            return delta.repeat_interleave(self.group_size)[:n]
+        return delta.expand(n // max(delta.numel(), 1), -1).reshape(-1)
+
+    def expected_error(self, x: torch.Tensor) -> float:
+        """Mean over elements of Delta_g^2 / 6 (stochastic) or Delta_g^2 / 12 (nearest).
+
+        Stochastic rounding of v with fractional part p has variance p (1 - p) Delta^2,
+        1/6 Delta^2 on average for p ~ U(0, 1) (ActNN sec. 4.1); nearest rounding leaves
+        an error ~ U(-Delta/2, Delta/2), variance Delta^2 / 12.
+        """
+        if x.numel() == 0:
+            self.check_input(x)
+            return 0.0
+        delta = self.step_sizes(x)
+        factor = 1.0 / 6.0 if self.stochastic else 1.0 / 12.0
+        return float((delta.double() ** 2).mean()) * factor

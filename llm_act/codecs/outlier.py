@@ -1,0 +1,160 @@
+"""Outlier-separated INT4 (Adacc sec. 3.2): exact outlier channels + ActNN INT4 for the rest.
+
+LLM activations put their outliers in a few channels (hidden dims). Quantizing them with
+everything else stretches every group's range; Adacc stores those channels exactly and
+quantizes the rest in the tensor's own row-major layout (no transpose). Channels are
+picked by the z-score of their absolute column sums (eq. 1), threshold `z_threshold`.
+
+Layout: x is read as [rows, C] with C = x.shape[-1] (megatron's [s, b, h] gives rows =
+s*b). Stored: INT4 codes of every element (outliers coded 0 and excluded from group
+ranges), float32 scale and zero per group of `group_size` consecutive elements, the
+outlier values [rows, n] in x's dtype, and their channel indices (int16 when C < 2**15,
+else int32). Size, with n = `meta["n_outliers"]` (data dependent):
+
+    ceil(numel / 2) + 8 * ceil(numel / group_size) + n * rows * itemsize + n * index_bytes
+
+At most floor(max_outlier_frac * C) channels are kept (default 1/16), those with the
+largest z, so the size is bounded whatever the data. With z > 3, Gaussian data without
+real outliers still shows ~0.13% of its channels as outliers (one in 512 channels). Counting the outliers is one host
+sync per encode (`.item()`), on the GPU too; a fixed cap (for sequence parallel) would
+remove it.
+
+Non-finite values decode to NaN at their positions: in an outlier channel they are
+stored as NaN; among inliers they use IntQuant's flagged-group code (see
+`llm_act.kernels.outlier_ref`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llm_act.codecs.base import Codec, Encoded
+from llm_act.kernels import outlier_ref as ref
+from llm_act.kernels import use_triton
+
+
+def _matrix_shape(shape) -> tuple[int, int]:
+    """(rows, C) of the [rows, C] view of a tensor of `shape` (a scalar is [1, 1])."""
+    shape = tuple(int(s) for s in shape)
+    C = shape[-1] if shape else 1
+    numel = math.prod(shape)
+    return (numel // C if C else 0), C
+
+
+def _index_dtype(C: int) -> torch.dtype:
+    return torch.int16 if C <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def _kernels(x: torch.Tensor):
+    if use_triton(x):
+        from llm_act.kernels import outlier_triton
+
+        return outlier_triton.outlier_colsum, outlier_triton.outlier_encode, \
+            outlier_triton.outlier_decode
+    return ref.outlier_colsum_ref, ref.outlier_encode_ref, ref.outlier_decode_ref
+
+
+class OutlierInt4(Codec):
+    """Exact outlier channels (z-score of |column sums| > `z_threshold`) + stochastic INT4.
+
+    `group_size` must be even (two codes per byte, no byte straddles groups);
+    `max_outlier_frac=0` turns the separation off (plain INT4).
+    """
+
+    name = "outlier_int4"
+    stochastic = True
+
+    def __init__(self, z_threshold: float = 3.0, group_size: int = 128, seed: int = 1234,
+                 max_outlier_frac: float = 1.0 / 16):
+        super().__init__(seed=seed)
+        if isinstance(z_threshold, bool) or not isinstance(z_threshold, (int, float)) \
+                or math.isnan(z_threshold):
+            raise ValueError(f"z_threshold must be a real number, got {z_threshold!r}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) \
+                or group_size < 2 or group_size % 2:
+            raise ValueError(
+                f"group_size must be an even integer >= 2 (two INT4 codes per byte), "
+                f"got {group_size!r}")
+        if isinstance(max_outlier_frac, bool) or not isinstance(max_outlier_frac, (int, float)) \
+                or not 0.0 <= max_outlier_frac <= 1.0:
+            raise ValueError(f"max_outlier_frac must be in [0, 1], got {max_outlier_frac!r}")
+        self.z_threshold = float(z_threshold)
+        self.group_size = group_size
+        self.max_outlier_frac = float(max_outlier_frac)
+        #: outlier channels found by the last encode (the planner's outlier rate)
+        self.last_outlier_count = 0
+
+    def max_outliers(self, C: int) -> int:
+        """The cap on outlier channels for C channels: floor(max_outlier_frac * C)."""
+        return int(math.floor(self.max_outlier_frac * C + 1e-9))
+
+    # ---- size ---------------------------------------------------------------------------
+    def nbytes_for(self, shape, dtype: torch.dtype, n_outliers: int = 0) -> int:
+        """Stored bytes for `shape`/`dtype` when the data has `n_outliers` outlier channels."""
+        rows, C = _matrix_shape(shape)
+        numel = rows * C
+        if numel == 0:
+            return 0
+        if not 0 <= n_outliers <= C:
+            raise ValueError(f"n_outliers must be in [0, {C}], got {n_outliers!r}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        index_bytes = torch.empty((), dtype=_index_dtype(C)).element_size()
+        groups = -(-numel // self.group_size)
+        return (-(-numel // 2) + 8 * groups
+                + n_outliers * (rows * itemsize + index_bytes))
+
+    # ---- encode / decode --------------------------------------------------------------
+    def select(self, x2: torch.Tensor) -> torch.Tensor:
+        """Sorted int64 outlier channel indices of the [rows, C] matrix `x2` (host sync)."""
+        colsum_fn, _, _ = _kernels(x2)
+        return ref.select_outliers(colsum_fn(x2), self.z_threshold,
+                                   self.max_outliers(x2.shape[1]))
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        rows, C = _matrix_shape(x.shape)
+        if rows * C == 0:
+            enc = Encoded(self.name, x.shape, x.dtype, x.device)
+            enc.meta.update(n_outliers=0, rows=rows, channels=C, group_size=self.group_size)
+            self.last_outlier_count = 0
+            return enc
+        x2 = x.view(rows, C)
+        idx = self.select(x2)
+        _, encode_fn, _ = _kernels(x2)
+        gen = self.generator(x.device)
+        if use_triton(x2):
+            seed = torch.randint(0, 2**31 - 1, (1,), generator=gen, device=x.device)
+            packed, scale, zero, values = encode_fn(x2, idx, self.group_size, seed=seed)
+        else:
+            noise = torch.rand(rows * C, generator=gen, device=x.device)
+            packed, scale, zero, values = encode_fn(x2, idx, self.group_size, noise=noise)
+        enc = self._record(x, packed=packed, scale=scale, zero=zero, values=values,
+                           index=idx.to(_index_dtype(C)))
+        enc.meta.update(n_outliers=int(idx.numel()), rows=rows, channels=C,
+                        group_size=self.group_size)
+        self.last_outlier_count = int(idx.numel())
+        return enc
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        d = enc.data
+        _, _, decode_fn = _kernels(d["packed"])
+        out = decode_fn(d["packed"], d["scale"], d["zero"], d["index"], d["values"],
+                        enc.meta["group_size"], enc.meta["rows"], enc.meta["channels"],
+                        enc.dtype)
+        return out.view(enc.shape)
+
+    # ---- error model ------------------------------------------------------------------
+    def expected_error(self, x: torch.Tensor) -> float:
+        """Stochastic-rounding variance per element: sum over groups of
+        n_g * Delta_g^2 / 6 over numel, Delta_g = inlier range / 15 (outliers: exact)."""
+        self.check_input(x)
+        rows, C = _matrix_shape(x.shape)
+        if rows * C == 0:
+            return 0.0
+        x2 = x.contiguous().view(rows, C)
+        idx = self.select(x2)
+        _, use, _, mn, mx, bad = ref.group_stats(x2, idx, self.group_size)
+        rng = mx - mn
+        delta = rng / torch.where(bad, ref.LEVELS - 1.0, float(ref.LEVELS))
+        var = (use.sum(dim=1).double() * delta.double() ** 2 / 6.0).sum()
+        return float(var) / (rows * C)

@@ -1,0 +1,68 @@
+"""FP8 kernels vs the reference (interpreter on CPU); the bit arithmetic vs torch's casts."""
+import pytest
+import torch
+
+from llm_act.kernels import fp8_ref as ref
+
+triton_fp8 = pytest.importorskip("llm_act.kernels.fp8_triton")
+
+FMTS = ["e4m3", "e5m2"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _edge_values(fmt: str) -> torch.Tensor:
+    """Every finite float8 value, every midpoint (ties), their neighbours, subnormals."""
+    f = ref.get_format(fmt)
+    vals = torch.arange(256, dtype=torch.uint8).view(f.torch_dtype).float()
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    tiny = torch.linspace(-1, 1, 401) * 2.0 ** (f.min_exp - f.mbits) * 1.5
+    y = torch.cat([vals, mids, torch.nextafter(mids, up), torch.nextafter(mids, down), tiny])
+    return y.clamp(-f.fmax, f.fmax)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_bit_arithmetic_matches_torch_casts(fmt):
+    f = ref.get_format(fmt)
+    y = _edge_values(fmt)
+    assert torch.equal(ref.fp8_bits_ref(y, fmt), y.to(f.torch_dtype).view(torch.uint8))
+    codes = torch.arange(256, dtype=torch.uint8)
+    a, b = codes.view(f.torch_dtype).float(), ref.fp8_value_ref(codes, fmt)
+    assert torch.equal(torch.isnan(a), torch.isnan(b))
+    assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_rounds_ties_and_subnormals_like_torch(fmt):
+    y = _edge_values(fmt)
+    # one block holding FMAX keeps scale 1, so the kernel converts y itself
+    x = torch.cat([y, torch.tensor([ref.get_format(fmt).fmax])])
+    bits, scale = triton_fp8.fp8_encode(x, x.numel(), fmt)
+    assert scale.item() == 1.0
+    assert torch.equal(bits, ref.fp8_encode_ref(x, x.numel(), fmt)[0])
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,block", [((1,), 128), ((127,), 128), ((1000,), 100),
+                                         ((3, 5, 130), 128), ((2, 33), 7)])
+def test_kernels_match_reference(fmt, dtype, shape, block):
+    x = (torch.randn(shape) * torch.logspace(-4, 3, shape[-1])).to(dtype)
+    flat = x.view(-1)
+    if flat.numel() > 10:
+        flat[3], flat[-1], flat[5] = float("nan"), float("inf"), float("-inf")
+    bits, scale = triton_fp8.fp8_encode(x, block, fmt)
+    rbits, rscale = ref.fp8_encode_ref(x, block, fmt)
+    assert torch.equal(bits, rbits) and torch.equal(scale, rscale)
+    y = triton_fp8.fp8_decode(bits, scale, block, fmt, dtype)
+    ry = ref.fp8_decode_ref(rbits, rscale, block, fmt, dtype)
+    assert y.dtype == dtype
+    assert torch.equal(torch.isnan(y), torch.isnan(ry))
+    assert torch.equal(y.nan_to_num(0.0), ry.nan_to_num(0.0))
+
+
+def test_empty():
+    bits, scale = triton_fp8.fp8_encode(torch.empty(0), 128, "e4m3")
+    assert bits.numel() == scale.numel() == 0
+    assert triton_fp8.fp8_decode(bits, scale, 128, "e4m3", torch.float16).numel() == 0

@@ -1,0 +1,181 @@
+"""Triton integer-quantization kernels against the torch reference (interpreter on CPU)."""
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from llm_act.kernels import int_quant_ref as ref  # noqa: E402
+from llm_act.kernels import int_quant_triton as tri  # noqa: E402
+from llm_act.kernels.packing_ref import unpack_bits  # noqa: E402
+
+# Under the interpreter the kernels do the reference's float32 operations one by one, so
+# scales and decoded values must match bit for bit; compiled GPU code may differ in an ulp.
+ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
+RTOL = 1e-6 if ON_GPU else 0.0
+SHAPES = [(1,), (127,), (1000,), (3, 5, 130)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+MODES = [(1, False), (2, False), (2, True), (4, False), (4, True), (8, False), (8, True)]
+
+
+def _dev(fn, *args, **kwargs):
+    """Run a launcher on DEV (the interpreter on CPU) and bring its results to the CPU."""
+    move = lambda a: a.to(DEV) if torch.is_tensor(a) else a  # noqa: E731
+    out = fn(*map(move, args), **{k: move(v) for k, v in kwargs.items()})
+    return tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
+
+
+def _input(shape, dtype, nonfinite=True):
+    x = torch.randn(shape) * 3 + 0.5
+    if nonfinite and x.numel() > 200:
+        flat = x.view(-1)
+        flat[5], flat[77], flat[150] = float("nan"), float("inf"), float("-inf")
+    return x.to(dtype)
+
+
+def _scaled(x, scale, zero, bits, symmetric, param_index):
+    """v = the value before rounding, per element (as the reference computes it)."""
+    xf = x.reshape(-1).float()
+    s = scale.abs()[param_index]
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    if symmetric:
+        return xf / s
+    return (xf - zero[param_index]) / s
+
+
+def _assert_codes_match(x, r, k, bits, symmetric, param_index, noise=None):
+    """Same scales; codes equal except, at most one step apart, at exact rounding ties."""
+    torch.testing.assert_close(k[1], r[1], rtol=RTOL, atol=0)
+    torch.testing.assert_close(k[2], r[2], rtol=RTOL, atol=0)
+    n = x.numel()
+    assert k[0].shape == r[0].shape and k[0].dtype == torch.uint8
+    cr = unpack_bits(r[0], bits, n).long()
+    ck = unpack_bits(k[0], bits, n).long()
+    diff = (cr != ck).nonzero().flatten()
+    if diff.numel():
+        assert (cr[diff] - ck[diff]).abs().max() <= 1
+        v = _scaled(x, r[1], r[2], bits, symmetric, param_index)[diff]
+        v = v + (0.5 if noise is None else noise.reshape(-1)[diff])
+        assert torch.allclose(v, v.round(), atol=1e-4), f"non-tie code differences at {diff}"
+
+
+def _group_index(n, group_size):
+    return torch.arange(n) // group_size
+
+
+@pytest.mark.parametrize("bits,symmetric", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_group_kernels_match_reference(shape, dtype, bits, symmetric):
+    x = _input(shape, dtype)
+    n = x.numel()
+    r = ref.int_quant_encode_ref(x, bits, 128, symmetric)
+    k = _dev(tri.int_quant_encode, x, bits, 128, symmetric)
+    _assert_codes_match(x, r, k, bits, symmetric, _group_index(n, 128))
+    dr = ref.int_quant_decode_ref(*r, bits, 128, symmetric, n, dtype)
+    dk = _dev(tri.int_quant_decode, *r, bits, 128, symmetric, n, dtype)
+    assert dk.dtype == dtype and dk.shape == (n,)
+    torch.testing.assert_close(dk, dr, rtol=RTOL, atol=0, equal_nan=True)
+    noise = torch.rand(n)
+    r = ref.int_quant_encode_ref(x, bits, 128, symmetric, noise)
+    k = _dev(tri.int_quant_encode, x, bits, 128, symmetric, noise)
+    _assert_codes_match(x, r, k, bits, symmetric, _group_index(n, 128), noise)
+
+
+@pytest.mark.parametrize("bits,symmetric", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (127, 1), (8, 125), (15, 130)], ids=str)
+def test_axis_kernels_match_reference(shape, dtype, bits, symmetric):
+    x = _input(shape, dtype)
+    n, C = x.numel(), shape[1]
+    r = ref.int_quant_axis_encode_ref(x, bits, symmetric)
+    k = _dev(tri.int_quant_axis_encode, x, bits, symmetric)
+    _assert_codes_match(x, r, k, bits, symmetric, torch.arange(n) % C)
+    dr = ref.int_quant_axis_decode_ref(*r, bits, symmetric, n, dtype)
+    dk = _dev(tri.int_quant_axis_decode, *r, bits, symmetric, n, dtype)
+    torch.testing.assert_close(dk, dr, rtol=RTOL, atol=0, equal_nan=True)
+    noise = torch.rand(n)
+    r = ref.int_quant_axis_encode_ref(x, bits, symmetric, noise)
+    k = _dev(tri.int_quant_axis_encode, x, bits, symmetric, noise)
+    _assert_codes_match(x, r, k, bits, symmetric, torch.arange(n) % C, noise)
+
+
+def test_many_rows_use_several_chunks():
+    x = _input((3000, 3), torch.float32, nonfinite=False)
+    x[2999, 1] = 100.0  # the max of column 1 sits in the last chunk
+    r = ref.int_quant_axis_encode_ref(x, 4, True)
+    k = _dev(tri.int_quant_axis_encode, x, 4, True)
+    _assert_codes_match(x, r, k, 4, True, torch.arange(x.numel()) % 3)
+
+
+@pytest.mark.parametrize("group_size", [8, 32, 96, 256])
+@pytest.mark.parametrize("bits,symmetric", [(1, False), (4, True), (8, False)])
+def test_group_sizes(group_size, bits, symmetric):
+    x = _input((1100,), torch.float32)
+    r = ref.int_quant_encode_ref(x, bits, group_size, symmetric)
+    k = _dev(tri.int_quant_encode, x, bits, group_size, symmetric)
+    assert k[1].numel() == math.ceil(1100 / group_size)
+    _assert_codes_match(x, r, k, bits, symmetric, _group_index(1100, group_size))
+    dr = ref.int_quant_decode_ref(*r, bits, group_size, symmetric, 1100, torch.float32)
+    dk = _dev(tri.int_quant_decode, *r, bits, group_size, symmetric, 1100, torch.float32)
+    torch.testing.assert_close(dk, dr, rtol=RTOL, atol=0, equal_nan=True)
+
+
+def test_zero_range_and_all_nonfinite_groups():
+    x = torch.randn(512)
+    x[:128] = 0.37  # constant group
+    x[128:256] = float("nan")  # nothing finite
+    x[256:384] = 0.0
+    for bits, symmetric in MODES:
+        r = ref.int_quant_encode_ref(x, bits, 128, symmetric)
+        k = _dev(tri.int_quant_encode, x, bits, 128, symmetric)
+        _assert_codes_match(x, r, k, bits, symmetric, _group_index(512, 128))
+        d = _dev(tri.int_quant_decode, *k, bits, 128, symmetric, 512, torch.float32)
+        assert torch.isnan(d[128:256]).all() and torch.isfinite(d[256:]).all()
+        assert torch.equal(d[256:384], torch.zeros(128))
+        if not symmetric:
+            assert torch.equal(d[:128], x[:128])
+
+
+def test_empty():
+    x = torch.empty(0)
+    packed, scale, zero = _dev(tri.int_quant_encode, x, 4, 128, False)
+    assert packed.numel() == scale.numel() == zero.numel() == 0
+    assert _dev(tri.int_quant_decode, packed, scale, zero, 4, 128, False, 0, torch.bfloat16).numel() == 0
+
+
+def test_group_size_must_fill_whole_bytes():
+    with pytest.raises(ValueError, match="group_size"):
+        _dev(tri.int_quant_encode, torch.randn(10), 1, 12, False)
+
+
+@pytest.mark.parametrize("axis", [False, True])
+def test_seeded_rounding_is_unbiased(axis):
+    """tl.rand cannot match torch's stream: check the rounding statistics instead."""
+    bits, n, trials = 4, 2048, 20
+    x = torch.full((n,), 0.3)  # v = 0.3 / (1/15) = 4.5 -> P(up) = 0.5 ...
+    x[0::64], x[1::64] = 0.0, 1.0  # ... in every group / every column of 64
+    x[2::4] = 0.62  # v = 9.3 -> P(up) = 0.3
+    pos = torch.arange(n) % 64
+    if axis:  # column c of [64, 32] holds group c of the flat layout
+        x, pos = x.view(32, 64).t().reshape(-1), pos.view(32, 64).t().reshape(-1)
+    ups_a, ups_b, decs = [], [], []
+    for t in range(trials):
+        seed = torch.tensor([1000 + 7919 * t], dtype=torch.int64)
+        if axis:
+            enc = _dev(tri.int_quant_axis_encode, x.view(64, 32), bits, False, seed=seed)
+            dec = _dev(tri.int_quant_axis_decode, *enc, bits, False, n, torch.float32)
+        else:
+            enc = _dev(tri.int_quant_encode, x, bits, 64, False, seed=seed)
+            dec = _dev(tri.int_quant_decode, *enc, bits, 64, False, n, torch.float32)
+        codes = unpack_bits(enc[0], bits, n)
+        ups_a.append((codes[(x == 0.3) & (pos > 1)] == 5).float())
+        ups_b.append((codes[x == 0.62] == 10).float())
+        decs.append(dec)
+    p_a, p_b = torch.cat(ups_a).mean().item(), torch.cat(ups_b).mean().item()
+    assert abs(p_a - 0.5) < 0.02 and abs(p_b - 0.3) < 0.02, (p_a, p_b)
+    assert not torch.equal(decs[0], decs[1])  # different seeds, different codes
+    mean = torch.stack(decs).mean(0)
+    assert (mean - x).abs().max() < 5 * (1 / 15) / 2 / math.sqrt(trials)

@@ -1,0 +1,57 @@
+"""The registry builds every codec the design brief names, with the brief's parameters."""
+import pytest
+import torch
+
+from llm_act.codecs import CODEC_NAMES, check_choice, make_codec
+from llm_act.sites import DEFAULT_CODECS, MASK_SITES, SITES
+
+BRIEF_NAMES = [
+    "int1", "int2", "int4", "int8", "int4_sym", "int8_sym", "int4_asym", "int4_channel",
+    "outlier_int4", "dual2", "fp8_e4m3", "fp8_e5m2", "fewbit1", "fewbit2", "fewbit3", "fewbit4",
+    "bitmask", "regen",
+]
+
+
+def test_every_brief_name_is_registered():
+    assert sorted(CODEC_NAMES) == sorted(BRIEF_NAMES)
+
+
+@pytest.mark.parametrize("name", [n for n in BRIEF_NAMES if n != "regen"])
+def test_each_codec_round_trips_a_tensor(name):
+    codec = make_codec(name, seed=3)
+    assert codec.name == name
+    if name == "bitmask":
+        x = (torch.rand(3, 5, 64) > 0.3).float()
+    else:
+        x = torch.randn(3, 5, 64)
+    enc = codec.encode(x)
+    y = codec.decode(enc)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert 0 < enc.nbytes < x.numel() * x.element_size()
+
+
+def test_intquant_parameters_match_the_brief():
+    from llm_act.codecs import IntQuant
+
+    for name, (bits, sym, sr, axis) in {
+        "int1": (1, False, True, None), "int2": (2, False, True, None), "int4": (4, False, True, None),
+        "int8": (8, False, True, None), "int4_sym": (4, True, False, None),
+        "int8_sym": (8, True, False, None), "int4_asym": (4, False, False, None),
+        "int4_channel": (4, True, False, -1),
+    }.items():
+        c = make_codec(name)
+        assert isinstance(c, IntQuant)
+        assert (c.bits, c.symmetric, c.stochastic, c.axis, c.group_size) == (bits, sym, sr, axis, 128)
+
+
+def test_default_codecs_are_allowed_at_their_sites():
+    assert set(DEFAULT_CODECS) == set(SITES)
+    for site, name in DEFAULT_CODECS.items():
+        assert check_choice(site, name) == name
+    for site in MASK_SITES:
+        assert DEFAULT_CODECS[site] == "regen"
+
+
+def test_unknown_codec_names_the_choices():
+    with pytest.raises(ValueError, match="int3.*known codecs"):
+        make_codec("int3")

@@ -3,6 +3,7 @@
   llm-act demo            compress the activations of a real megatron-core GPT block on CPU
                           and print the bytes each site stores, stock vs compressed
   llm-act bench kernels   codec encode+decode bandwidth against the device's copy bandwidth
+  llm-act plan            plan a preset model per pipeline stage from its shape (no GPU)
 """
 from __future__ import annotations
 
@@ -34,11 +35,15 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--quick", action="store_true", help="8 MiB tensors, for a CPU smoke run")
     k.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     k.add_argument("--output", default=None, help="also write the table to this markdown file")
+    from llm_act.plan_cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     # megatron-core warns at import that apex / Transformer Engine are absent; we know.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
     if args.command == "demo":
@@ -59,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.output, "w") as f:
                 f.write(text + "\n")
         return 0
+    if args.command == "plan":
+        from llm_act.plan_cli import run as run_plan
+
+        return run_plan(args, parser)
     return 2
 
 

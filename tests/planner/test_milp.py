@@ -21,101 +21,16 @@ from llm_act.planner import (
     load_plan_json,
     solve_plan,
 )
+from llm_act.planner.analytic import ModelShape, block_profile
 from llm_act.sites import SITES
 
-# ---- a GPT block profile, analytic first cut ---------------------------------------------
-# Forward times from FLOPs (GEMMs at PEAK_TFLOPS) or bytes moved (elementwise ops at
-# HBM_GBPS), codec times from the bytes each pass reads and writes, sizes from s, b, h, a.
-PEAK_TFLOPS = 400.0
-HBM_GBPS = 2000.0
-LAUNCH_MS = 0.005
-GROUP = 128
-#: S(option): GACT's (2^b - 1)^-2 for b-bit codes; 0 for exact codecs
-NOISE = {
-    "int8": 1 / 255**2, "int4_channel": 1 / 15**2, "int4_asym": 1 / 15**2,
-    "outlier_int4": 0.5 / 15**2, "fp8_e4m3": 1 / 8**2, "fewbit3": 1 / 7**2,
-    "fewbit2": 1 / 3**2, "bitmask": 0.0, "regen": 0.0,
-}
-
-
-def _gemm_ms(flops: float) -> float:
-    return flops / (PEAK_TFLOPS * 1e12) * 1e3 + LAUNCH_MS
-
-
-def _mem_ms(nbytes: float) -> float:
-    return nbytes / (HBM_GBPS * 1e9) * 1e3 + LAUNCH_MS
-
-
-def _codec_bytes(name: str, numel: int, last_dim: int) -> int:
-    groups = -(-numel // GROUP)
-    return {
-        "int8": numel + 4 * groups,
-        "fp8_e4m3": numel + 4 * groups,
-        "int4_asym": -(-numel // 2) + 4 * groups,
-        "int4_channel": -(-numel // 2) + 4 * last_dim,
-        "outlier_int4": -(-numel // 2) + 4 * groups + 6 * (numel // 100),  # 1 % outliers
-        "fewbit3": -(-3 * numel // 8) + -(-numel // 8),  # codes + non-finite mask
-        "fewbit2": -(-2 * numel // 8) + -(-numel // 8),
-        "bitmask": -(-numel // 8),
-        "regen": 16,  # RNG seed and offset
-    }[name]
-
-
-def _site(name, numel, elem, forward_ms, inputs=(), codecs=(), last_dim=1, extra=0, sens=1.0):
-    full = numel * elem + extra
-    opts = []
-    for c in codecs:
-        stored = _codec_bytes(c, numel, last_dim) + extra
-        if c == "regen":
-            enc, dec = 0.0, _mem_ms(numel)
-        else:
-            enc, dec = _mem_ms(full + stored), _mem_ms(stored + full)
-        opts.append(CodecOption(c, stored, enc, dec, NOISE[c]))
-    return SiteProfile(name, full, forward_ms, tuple(inputs), tuple(opts), sens)
-
-
+# ---- a GPT block profile, from the library's analytic profile -------------------------------
 def gpt_block(h=1024, s=1024, b=8, a=16, ffn=None, elem=2, unfused=False, dropout=True,
               count=1, inflight=1) -> BlockProfile:
     """The sites of llm_act.sites for one GPT block (MHA, GELU MLP)."""
-    ffn = ffn or 4 * h
-    n = s * b * h
-    hid = n * elem
-    lin = ("outlier_int4", "int8", "fp8_e4m3")
-    qkv = ("int4_channel", "int8", "fp8_e4m3")
-    masks = ("bitmask", "regen")
-    sites = [
-        _site("ln1.input", n, elem, None, (), lin),
-        _site("attn.qkv_input", n, elem, _mem_ms(2 * hid), (), lin),
-    ]
-    for t in ("attn.q", "attn.k", "attn.v"):
-        sites.append(_site(t, n, elem, _gemm_ms(2 * n * h) + _mem_ms(2 * hid), ("attn.qkv_input",),
-                           qkv, last_dim=h // a))
-    out_inputs = ["attn.q", "attn.k", "attn.v"]
-    if unfused:
-        sq = b * a * s * s
-        sites.append(_site("attn.softmax", sq, elem, _gemm_ms(2 * b * s * s * h) + _mem_ms(3 * sq * elem),
-                           ("attn.q", "attn.k"), ("int4_asym", "int8"), last_dim=s))
-        out_inputs = ["attn.softmax", "attn.v"]
-        if dropout:
-            sites.append(_site("attn.dropout_mask", sq, 1, _mem_ms(sq), (), masks, sens=0.0))
-            out_inputs.append("attn.dropout_mask")
-    lse = 0 if unfused else b * a * s * 4
-    sites.append(_site("attn.out", n, elem, _gemm_ms(2 * b * s * s * h), out_inputs, lin, extra=lse))
-    ln2_inputs = ["attn.out"]
-    if dropout:
-        sites.append(_site("attn.hidden_dropout_mask", n, 1, _mem_ms(n), (), masks, sens=0.0))
-        ln2_inputs.append("attn.hidden_dropout_mask")
-    m = s * b * ffn
-    sites += [
-        _site("ln2.input", n, elem, _gemm_ms(2 * n * h) + _mem_ms(3 * hid), ln2_inputs, lin),
-        _site("mlp.fc1_input", n, elem, _mem_ms(2 * hid), ("ln2.input",), lin),
-        _site("mlp.act_input", m, elem, _gemm_ms(2 * n * ffn), ("mlp.fc1_input",),
-              ("fewbit3", "fewbit2", "int8", "fp8_e4m3")),
-        _site("mlp.fc2_input", m, elem, _mem_ms(2 * m * elem), ("mlp.act_input",), lin),
-    ]
-    if dropout:
-        sites.append(_site("mlp.hidden_dropout_mask", n, 1, _mem_ms(n), (), masks, sens=0.0))
-    return BlockProfile(tuple(sites), count=count, inflight=inflight)
+    shape = ModelShape(1, h, a, s, b, ffn_hidden_size=ffn, dtype={2: "bf16", 4: "fp32"}[elem],
+                       dropout=0.1 if dropout else 0.0, attention="stock" if unfused else "auto")
+    return block_profile(shape, count=count, inflight=inflight)
 
 
 # ---- an independent evaluator and exhaustive search ----------------------------------------

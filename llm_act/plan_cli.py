@@ -1,0 +1,358 @@
+"""`llm-act plan`: size a training job on paper. Plans every pipeline stage of a preset
+model from the analytic profile (no GPU) and prints, per stage, which sites are kept,
+compressed or recomputed, the predicted memory and the added time.
+
+The budget is the whole device: static memory (weights, gradients, optimizer state) and
+the activations outside the blocks (embedding mask, logits) are subtracted first. The
+noise budget defaults to that of the "compress" plan (each site at its default codec,
+Adacc sec. 3.2), so the planner never picks a codec noisier overall than those defaults;
+"none" lets it pick on time alone (it then favours 1- and 2-bit codes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from llm_act.config import parse_bytes
+from llm_act.planner.analytic import (
+    ATTENTION_MODES,
+    MODELS,
+    DeviceModel,
+    ModelShape,
+    layer_forward_ms,
+    model_shape,
+    outer_bytes,
+    stage_blocks,
+    stage_layers,
+    static_bytes,
+)
+from llm_act.sites import DEFAULT_CODECS
+
+_GIB = float(2**30)
+_MIB = float(2**20)
+#: the act_input codec of the reference plan where few-bit does not apply (gated units)
+_GLU_ACT_CODEC = "outlier_int4"
+DEVICES = {"h100": DeviceModel, "cpu": DeviceModel.cpu}
+
+
+# ---- argument types (argparse names the flag in its error) -------------------------------
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text, "size")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("size: ", "")) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text!r}")
+    return value
+
+
+def _variance(text: str) -> Union[str, float]:
+    if text in ("compress", "none"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(
+            f"expected 'compress', 'none' or a number >= 0, got {text!r}")
+    return value
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The `plan` subcommand on the `llm-act` subparsers."""
+    p = sub.add_parser("plan", help="plan a preset model per pipeline stage (analytic, no GPU)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)
+    p.add_argument("--model", required=True, choices=list(MODELS))
+    p.add_argument("--seq-length", type=_positive, default=None,
+                   help="tokens per sequence (default: the model's context length)")
+    p.add_argument("--micro-batch-size", type=_positive, default=1)
+    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size")
+    p.add_argument("--dp", type=_positive, default=1, help="data-parallel size (ZeRO shards over it)")
+    p.add_argument("--budget", type=_size, required=True,
+                   help="device memory per GPU: bytes or a size such as 60GB (1e9) or 60GiB (2**30)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--dropout", type=_probability, default=None,
+                   help="hidden and attention dropout (default: the model's)")
+    p.add_argument("--attention", choices=ATTENTION_MODES, default="auto",
+                   help="'stock' is the unfused path that stores the softmax")
+    p.add_argument("--variance-budget", type=_variance, default="compress",
+                   help="noise budget: 'compress' (the default codecs' noise), 'none', or a number")
+    p.add_argument("--device", choices=list(DEVICES), default="h100",
+                   help="device model for times and the RNG state size")
+    p.add_argument("--json", metavar="OUT", default=None,
+                   help="also write the report (its 'plan' member is a JSON plan) to OUT")
+    p.set_defaults(plan_parser=p)  # shape errors are reported by this parser
+    return p
+
+
+# ---- planning --------------------------------------------------------------------------------
+@dataclass
+class StageResult:
+    stage: int
+    layers: tuple[int, int]
+    inflight: int
+    static_bytes: int
+    outer_bytes: int
+    variance_budget: Optional[float]
+    plan: object = None
+    min_budget_bytes: Optional[int] = None
+    blocks: list = field(default_factory=list)
+
+
+def reference_choice(block) -> dict[str, str]:
+    """The "compress" plan for `block`: every site at its default codec (the few-bit one
+    replaced where the block does not offer it, i.e. under a gated linear unit)."""
+    out = {}
+    for site in block.sites:
+        name = DEFAULT_CODECS[site.name]
+        if name not in {c.name for c in site.codecs}:
+            name = _GLU_ACT_CODEC
+        out[site.name] = name
+    return out
+
+
+def _reference_variance(blocks) -> float:
+    from llm_act.planner import evaluate_plan
+
+    return evaluate_plan(blocks, [reference_choice(b) for b in blocks]).variance
+
+
+def min_budget(blocks, static: int, variance_budget: Optional[float], resolution: int = 2**20) -> int:
+    """The smallest device budget with a plan, static included: exact without a noise
+    budget; with one, within `resolution` bytes above the edge (bisection on feasibility)."""
+    from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
+
+    try:
+        solve_plan(blocks, 0, static_bytes=static)
+        lo = static
+    except InfeasibleBudget as err:
+        lo = err.min_budget_bytes
+    if variance_budget is None:
+        return lo
+    keep_all = sum(b.count * b.inflight * sum(s.nbytes for s in b.sites) for b in blocks)
+    hi = static + keep_all  # keeping everything adds no noise: always within the budget
+
+    def fits(budget: int) -> bool:
+        try:
+            solve_plan(blocks, budget, static_bytes=static, variance_budget=variance_budget)
+            return True
+        except (InfeasibleBudget, InfeasibleVariance):
+            return False
+
+    if fits(lo):
+        return lo
+    while hi - lo > resolution:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def plan_stages(shape: ModelShape, budget: int, *, zero_stage: int = 0, dp: int = 1,
+                device: Optional[DeviceModel] = None,
+                variance_budget: Union[str, float, None] = "compress") -> list[StageResult]:
+    """Solve every pipeline stage of `shape` under a device `budget` (bytes). A stage that
+    cannot fit has `plan` None and `min_budget_bytes` set."""
+    from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
+
+    device = device or DeviceModel()
+    results = []
+    for k in range(shape.pp):
+        blocks = stage_blocks(shape, k, device)
+        static = static_bytes(shape, zero_stage, dp, stage=k)
+        outer = sum(outer_bytes(shape, k).values())
+        if variance_budget == "compress":
+            vb = _reference_variance(blocks)
+        elif variance_budget in (None, "none"):
+            vb = None
+        else:
+            vb = float(variance_budget)
+        res = StageResult(k, stage_layers(shape, k), shape.pp - k, static, outer, vb, blocks=blocks)
+        try:
+            res.plan = solve_plan(blocks, budget, static_bytes=static + outer, variance_budget=vb)
+        except (InfeasibleBudget, InfeasibleVariance):
+            res.min_budget_bytes = min_budget(blocks, static + outer, vb)
+        results.append(res)
+    return results
+
+
+# ---- printing --------------------------------------------------------------------------------
+def _gib(n: float) -> str:
+    return f"{n / _GIB:.3f} GiB"
+
+
+def _gb_up(n: int) -> str:
+    """n bytes in GB rounded up to the MB, so passing it back as --budget works."""
+    return f"{math.ceil(n / 1e6) / 1e3:.3f}GB"
+
+
+def header(shape: ModelShape, name: str, args_budget: int, zero_stage: int, dp: int,
+           device: DeviceModel, variance: Union[str, float, None]) -> str:
+    fields = {
+        "model": name, "num_layers": shape.num_layers, "hidden_size": shape.hidden_size,
+        "num_attention_heads": shape.num_attention_heads, "num_query_groups": shape.num_query_groups,
+        "ffn_hidden_size": shape.ffn_hidden_size, "gated_linear_unit": shape.gated_linear_unit,
+        "activation": shape.activation, "vocab_size": shape.vocab_size,
+        "seq_length": shape.seq_length, "micro_batch_size": shape.micro_batch_size,
+        "tp": shape.tp, "pp": shape.pp, "dp": dp, "sequence_parallel": shape.sequence_parallel,
+        "zero_stage": zero_stage, "dtype": shape.dtype, "dropout": shape.dropout,
+        "attention": "stock" if not shape.fused_attention else "memory-efficient",
+        "budget_bytes": args_budget, "variance_budget": variance, "profile": "analytic",
+        "device": device.describe(),
+    }
+    return "# llm-act plan " + " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items())
+
+
+def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget: int) -> list[str]:
+    """The per-block table of one planned stage and its totals."""
+    plan = res.plan
+    block = res.blocks[0]
+    choice = plan.choice[0]
+    first, last = res.layers
+    lines = [f"stage {res.stage} of {shape.pp}: layers {first}-{last} ({block.count} layers), "
+             f"{res.inflight} micro-batch{'es' if res.inflight > 1 else ''} in flight",
+             f"  {'site':<25} {'choice':<13} {'stored MiB/layer':>17} {'of MiB':>9} {'+ms/layer':>10}"]
+    stored_sum = keep_sum = ms_sum = 0.0
+    for site in block.sites:
+        name = choice[site.name]
+        if name == "keep":
+            stored, ms = site.nbytes, 0.0
+        elif name == "recompute":
+            stored, ms = 0, site.forward_ms
+        else:
+            opt = next(c for c in site.codecs if c.name == name)
+            stored, ms = opt.nbytes, opt.cost_ms
+        stored_sum, keep_sum, ms_sum = stored_sum + stored, keep_sum + site.nbytes, ms_sum + ms
+        lines.append(f"  {site.name:<25} {name:<13} {stored / _MIB:>17.3f} {site.nbytes / _MIB:>9.3f} "
+                     f"{ms:>10.4f}")
+    lines.append(f"  {'per layer':<25} {'':<13} {stored_sum / _MIB:>17.3f} {keep_sum / _MIB:>9.3f} "
+                 f"{ms_sum:>10.4f}")
+    total = plan.activation_bytes + res.static_bytes + res.outer_bytes
+    compute = 3 * layer_forward_ms(shape, device) * block.count
+    keep_all = res.inflight * block.count * keep_sum
+    lines += [
+        f"  predicted activation memory  {_gib(plan.activation_bytes)} ({plan.activation_bytes} bytes; "
+        f"transient {_gib(plan.peak_bytes)}; keeping everything: {_gib(keep_all)})",
+        f"  outside the blocks           {_gib(res.outer_bytes)} (embedding mask, final norm, logits; not planned)",
+        f"  static memory                {_gib(res.static_bytes)} (weights, grads, fp32 master + Adam)",
+        f"  total                        {_gib(total)} of the {_gib(budget)} budget",
+        f"  overhead                     {plan.overhead_ms:.3f} ms per iteration and micro-batch "
+        f"({100 * plan.overhead_ms / compute:.2f}% of the stage's estimated {compute:.1f} ms forward+backward)",
+        f"  noise                        {plan.variance:.4g}"
+        + (f" of budget {res.variance_budget:.4g}" if res.variance_budget is not None else " (no budget)"),
+        f"  solve time                   {plan.solve_seconds:.3f} s ({plan.num_variables} variables)",
+    ]
+    return lines
+
+
+def _report(shape, name, budget, zero_stage, dp, device, variance, results) -> dict:
+    stages = []
+    runs: list[dict] = []
+    for res in results:
+        entry = {"stage": res.stage, "layers": list(res.layers), "inflight": res.inflight,
+                 "static_bytes": res.static_bytes, "outer_bytes": res.outer_bytes,
+                 "variance_budget": res.variance_budget}
+        if res.plan is None:
+            entry["min_budget_bytes"] = res.min_budget_bytes
+        else:
+            p = res.plan
+            entry.update(choice=p.choice[0], activation_bytes=p.activation_bytes,
+                         peak_bytes=p.peak_bytes, overhead_ms=p.overhead_ms, variance=p.variance,
+                         solve_seconds=p.solve_seconds,
+                         total_bytes=p.activation_bytes + res.static_bytes + res.outer_bytes)
+            for run in p.to_dict(first_layer=res.layers[0])["blocks"]:
+                if runs and runs[-1]["choice"] == run["choice"]:
+                    runs[-1]["layers"][1] = run["layers"][1]
+                else:
+                    runs.append(run)
+        stages.append(entry)
+    feasible = all(r.plan is not None for r in results)
+    return {
+        "model": name, "shape": {k: getattr(shape, k) for k in shape.__dataclass_fields__},
+        "budget_bytes": budget, "zero_stage": zero_stage, "dp": dp, "device": device.describe(),
+        "variance_budget": variance, "feasible": feasible, "stages": stages,
+        "plan": {"version": 1, "blocks": runs} if feasible else None,
+    }
+
+
+def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None) -> int:
+    """Print the plan; 0 when every stage fits, 2 (with the smallest budget) when not."""
+    changes = dict(micro_batch_size=args.micro_batch_size, tp=args.tp, pp=args.pp,
+                   sequence_parallel=args.sequence_parallel, attention=args.attention)
+    if args.seq_length is not None:
+        changes["seq_length"] = args.seq_length
+    if args.dropout is not None:
+        changes["dropout"] = args.dropout
+    parser = getattr(args, "plan_parser", parser)
+    try:
+        shape = model_shape(args.model, **changes)
+    except ValueError as err:  # e.g. a --tp that does not divide the heads: name the flag
+        text = str(err)
+        field = next((f for f in changes if text.startswith(f)), None)
+        where = f"argument --{field.replace('_', '-')}: " if field else ""
+        parser.error(f"{where}{text} (model {args.model})")
+    device = DEVICES[args.device]()
+    variance = args.variance_budget
+    print(header(shape, args.model, args.budget, args.zero_stage, args.dp, device, variance))
+    results = plan_stages(shape, args.budget, zero_stage=args.zero_stage, dp=args.dp,
+                          device=device, variance_budget=variance)
+    if args.budget > device.memory_bytes:
+        print(f"note: --budget exceeds the {device.memory_bytes / 1e9:g} GB of the {device.name} device model")
+    failed = [r for r in results if r.plan is None]
+    for res in results:
+        print()
+        if res.plan is not None:
+            print("\n".join(stage_table(shape, res, device, args.budget)))
+        else:
+            print(f"stage {res.stage} of {shape.pp}: no plan fits --budget {args.budget} bytes "
+                  f"({args.budget / 1e9:.3f} GB, {_gib(args.budget)}); the smallest that works is "
+                  f"{res.min_budget_bytes} bytes ({res.min_budget_bytes / 1e9:.3f} GB, "
+                  f"{_gib(res.min_budget_bytes)}): static {_gib(res.static_bytes)}, outside the "
+                  f"blocks {_gib(res.outer_bytes)}, least activations "
+                  f"{_gib(res.min_budget_bytes - res.static_bytes - res.outer_bytes)}")
+    print()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_report(shape, args.model, args.budget, args.zero_stage, args.dp, device,
+                              variance, results), f, indent=2)
+    if failed:
+        need = max(r.min_budget_bytes for r in failed)  # the stages that fit need less
+        print(f"infeasible: --budget {args.budget / 1e9:.3f} GB is too small; the smallest budget "
+              f"that works for every stage is {need} bytes = {need / 1e9:.3f} GB = {_gib(need)} "
+              f"(try --budget {_gb_up(need)})")
+        if need > device.memory_bytes:
+            print(f"that is more than the {device.memory_bytes / 1e9:g} GB device: raise --tp, "
+                  f"--pp or --zero-stage (with --dp), or lower --micro-batch-size / --seq-length")
+        return 2
+    worst = max(results, key=lambda r: r.plan.overhead_ms)
+    peak = max(r.plan.activation_bytes + r.static_bytes + r.outer_bytes for r in results)
+    print(f"all stages: largest total {_gib(peak)} of {_gib(args.budget)}; slowest stage {worst.stage} "
+          f"adds {worst.plan.overhead_ms:.3f} ms per micro-batch; solve "
+          f"{sum(r.plan.solve_seconds for r in results):.3f} s")
+    return 0

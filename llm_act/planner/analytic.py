@@ -1,0 +1,518 @@
+"""An analytic profile of a GPT block from its shape alone: no GPU, no model, no data.
+
+`llm-act plan` needs a profile before anything runs (to size a job on paper), so this
+module derives one from the model's shape and a device model:
+
+- bytes: each site's tensor per tensor-parallel rank, as megatron-core stores it
+  ([s, b, h] layout; heads, query groups and the FFN split over TP; the [s, b, h]
+  tensors a norm or a dropout sees also split over TP along s under sequence
+  parallelism); a codec's bytes come from its own `nbytes_for`.
+- times: the producer op's forward time (what recomputing the site costs) from its FLOPs
+  at `DeviceModel.matmul_tflops`, or from the bytes it moves at `DeviceModel.hbm_gbs`, plus
+  one launch latency per op and the TP collective it contains at `DeviceModel.link_gbs`;
+  a codec's encode and decode time from the bytes each pass reads and writes.
+- noise: S(option) = the codec's `expected_error` on a unit-variance normal tensor of a
+  small fixed shape. This is a *prior*: measured profiles (real activations, outlier
+  rates, sensitivities) replace it during training.
+
+Everything is per rank and per micro-batch. The bytes are exact for the stated layout;
+the times are a roofline estimate, good for ranking options, not for a stopwatch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+
+from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, check_choice, make_codec
+from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
+from llm_act.sites import MASK_SITES
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+#: ActConfig.attention values; "stock" is megatron's unfused core attention (it stores
+#: the softmax), the others are memory-efficient (flash-style: q, k, v, out, logsumexp).
+ATTENTION_MODES = ("auto", "sdpa", "chunked", "stock")
+#: Megatron-LM's --make-vocab-size-divisible-by default
+VOCAB_DIVISOR = 128
+#: the stored state of a CUDA philox generator (seed + offset), when no CUDA is here to ask
+_PHILOX_STATE_BYTES = 16
+#: the tensor on which each codec's noise prior S is measured
+_PRIOR_SHAPE = (64, 512)
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """A roofline model of one accelerator. Default: H100-like (bf16 dense 790 TFLOP/s at
+    60% efficiency, 3000 GB/s achieved copy bandwidth, 80 GB)."""
+
+    name: str = "H100-like"
+    matmul_tflops: float = 790.0 * 0.6
+    """achieved dense matmul throughput, TFLOP/s"""
+    hbm_gbs: float = 3000.0
+    """achieved memory bandwidth (bytes read + written per second), GB/s"""
+    link_gbs: float = 300.0
+    """achieved per-rank bandwidth of tensor-parallel collectives (NVLink), GB/s"""
+    launch_ms: float = 0.005
+    """fixed cost of one kernel launch"""
+    memory_bytes: int = 80 * 10**9
+    rng_device: str = "cuda"
+    """where dropout masks are drawn: the size of a regenerable mask's generator state"""
+
+    def __post_init__(self) -> None:
+        for f in ("matmul_tflops", "hbm_gbs", "link_gbs"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v > 0 or math.isinf(v):
+                raise ValueError(f"DeviceModel.{f}: expected a positive number, got {v!r}")
+        if isinstance(self.launch_ms, bool) or not isinstance(self.launch_ms, numbers.Real) \
+                or not self.launch_ms >= 0:
+            raise ValueError(f"DeviceModel.launch_ms: expected a number >= 0, got {self.launch_ms!r}")
+        if self.rng_device not in ("cuda", "cpu"):
+            raise ValueError(f"DeviceModel.rng_device: expected 'cuda' or 'cpu', got {self.rng_device!r}")
+
+    @classmethod
+    def cpu(cls) -> "DeviceModel":
+        """A many-core server CPU: ~1 TFLOP/s bf16 matmul, 50 GB/s, gloo between ranks."""
+        return cls(name="CPU-like", matmul_tflops=1.0, hbm_gbs=50.0, link_gbs=5.0,
+                   launch_ms=0.02, memory_bytes=256 * 10**9, rng_device="cpu")
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.matmul_tflops:g} TFLOP/s matmul, {self.hbm_gbs:g} GB/s memory, "
+                f"{self.link_gbs:g} GB/s TP link, {self.memory_bytes / 1e9:g} GB")
+
+    def gemm_ms(self, flops: float) -> float:
+        return flops / (self.matmul_tflops * 1e12) * 1e3 + self.launch_ms
+
+    def mem_ms(self, nbytes: float) -> float:
+        return nbytes / (self.hbm_gbs * 1e9) * 1e3 + self.launch_ms
+
+    def link_ms(self, nbytes: float) -> float:
+        return nbytes / (self.link_gbs * 1e9) * 1e3 + self.launch_ms
+
+
+def _positive_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{what}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def _divides(part: int, whole: int, msg: str) -> None:
+    if whole % part:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a GPT-style model and how it is split, which is all the analytic
+    profile needs. `ffn_hidden_size` None = 4 * hidden; `num_query_groups` None = one per
+    head (no GQA); `gated_linear_unit` = SwiGLU-style MLP (fc1 emits 2 * ffn); `dropout`
+    is both the hidden and the attention dropout; `attention` as in ActConfig."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    micro_batch_size: int
+    ffn_hidden_size: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    vocab_size: int = 50257
+    gated_linear_unit: bool = False
+    activation: str = "gelu"
+    dtype: str = "bf16"
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    dropout: float = 0.0
+    bias: bool = True
+    normalization: str = "LayerNorm"
+    position_embedding: str = "learned_absolute"
+    tie_embeddings: bool = True
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                  "micro_batch_size", "vocab_size", "tp", "pp"):
+            object.__setattr__(self, f, _positive_int(getattr(self, f), f))
+        h, a = self.hidden_size, self.num_attention_heads
+        object.__setattr__(self, "ffn_hidden_size", _positive_int(
+            4 * h if self.ffn_hidden_size is None else self.ffn_hidden_size, "ffn_hidden_size"))
+        object.__setattr__(self, "num_query_groups", _positive_int(
+            a if self.num_query_groups is None else self.num_query_groups, "num_query_groups"))
+        for f in ("gated_linear_unit", "sequence_parallel", "bias", "tie_embeddings"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f}: expected True or False, got {getattr(self, f)!r}")
+        from llm_act.codecs.fewbit import ACTIVATIONS
+
+        for f, allowed in (("activation", ACTIVATIONS), ("dtype", tuple(DTYPES)),
+                           ("normalization", NORMALIZATIONS),
+                           ("position_embedding", POSITION_EMBEDDINGS), ("attention", ATTENTION_MODES)):
+            if getattr(self, f) not in allowed:
+                raise ValueError(f"{f}: expected one of {', '.join(allowed)}, got {getattr(self, f)!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real) \
+                or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: expected a probability in [0, 1), got {self.dropout!r}")
+        g, t = self.num_query_groups, self.tp
+        _divides(a, h, f"hidden_size={h} is not a multiple of num_attention_heads={a}")
+        _divides(g, a, f"num_query_groups={g} does not divide num_attention_heads={a}")
+        _divides(t, a, f"tp={t} does not divide num_attention_heads={a}")
+        _divides(t, g, f"tp={t} does not divide num_query_groups={g}")
+        _divides(t, self.ffn_hidden_size, f"tp={t} does not divide ffn_hidden_size={self.ffn_hidden_size}")
+        _divides(self.pp, self.num_layers, f"pp={self.pp} does not divide num_layers={self.num_layers}")
+        if self.sequence_parallel:
+            _divides(t, self.seq_length,
+                     f"tp={t} does not divide seq_length={self.seq_length} (sequence parallel)")
+
+    # ---- derived sizes ------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def fc1_width(self) -> int:
+        """fc1's output width (both halves under a gated linear unit)."""
+        return self.ffn_hidden_size * (2 if self.gated_linear_unit else 1)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def fused_attention(self) -> bool:
+        """Memory-efficient attention (no softmax site) unless the stock unfused path."""
+        return self.attention != "stock"
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.num_layers // self.pp
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Megatron pads the vocabulary to a multiple of 128 * tp."""
+        m = VOCAB_DIVISOR * self.tp
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def local_seq(self) -> int:
+        """Rows of an [s, b, h] norm/dropout tensor on one rank (split under SP)."""
+        return self.seq_length // self.tp if self.sequence_parallel else self.seq_length
+
+    def with_(self, **changes) -> "ModelShape":
+        """A copy with fields replaced (resolved defaults such as ffn_hidden_size carry over)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _gpt(layers, h, heads, seq=2048, **kw) -> ModelShape:
+    """GPT-2/3 style (Megatron's GPT defaults): GELU, LayerNorm, biases, learned positions,
+    tied embeddings, GPT-2 vocabulary, dropout 0.1."""
+    return ModelShape(layers, h, heads, seq, 1, vocab_size=50257, dropout=0.1, **kw)
+
+
+def _llama(layers, h, heads, groups, ffn) -> ModelShape:
+    """Llama 3: SwiGLU, RMSNorm, GQA, no biases, rotary positions, untied embeddings."""
+    return ModelShape(layers, h, heads, 8192, 1, ffn_hidden_size=ffn, num_query_groups=groups,
+                      vocab_size=128256, gated_linear_unit=True, activation="silu", bias=False,
+                      normalization="RMSNorm", position_embedding="rope", tie_embeddings=False)
+
+
+#: Published shapes (seq_length = the model's context, micro_batch_size 1; override with `with_`).
+MODELS: dict[str, ModelShape] = {
+    "gpt2-medium": _gpt(24, 1024, 16, seq=1024),
+    "gpt-1.3b": _gpt(24, 2048, 16),
+    "gpt-7b": _gpt(32, 4096, 32),
+    "gpt-13b": _gpt(40, 5120, 40),
+    "gpt-175b": _gpt(96, 12288, 96),
+    "llama-8b": _llama(32, 4096, 32, 8, 14336),
+    "llama-70b": _llama(80, 8192, 64, 8, 28672),
+}
+
+
+def model_shape(name: str, **changes) -> ModelShape:
+    """The preset `name` with fields replaced (e.g. seq_length=4096, tp=8)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODELS)}")
+    return MODELS[name].with_(**changes)
+
+
+# ---- codecs: cached instances and noise priors ---------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _codec(name: str, activation: str):
+    return make_codec(name, activation=activation)
+
+
+@functools.lru_cache(maxsize=None)
+def codec_variance(name: str, activation: str = "gelu") -> float:
+    """The prior S(option): `expected_error` of codec `name` on a unit-variance normal
+    float32 tensor of shape (64, 512), drawn from a fixed seed (0 for lossless codecs).
+    Measured profiles replace it; it only ranks codecs against each other."""
+    codec = _codec(name, activation)
+    if codec.lossless:
+        return 0.0
+    x = torch.randn(_PRIOR_SHAPE, generator=torch.Generator().manual_seed(0))
+    return float(codec.expected_error(x))
+
+
+def _allowed(site: str, name: str, shape: ModelShape) -> bool:
+    try:
+        check_choice(site, name)
+    except ValueError:
+        return False
+    # a gated unit's backward needs f(a) itself for the gate's gradient, not only f'(a)
+    return not (name in FEWBIT_CODECS and shape.gated_linear_unit)
+
+
+def _codec_bytes(name: str, dims: tuple[int, ...], dtype: torch.dtype, shape: ModelShape,
+                 device: DeviceModel, outlier_frac: float) -> int:
+    codec = _codec(name, shape.activation)
+    if name == "outlier_int4":
+        channels = dims[-1]
+        n = min(codec.max_outliers(channels), int(round(outlier_frac * channels)))
+        return codec.nbytes_for(dims, dtype, n_outliers=n)
+    if name == "regen":
+        try:
+            return codec.nbytes_for(dims, dtype, device=device.rng_device)
+        except RuntimeError:  # no CUDA here to ask: a philox state is its seed and offset
+            return _PHILOX_STATE_BYTES
+    return codec.nbytes_for(dims, dtype)
+
+
+def _options(site: str, dims, dtype, extra: int, shape: ModelShape, device: DeviceModel,
+             outlier_frac: float) -> tuple[CodecOption, ...]:
+    """Every codec check_choice admits at `site`, with its bytes, times and noise prior.
+    `extra` bytes stay uncompressed beside the codec's record (the logsumexp of attn.out)."""
+    full = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    out = []
+    for name in CODEC_NAMES:
+        if not _allowed(site, name, shape):
+            continue
+        stored = _codec_bytes(name, dims, dtype, shape, device, outlier_frac)
+        if name == "regen":  # nothing to write; backward draws the mask again
+            enc, dec = 0.0, device.mem_ms(full)
+        else:
+            reads = 2 * full if name == "outlier_int4" else full  # + the column-sum pass
+            enc, dec = device.mem_ms(reads + stored), device.mem_ms(stored + full)
+        out.append(CodecOption(name, stored + extra, enc, dec, codec_variance(name, shape.activation)))
+    return tuple(out)
+
+
+# ---- the block ------------------------------------------------------------------------------
+@dataclass
+class _Site:
+    name: str
+    dims: tuple[int, ...]
+    dtype: torch.dtype
+    forward_ms: Optional[float]
+    inputs: tuple[str, ...] = ()
+    extra: int = 0
+
+
+def _collective_bytes(shape: ModelShape, full_bytes: int, kind: str) -> float:
+    """Bytes one rank sends for a TP collective over a tensor of `full_bytes`."""
+    t = shape.tp
+    if t == 1:
+        return 0.0
+    return (2 if kind == "all_reduce" else 1) * (t - 1) / t * full_bytes
+
+
+def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
+    s, b, h = shape.seq_length, shape.micro_batch_size, shape.hidden_size
+    t, d, e = shape.tp, shape.head_dim, shape.elem_bytes
+    a, g = shape.num_attention_heads // t, shape.num_query_groups // t  # per rank
+    f1, f2 = shape.fc1_width // t, shape.ffn_hidden_size // t
+    dt, tokens, sl = shape.torch_dtype, s * b, shape.local_seq
+    hid = (sl, b, h)
+    n_hid = sl * b * h
+    drop = shape.dropout > 0
+    gemm, mem, link = device.gemm_ms, device.mem_ms, device.link_ms
+
+    def gather(nbytes):  # SP: the linear's input is all-gathered from the shards
+        return link(_collective_bytes(shape, nbytes, "all_gather")) if shape.sequence_parallel and t > 1 else 0.0
+
+    norm_ms = mem(2 * n_hid * e)
+    qkv_gather = gather(tokens * h * e)
+    rope = shape.position_embedding == "rope"
+
+    def proj(heads):  # this head group's share of the QKV GEMM (and of its input gather)
+        share = heads / (a + 2 * g)
+        return gemm(2 * tokens * h * heads * d) + share * qkv_gather
+
+    sites = [
+        _Site("ln1.input", hid, dt, None),
+        _Site("attn.qkv_input", hid, dt, norm_ms, ("ln1.input",)),
+        _Site("attn.q", (s, b, a, d), dt, proj(a) + (mem(2 * tokens * a * d * e) if rope else 0.0),
+              ("attn.qkv_input",)),
+        _Site("attn.k", (s, b, g, d), dt, proj(g) + (mem(2 * tokens * g * d * e) if rope else 0.0),
+              ("attn.qkv_input",)),
+        _Site("attn.v", (s, b, g, d), dt, proj(g), ("attn.qkv_input",)),
+    ]
+    scores = b * a * s * s
+    # the memory-efficient kernel draws its attention-dropout mask from the RNG inside the
+    # kernel (a generator state, no tensor): no softmax and no attn.dropout_mask site
+    if shape.fused_attention:
+        # flash-style kernel: QK^T and PV, half of them skipped under the causal mask;
+        # it stores its output and the fp32 logsumexp [b, a, s]
+        sites.append(_Site("attn.out", (s, b, a * d), dt, gemm(4 * scores * d / 2),
+                           ("attn.q", "attn.k", "attn.v"), extra=b * a * s * 4))
+    else:
+        sites.append(_Site("attn.softmax", (b, a, s, s), dt,
+                           gemm(2 * scores * d) + mem(3 * scores * e), ("attn.q", "attn.k")))
+        out_inputs = ("attn.softmax", "attn.v")
+        pv = gemm(2 * scores * d)
+        if drop:
+            sites.append(_Site("attn.dropout_mask", (b, a, s, s), torch.bool, mem(scores)))
+            out_inputs += ("attn.dropout_mask",)
+            pv += mem((2 * e + 1) * scores)
+        sites.append(_Site("attn.out", (s, b, a * d), dt, pv, out_inputs))
+    ln2_inputs = ("ln1.input", "attn.out")
+    bda = 3 * n_hid * e  # bias-dropout-add: read projection and residual, write the sum
+    if drop:
+        sites.append(_Site("attn.hidden_dropout_mask", hid, torch.bool, mem(n_hid)))
+        ln2_inputs += ("attn.hidden_dropout_mask",)
+        bda += n_hid
+    reduce_kind = "reduce_scatter" if shape.sequence_parallel else "all_reduce"
+    reduce = link(_collective_bytes(shape, tokens * h * e, reduce_kind)) if t > 1 else 0.0
+    sites += [
+        _Site("ln2.input", hid, dt, gemm(2 * tokens * a * d * h) + reduce + mem(bda), ln2_inputs),
+        _Site("mlp.fc1_input", hid, dt, norm_ms, ("ln2.input",)),
+        _Site("mlp.act_input", (s, b, f1), dt, gemm(2 * tokens * h * f1) + gather(tokens * h * e),
+              ("mlp.fc1_input",)),
+        _Site("mlp.fc2_input", (s, b, f2), dt, mem(tokens * (f1 + f2) * e), ("mlp.act_input",)),
+    ]
+    if drop:
+        sites.append(_Site("mlp.hidden_dropout_mask", hid, torch.bool, mem(n_hid)))
+    return sites
+
+
+def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
+                  count: int = 1, inflight: int = 1, outlier_frac: float = 0.01,
+                  sensitivity: Optional[Mapping[str, float]] = None) -> BlockProfile:
+    """The saved tensors of one block of `shape` on one TP rank, with every codec the
+    registry admits at each site. `outlier_frac`: the share of channels outlier_int4
+    expects to keep exactly (default 1%). `sensitivity`: per-site c_i (default 1.0 for
+    value sites, 0 for dropout masks), a prior until measured."""
+    device = device or DeviceModel()
+    if isinstance(outlier_frac, bool) or not isinstance(outlier_frac, numbers.Real) \
+            or not 0.0 <= outlier_frac <= 1.0:
+        raise ValueError(f"outlier_frac: expected a fraction in [0, 1], got {outlier_frac!r}")
+    sens = dict(sensitivity or {})
+    profiles = []
+    for st in _sites(shape, device):
+        itemsize = torch.empty((), dtype=st.dtype).element_size()
+        default_c = 0.0 if st.name in MASK_SITES else 1.0
+        profiles.append(SiteProfile(
+            st.name, math.prod(st.dims) * itemsize + st.extra, st.forward_ms, st.inputs,
+            _options(st.name, st.dims, st.dtype, st.extra, shape, device, outlier_frac),
+            sens.pop(st.name, default_c),
+        ))
+    if sens:
+        raise ValueError(f"sensitivity: sites {sorted(sens)} are not in this block "
+                         f"({', '.join(p.name for p in profiles)})")
+    return BlockProfile(tuple(profiles), count=count, inflight=inflight)
+
+
+def stage_blocks(shape: ModelShape, stage: int, device: Optional[DeviceModel] = None,
+                 **kwargs) -> list[BlockProfile]:
+    """The blocks of pipeline stage `stage` (0-based) for `solve_plan`: one entry holding
+    the stage's layers, with pp - stage micro-batches in flight (1F1B)."""
+    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 0 <= stage < shape.pp:
+        raise ValueError(f"stage: expected an int in [0, {shape.pp}), got {stage!r}")
+    return [block_profile(shape, device, count=shape.layers_per_stage,
+                          inflight=shape.pp - int(stage), **kwargs)]
+
+
+def stage_layers(shape: ModelShape, stage: int) -> tuple[int, int]:
+    """(first, last) global layer numbers of a stage, inclusive."""
+    n = shape.layers_per_stage
+    return stage * n, stage * n + n - 1
+
+
+def layer_forward_ms(shape: ModelShape, device: Optional[DeviceModel] = None) -> float:
+    """Estimated forward time of one block: its GEMMs, attention and memory-bound ops."""
+    device = device or DeviceModel()
+    sites = _sites(shape, device)
+    fwd = sum(st.forward_ms for st in sites if st.forward_ms is not None)
+    t, tokens = shape.tp, shape.seq_length * shape.micro_batch_size
+    fc2 = device.gemm_ms(2 * tokens * shape.ffn_hidden_size // t * shape.hidden_size)
+    return fwd + fc2 + device.mem_ms(3 * shape.local_seq * shape.micro_batch_size
+                                     * shape.hidden_size * shape.elem_bytes)  # MLP residual add
+
+
+# ---- outside the blocks, and static memory ---------------------------------------------------
+def outer_bytes(shape: ModelShape, stage: int) -> dict[str, int]:
+    """Activation bytes a stage holds outside its blocks (counted, not planned), all
+    micro-batches in flight included: the embedding's dropout mask on the first stage;
+    the final norm's and output layer's inputs and the fp32 softmax that the
+    vocab-parallel cross entropy saves on the last stage."""
+    if not 0 <= stage < shape.pp:
+        raise ValueError(f"stage: expected an int in [0, {shape.pp}), got {stage!r}")
+    b, e, inflight = shape.micro_batch_size, shape.elem_bytes, shape.pp - stage
+    n_hid = shape.local_seq * b * shape.hidden_size
+    out: dict[str, int] = {}
+    if stage == 0 and shape.dropout > 0:
+        out["embedding.dropout_mask"] = inflight * n_hid
+    if stage == shape.pp - 1:
+        out["final_norm.input"] = inflight * n_hid * e
+        out["output_layer.input"] = inflight * n_hid * e
+        out["loss.logits"] = inflight * shape.seq_length * b * (shape.padded_vocab_size // shape.tp) * 4
+    return out
+
+
+def parameters_per_rank(shape: ModelShape, stage: int) -> int:
+    """Parameters one rank of pipeline stage `stage` holds (Megatron's layout: column/row
+    parallel linears split over TP, norms and row-parallel biases replicated)."""
+    h, t, d = shape.hidden_size, shape.tp, shape.head_dim
+    a, g = shape.num_attention_heads, shape.num_query_groups
+    norm = (2 if shape.normalization == "LayerNorm" else 1) * h
+    qkv_out = (a + 2 * g) * d // t
+    bias = shape.bias
+    layer = (2 * norm
+             + h * qkv_out + (qkv_out if bias else 0)
+             + a * d // t * h + (h if bias else 0)
+             + h * (shape.fc1_width // t) + (shape.fc1_width // t if bias else 0)
+             + shape.ffn_hidden_size // t * h + (h if bias else 0))
+    total = shape.layers_per_stage * layer
+    emb = shape.padded_vocab_size // t * h
+    if stage == 0:
+        total += emb + (shape.seq_length * h if shape.position_embedding == "learned_absolute" else 0)
+    if stage == shape.pp - 1:
+        total += norm
+        if not shape.tie_embeddings or shape.pp > 1:  # its own output weight, or the tied copy
+            total += emb
+    return total
+
+
+def static_bytes(shape: ModelShape, zero_stage: int = 0, dp: int = 1,
+                 stage: Optional[int] = None) -> int:
+    """Weights, gradients, fp32 master weights and Adam moments held by one rank.
+
+    Per parameter: weights in the model dtype; gradients in fp32 for bf16 (Megatron's
+    main_grad) else in the model dtype; an fp32 master copy unless the model is fp32;
+    Adam's two fp32 moments. ZeRO over `dp` ranks shards the optimizer state (stage 1),
+    then the gradients (2), then the weights (3). `stage` None: the largest pipeline stage.
+    """
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, got {zero_stage!r}")
+    dp = _positive_int(dp, "dp")
+    if stage is None:
+        return max(static_bytes(shape, zero_stage, dp, k) for k in range(shape.pp))
+    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 0 <= stage < shape.pp:
+        raise ValueError(f"stage: expected an int in [0, {shape.pp}), got {stage!r}")
+    n = parameters_per_rank(shape, int(stage))
+    e = shape.elem_bytes
+    weights = n * e
+    grads = n * (4 if shape.dtype == "bf16" else e)
+    optim = n * ((0 if shape.dtype == "fp32" else 4) + 8)
+
+    def shard(nbytes: int, from_stage: int) -> int:
+        return -(-nbytes // dp) if zero_stage >= from_stage else nbytes
+
+    return shard(optim, 1) + shard(grads, 2) + shard(weights, 3)

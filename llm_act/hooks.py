@@ -1,0 +1,419 @@
+"""GACT's generic path: encode every activation autograd saves, through saved-tensor hooks.
+
+Models with no compressed layer (plain torch, Hugging Face-style decoders) still save
+their activations through autograd, so one pair of `saved_tensors_hooks` can compress
+all of them (GACT sec. 5.2-5.3): the pack hook encodes a saved tensor with a codec and
+hands autograd a small handle; the unpack hook decodes it in backward.
+
+What the pack hook does with a saved tensor `t`:
+- parameters are kept as they are and not counted: a `Parameter`, a view of one (same
+  storage as a parameter of `module` or of any module that runs inside the context), or
+  an autograd-tracked cast of one (autocast weight copies);
+- floating tensors that require grad are encoded with the codec `codec_for` picks (a
+  fixed name, or a callable deciding by shape/dtype; None or "keep" keeps it); floating
+  tensors that do not require grad (softmax logsumexp, norm statistics, float dropout
+  masks, running stats: GACT's "training states") are kept, unless `require_grad=False`;
+- bool tensors (masks) are bit-packed with `BitMask` (lossless) when `pack_masks`;
+  integer tensors (indices) are kept;
+- tensors with fewer than `min_numel` elements (default 1024) are kept: their scales
+  and bookkeeping would cost about as much as they save.
+
+A storage is encoded once however many ops save it (GACT sec. 5.3): records are keyed by
+the storage (its data pointer, checked alive through a weak reference, and its version
+counter, so an in-place change re-encodes). A saved tensor that covers its whole storage
+(contiguous, transposed or permuted) encodes the storage as one flat buffer, and every
+later view of it is served by re-viewing the decoded buffer; a partial view (Q, K, V of
+one QKV buffer) is encoded on its own, keyed by (offset, shape, stride). A small view kept
+raw whose storage is more than twice its size is cloned, so it does not pin the storage.
+
+In backward a record is decoded lazily, once per storage per backward pass (the decoded
+copy is shared by all its views and dropped when the pass ends). Encoded bytes, and the
+bytes of what is kept raw, are reported to the active `SavedTensorLedger`s, since only the
+innermost `saved_tensors_hooks` fires and the ledger's own hook sees nothing here.
+
+`checkpoint_blocks` (GACT's CB1, Megatron's "full" recompute) lives in
+`llm_act.hooks_checkpoint` and is re-exported here.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.nn.modules import module as _nn_module
+
+from llm_act import ledger as _ledger
+from llm_act.codecs.base import Codec, Encoded
+from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, KEEP, make_codec
+from llm_act.sites import OUTER_SITES, SITES
+
+#: Tensors with fewer elements are kept as they are.
+DEFAULT_MIN_NUMEL = 1024
+#: Codecs that do not reconstruct an arbitrary float tensor (few-bit stores f'(x), regen
+#: draws its own mask) or apply only to masks.
+_NOT_GENERIC = FEWBIT_CODECS | {"regen", "bitmask"}
+
+CodecChoice = Union[str, Callable[[torch.Tensor], Optional[str]]]
+
+#: autograd nodes that only re-view or cast their input (a cast of a parameter is not an
+#: activation).
+_PASS_NODES = (
+    "ToCopyBackward", "ViewBackward", "TBackward", "TransposeBackward", "PermuteBackward",
+    "ExpandBackward", "UnsafeViewBackward", "ReshapeAliasBackward", "AliasBackward",
+    "SliceBackward", "SelectBackward", "SqueezeBackward", "UnsqueezeBackward",
+    "AsStridedBackward", "CloneBackward",
+)
+
+
+def _task_id() -> int:
+    return torch._C._current_graph_task_id()
+
+
+def _check_codec_name(name: Any, what: str) -> Optional[str]:
+    """None for "keep"/None, else a codec name valid for the generic path."""
+    if name is None or name == KEEP:
+        return None
+    if not isinstance(name, str) or name not in CODEC_NAMES:
+        raise ValueError(f"{what}: unknown codec {name!r}; choose 'keep' or one of "
+                         f"{', '.join(n for n in CODEC_NAMES if n not in _NOT_GENERIC)}")
+    if name in _NOT_GENERIC:
+        raise ValueError(f"{what}: codec {name!r} cannot stand for an arbitrary saved tensor "
+                         f"(few-bit and mask codecs apply only to their sites)")
+    return name
+
+
+def _dense_cover(t: torch.Tensor, storage_numel: int) -> bool:
+    """`t` is non-overlapping and dense and spans its whole storage from offset 0."""
+    if t.storage_offset() != 0 or t.numel() != storage_numel or t.numel() == 0:
+        return False
+    expected = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1),
+                               key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _param_cast(t: torch.Tensor) -> bool:
+    """`t` was made from a Parameter by autograd-tracked views or casts only."""
+    node = t.grad_fn
+    for _ in range(8):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return isinstance(node.variable, torch.nn.Parameter)
+        if not name.startswith(_PASS_NODES):
+            return False
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if len(nexts) != 1:
+            return False
+        node = nexts[0]
+    return False
+
+
+@dataclass
+class HookStats:
+    """What one context (one `with`) did. Bytes are counted when saved, not live."""
+
+    encoded: int = 0        #: records encoded
+    encoded_bytes: int = 0  #: their stored bytes (`Encoded.nbytes`)
+    raw_bytes: int = 0      #: bytes of the storages or views they stand for
+    reused: int = 0         #: saves served by an existing record (shared storages)
+    decoded: int = 0        #: decodes in backward (once per record per backward pass)
+    kept: int = 0           #: non-parameter tensors kept as they are
+    kept_bytes: int = 0     #: bytes they hold (their storages, or clones)
+    parameters: int = 0     #: saves of parameters (kept, not counted)
+    by_codec: dict = field(default_factory=dict)  #: codec name -> encoded bytes
+
+
+class _Record:
+    """One encoded storage (flat) or view, decoded at most once per backward pass."""
+
+    __slots__ = ("codec", "enc", "stats", "_cache", "__weakref__")
+
+    def __init__(self, codec: Codec, enc: Encoded, stats: HookStats):
+        self.codec, self.enc, self.stats = codec, enc, stats
+        self._cache: Optional[tuple[int, torch.Tensor]] = None
+
+    def decoded(self) -> torch.Tensor:
+        task = _task_id()
+        cache = self._cache
+        if cache is not None and cache[0] == task:
+            return cache[1]
+        x = self.codec.decode(self.enc)
+        self.stats.decoded += 1
+        if task != -1:  # in backward: share with the other views, drop when the pass ends
+            ref = weakref.ref(self)
+
+            def clear() -> None:
+                rec = ref()
+                if rec is not None:
+                    rec._cache = None
+
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(clear)
+                self._cache = (task, x)
+            except RuntimeError:  # not on the engine's thread: decode again next time
+                pass
+        return x
+
+
+class _Packed:
+    """What autograd holds for an encoded saved tensor: a record and how to view it."""
+
+    __slots__ = ("record", "view")
+
+    def __init__(self, record: _Record, view: Optional[tuple]):
+        self.record, self.view = record, view
+
+    def unpack(self) -> torch.Tensor:
+        x = self.record.decoded()
+        if self.view is None:
+            return x
+        shape, stride, offset = self.view
+        return x.as_strided(shape, stride, offset)
+
+
+class _StorageEntry:
+    __slots__ = ("ref", "version", "flat", "views")
+
+    def __init__(self, ref, version: int):
+        self.ref, self.version = ref, version
+        self.flat: dict[tuple, _Record] = {}   # (dtype, codec) -> record of the whole storage
+        self.views: dict[tuple, _Record] = {}  # (offset, shape, stride, dtype, codec) -> record
+
+
+class SavedTensorCompression:
+    """The context manager behind `compress_saved_tensors`; reusable (not re-entrant).
+
+    Codecs (and their private random streams) persist across `with` blocks; the shared-
+    storage table and `stats` start afresh at each entry.
+    """
+
+    def __init__(self, module: Optional[torch.nn.Module], codec_for: CodecChoice = "int4", *,
+                 min_numel: int = DEFAULT_MIN_NUMEL, require_grad: bool = True,
+                 pack_masks: bool = True, seed: int = 1234, layer: Optional[int] = None,
+                 site: str = _ledger.OTHER):
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module: expected a torch.nn.Module or None, "
+                            f"got {type(module).__name__}")
+        if isinstance(codec_for, str):
+            self._fixed: Optional[str] = _check_codec_name(codec_for, "codec_for")
+            self._choose: Optional[Callable] = None
+        elif callable(codec_for):
+            self._fixed, self._choose = None, codec_for
+        else:
+            raise TypeError(f"codec_for: expected a codec name or a callable, "
+                            f"got {type(codec_for).__name__}")
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel: expected a non-negative int, got {min_numel!r}")
+        if site != _ledger.OTHER and site not in SITES and site not in OUTER_SITES:
+            raise ValueError(f"site: unknown site {site!r}")
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)
+                                  or layer < 0):
+            raise ValueError(f"layer: expected a non-negative int or None, got {layer!r}")
+        self.module = module
+        self.min_numel = min_numel
+        self.require_grad = bool(require_grad)
+        self.pack_masks = bool(pack_masks)
+        self.seed = int(seed)
+        self.layer, self.site = layer, site
+        self.stats = HookStats()
+        self._codecs: dict[str, Codec] = {}
+        self._active = False
+        self._storages: dict[tuple, _StorageEntry] = {}
+        self._params: set[tuple] = set()
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def codec(self, name: str) -> Codec:
+        codec = self._codecs.get(name)
+        if codec is None:
+            codec = self._codecs[name] = make_codec(name, seed=self.seed)
+        return codec
+
+    # ---- context manager -------------------------------------------------------------
+    def __enter__(self) -> "SavedTensorCompression":
+        if self._active:
+            raise RuntimeError("this SavedTensorCompression is already active")
+        self._active = True
+        self.stats = HookStats()
+        self._storages = {}
+        self._params = set()
+        if self.module is not None:
+            for p in self.module.parameters():
+                self._note_param(p)
+        self._pre = _nn_module.register_module_forward_pre_hook(self._module_pre)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._pre.remove()
+        self._storages = {}
+        self._params = set()
+        self._active = False
+
+    # ---- parameters ------------------------------------------------------------------
+    def _note_param(self, p: torch.Tensor) -> None:
+        try:
+            st = p.untyped_storage()
+        except Exception:  # parameters without a storage (meta, some wrappers)
+            return
+        if st.nbytes():
+            self._params.add((st.data_ptr(), p.device))
+
+    def _module_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        for p in module.parameters(recurse=False):
+            self._note_param(p)
+
+    def _is_param(self, t: torch.Tensor, st) -> bool:
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return True
+        if (st.data_ptr(), t.device) in self._params:
+            return True
+        return t.requires_grad and _param_cast(t)
+
+    # ---- pack / unpack ---------------------------------------------------------------
+    def _codec_name(self, t: torch.Tensor) -> Optional[str]:
+        if t.dtype == torch.bool:
+            return "bitmask" if self.pack_masks else None
+        if not t.is_floating_point() or (self.require_grad and not t.requires_grad):
+            return None
+        if self._choose is None:
+            return self._fixed
+        return _check_codec_name(self._choose(t), "codec_for(tensor) returned")
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.layout != torch.strided or t.device.type == "meta":
+            return t
+        try:
+            st = t.untyped_storage()
+        except Exception:  # tensor subclasses without a storage: leave them alone
+            return t
+        if self._is_param(t, st):
+            self.stats.parameters += 1
+            return t
+        name = self._codec_name(t) if t.numel() >= max(self.min_numel, 1) else None
+        if name is None:
+            return self._keep(t, st)
+        return self._encode(t, st, name)
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.unpack() if isinstance(packed, _Packed) else packed
+
+    def _keep(self, t: torch.Tensor, st) -> torch.Tensor:
+        own = t.numel() * t.element_size()
+        if st.nbytes() > 2 * max(own, 1):  # do not pin a large (maybe encoded) storage
+            t = t.detach().clone()
+            nbytes = own
+        else:
+            nbytes = st.nbytes()
+        self.stats.kept += 1
+        self.stats.kept_bytes += nbytes
+        if nbytes:
+            _ledger.report(self.layer, self.site, t, nbytes)
+        return t
+
+    def _entry(self, t: torch.Tensor, st) -> _StorageEntry:
+        key = (st.data_ptr(), t.device)
+        entry = self._storages.get(key)
+        if entry is not None and entry.ref() is st and entry.version == t._version:
+            return entry
+
+        storages = self._storages
+
+        def freed(_ref, key=key):
+            current = storages.get(key)
+            if current is not None and current.ref is _ref:
+                del storages[key]
+
+        entry = self._storages[key] = _StorageEntry(weakref.ref(st, freed), t._version)
+        return entry
+
+    def _encode(self, t: torch.Tensor, st, name: str) -> Any:
+        entry = self._entry(t, st)
+        shape, stride, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
+        flat = entry.flat.get((t.dtype, name))
+        if flat is not None:
+            self.stats.reused += 1
+            return _Packed(flat, (shape, stride, offset))
+        vkey = (offset, shape, stride, t.dtype, name)
+        record = entry.views.get(vkey)
+        if record is not None:
+            self.stats.reused += 1
+            return _Packed(record, None)
+
+        codec = self.codec(name)
+        size = t.element_size()
+        whole = st.nbytes() % size == 0 and _dense_cover(t, st.nbytes() // size)
+        source = t.detach()
+        if whole:
+            source = source.as_strided((t.numel(),), (1,), 0)
+        with torch.no_grad():
+            enc = codec.encode(source)
+        record = _Record(codec, enc, self.stats)
+        if whole:
+            entry.flat[(t.dtype, name)] = record
+            packed = _Packed(record, (shape, stride, offset))
+        else:
+            entry.views[vkey] = record
+            packed = _Packed(record, None)
+        s = self.stats
+        s.encoded += 1
+        s.encoded_bytes += enc.nbytes
+        s.raw_bytes += t.numel() * size
+        s.by_codec[name] = s.by_codec.get(name, 0) + enc.nbytes
+        _ledger.report(self.layer, self.site, enc, enc.nbytes, replaces=t)
+        return packed
+
+
+def compress_saved_tensors(module: Optional[torch.nn.Module] = None,
+                           codec_for: CodecChoice = "int4", **kwargs) -> SavedTensorCompression:
+    """A context manager that encodes every activation autograd saves inside it.
+
+    `module` (or None): its parameters are never encoded (those of any module that runs
+    inside the context are recognised too). `codec_for`: a codec name ("int8", "int4",
+    "fp8_e4m3", ...; "keep" encodes nothing) or a callable `tensor -> name | None`.
+    Keyword options: `min_numel` (default `DEFAULT_MIN_NUMEL`), `require_grad` (keep
+    floating tensors that do not require grad; default True), `pack_masks` (bit-pack bool
+    tensors; default True), `seed` (stochastic rounding), and `layer`/`site` (where the
+    ledger counts the bytes; default (None, "other")). See the module docstring.
+    """
+    return SavedTensorCompression(module, codec_for, **kwargs)
+
+
+class GenericCompression(torch.nn.Module):
+    """`module` whose forward runs inside `compress_saved_tensors(module, codec_for, ...)`.
+
+    Under `torch.no_grad()` no hooks are installed. `.hooks.stats` tells what the last
+    forward encoded. The wrapped module is `.module` (state-dict keys gain "module.").
+    """
+
+    def __init__(self, module: torch.nn.Module, codec_for: CodecChoice = "int4", **kwargs):
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.hooks = SavedTensorCompression(module, codec_for, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled() or self.hooks.active:
+            return self.module(*args, **kwargs)
+        with self.hooks:
+            return self.module(*args, **kwargs)
+
+
+from llm_act.hooks_checkpoint import CheckpointHandle, checkpoint_blocks  # noqa: E402
+
+__all__ = [
+    "DEFAULT_MIN_NUMEL", "CheckpointHandle", "GenericCompression", "HookStats",
+    "SavedTensorCompression", "checkpoint_blocks", "compress_saved_tensors",
+]

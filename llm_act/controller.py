@@ -1,0 +1,251 @@
+"""`Controller`: owns the plan and the codecs, and switches plans only between iterations.
+
+The compressed modules (the `ActModule` protocol) each hold a site -> codec table; the
+Controller fills those tables from its plan. It builds every codec itself (one instance per
+layer, site and codec name, seeded from `ActConfig.seed`, the layer and the site) and hands
+the same instance to the module, so each codec's random stream lives in exactly one place
+and `state_dict()` captures it. A plan asked for with `set_plan` is applied at the next
+step boundary (entering or leaving `with controller.step():`, or after `optimizer.step()`
+when `attach_optimizer` was used), never in the middle of an iteration: a forward and its
+backward always see the same codecs. Plans are fixed in this issue; the planner and the
+adaptive re-planning of issue 5 drive `set_plan` later.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping, Optional
+
+from llm_act import plans
+from llm_act.codecs.base import Codec
+from llm_act.codecs.registry import KEEP, make_codec
+from llm_act.config import ActConfig
+from llm_act.sites import SITES
+
+#: distance between the codec seeds of consecutive layers (more than the number of sites)
+SEED_STRIDE = 1000
+
+
+def codec_seed(base: int, layer: int, site: str) -> int:
+    """The seed of the codec at (layer, site): stable across runs, ranks and plan switches."""
+    return int(base) + SEED_STRIDE * int(layer) + SITES.index(site)
+
+
+class Controller:
+    """Holds the current per-layer plan and the codec instances; see the module docstring.
+
+    `modules` maps a global 0-based layer index to {site: the module that stores it}
+    (what `swap.convert_layer` returns); `num_layers` is the model's total layer count
+    (JSON plans cover all layers, also on a pipeline stage that holds a few). A Controller
+    with no modules (config.enabled False) does nothing but count iterations.
+    """
+
+    def __init__(
+        self,
+        config: Optional[ActConfig] = None,
+        modules: Optional[Mapping[int, Mapping[str, Any]]] = None,
+        num_layers: Optional[int] = None,
+    ):
+        if config is None:
+            config = ActConfig()
+        if not isinstance(config, ActConfig):
+            raise TypeError(f"config: expected an llm_act.ActConfig, got {type(config).__name__}")
+        self.config = config
+        self._modules: dict[int, dict[str, Any]] = {
+            int(i): dict(sites) for i, sites in (modules or {}).items()
+        }
+        for i, sites in self._modules.items():
+            for site in sites:
+                if site not in SITES:
+                    raise ValueError(f"modules[{i}]: unknown site {site!r}")
+        if num_layers is None:
+            num_layers = max(self._modules, default=-1) + 1
+        self.num_layers = int(num_layers)
+        self._codecs: dict[tuple[int, str, str], Codec] = {}
+        self._plan: plans.Plan = {}
+        self._pending: Optional[plans.Plan] = None
+        self._in_step = False
+        self._hooks: list[Any] = []
+        self.iteration = 0
+        if self.enabled:
+            self._apply(plans.resolve(config, self.num_layers, self._modules, self._no_fewbit()))
+
+    # ---- what it controls ---------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        """False when there is nothing to control (disabled config or no compressed layer)."""
+        return self.config.enabled and bool(self._modules)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The global layer indices this controller drives (this pipeline stage's)."""
+        return tuple(sorted(self._modules))
+
+    @property
+    def plan(self) -> plans.Plan:
+        """The plan in force now, {layer: {site: choice}} (a copy)."""
+        return {i: dict(c) for i, c in self._plan.items()}
+
+    @property
+    def pending_plan(self) -> Optional[plans.Plan]:
+        """A plan asked for with `set_plan` that waits for the next step boundary."""
+        return None if self._pending is None else {i: dict(c) for i, c in self._pending.items()}
+
+    def module(self, layer: int, site: str) -> Any:
+        """The module that stores `site` of `layer` (KeyError if none)."""
+        return self._modules[layer][site]
+
+    def codec(self, layer: int, site: str) -> Optional[Codec]:
+        """The codec in force at (layer, site), None when kept."""
+        name = self._plan.get(layer, {}).get(site, KEEP)
+        if name == KEEP:
+            return None
+        return self._codecs[(layer, site, name)]
+
+    # ---- switching plans -----------------------------------------------------------------
+    def set_plan(self, plan: plans.PlanLike) -> None:
+        """Ask for `plan` ("keep", "compress", "auto", a JSON plan path or dict, a list of
+        per-layer choices, or {layer: {site: choice}}); it is validated now and applied at the
+        next step boundary -- or at once while nothing drives iterations yet (no step() run,
+        no optimizer attached), since no iteration can then be in flight. `ActConfig.codecs`
+        overrides are not re-applied: the plan is taken as given."""
+        if not self.enabled:
+            return
+        self._pending = plans.plan_from(plan, self.num_layers, self._modules, self._no_fewbit())
+        if not self._in_step and not self._driven:
+            # nobody drives iterations yet: there is no iteration to protect
+            self._apply_pending()
+
+    @property
+    def _driven(self) -> bool:
+        return self.iteration > 0 or bool(self._hooks)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator["Controller"]:
+        """`with controller.step(): forward/backward/optimizer step` -- one iteration.
+
+        A pending plan takes effect on entry; on a clean exit the iteration counter advances
+        (and a plan asked for during the step takes effect then).
+        """
+        if self._in_step:
+            raise RuntimeError("controller.step() is already active: steps do not nest")
+        self._apply_pending()
+        self._in_step = True
+        try:
+            yield self
+        finally:
+            self._in_step = False
+        self._advance()
+
+    def attach_optimizer(self, optimizer: Any) -> Any:
+        """Advance one iteration after every `optimizer.step()` (for loops that never call
+        `step()`); returns the hook handle (`.remove()` detaches). Inside `with step():` the
+        hook does nothing, so the two ways never double-count."""
+        target = optimizer
+        if not hasattr(target, "register_step_post_hook"):
+            target = getattr(optimizer, "optimizer", None)  # megatron's optimizer wrappers
+        if target is None or not hasattr(target, "register_step_post_hook"):
+            raise TypeError(
+                f"optimizer: expected a torch.optim.Optimizer (or a wrapper holding one in "
+                f".optimizer), got {type(optimizer).__name__}"
+            )
+
+        def hook(*_args: Any, **_kwargs: Any) -> None:
+            if not self._in_step:
+                self._advance()
+
+        handle = target.register_step_post_hook(hook)
+        self._hooks.append(handle)
+        return handle
+
+    def _advance(self) -> None:
+        self.iteration += 1
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        if self._pending is not None:
+            plan, self._pending = self._pending, None
+            self._apply(plan)
+
+    def _apply(self, plan: plans.Plan) -> None:
+        """Give every module the codec of its (layer, site); build codecs on first use."""
+        for layer, stored in self._modules.items():
+            choice = plan.get(layer, {})
+            for site, module in stored.items():
+                name = choice.get(site, KEEP)
+                module.set_act_codec(site, None if name == KEEP else self._get_codec(layer, site, name))
+        self._plan = {layer: dict(plan.get(layer, plans.keep_layer())) for layer in self._modules}
+
+    def _get_codec(self, layer: int, site: str, name: str) -> Codec:
+        key = (layer, site, name)
+        codec = self._codecs.get(key)
+        if codec is None:
+            kwargs = {}
+            if site == "mlp.act_input":
+                kwargs["activation"] = self._activation(layer, site)
+            codec = make_codec(name, seed=codec_seed(self.config.seed, layer, site), **kwargs)
+            self._codecs[key] = codec
+        return codec
+
+    def _no_fewbit(self) -> set[int]:
+        """Layers whose MLP activation takes no few-bit codec (the module says so with
+        `act_activation = None`): "compress" gives them a value codec there."""
+        out = set()
+        for layer, stored in self._modules.items():
+            module = stored.get("mlp.act_input")
+            if module is not None and hasattr(module, "act_activation") and module.act_activation is None:
+                out.add(layer)
+        return out
+
+    def _activation(self, layer: int, site: str) -> str:
+        """The activation whose derivative a few-bit codec at `site` tabulates."""
+        name = getattr(self._modules[layer][site], "act_activation", None)
+        return name if isinstance(name, str) else "gelu"
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Iteration, plan (in force and pending) and every codec's generator state."""
+        return {
+            "version": 1,
+            "iteration": self.iteration,
+            "plan": _plan_to_state(self._plan),
+            "pending": None if self._pending is None else _plan_to_state(self._pending),
+            "codecs": {
+                f"{layer}/{site}/{name}": codec.state_dict()
+                for (layer, site, name), codec in self._codecs.items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict()` saved; the saved plan takes effect now (between
+        iterations), so the next forward encodes exactly as the saved run would have."""
+        if self._in_step:
+            raise RuntimeError("load_state_dict: not allowed inside controller.step()")
+        if not isinstance(state, Mapping) or state.get("version") != 1:
+            raise ValueError("state: expected a Controller.state_dict() (version 1)")
+        self.iteration = int(state["iteration"])
+        if not self.enabled:
+            return
+        for key, codec_state in state.get("codecs", {}).items():
+            layer, site, name = key.split("/")
+            if int(layer) in self._modules:
+                self._get_codec(int(layer), site, name).load_state_dict(codec_state)
+        saved = _plan_from_state(state["plan"])
+        self._apply(plans.plan_from(saved, self.num_layers, self._modules))
+        pending = state.get("pending")
+        self._pending = (
+            None if pending is None
+            else plans.plan_from(_plan_from_state(pending), self.num_layers, self._modules)
+        )
+
+    def __repr__(self) -> str:
+        if not self.enabled:
+            return f"Controller(disabled, iteration={self.iteration})"
+        return f"Controller(iteration={self.iteration}, layers={list(self.layers)},\n{plans.describe(self._plan)})"
+
+
+def _plan_to_state(plan: plans.Plan) -> dict[str, dict[str, str]]:
+    return {str(i): dict(c) for i, c in plan.items()}
+
+
+def _plan_from_state(plan: Mapping[str, Mapping[str, str]]) -> dict[int, dict[str, str]]:
+    return {int(i): dict(c) for i, c in plan.items()}

@@ -1,0 +1,98 @@
+"""The protocol every compressed megatron-core module follows (`ActModule` mixin).
+
+A compressed module is a stock megatron-core module whose class was swapped in place
+(`Cls.from_stock(module)`), so parameters and state_dict keys stay the stock ones. It
+stores one or more *sites* (names from `llm_act.sites`); the Controller hands each site a
+shared codec instance (or None = "keep"). With every codec None, under `torch.no_grad()`
+or in eval mode the module runs the stock code path: same math, same op order, same RNG
+consumption. Modules never build codecs: the Controller owns them (one generator state).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llm_act.codecs.base import Codec
+from llm_act.sites import check_site
+
+
+class ActModule:
+    """Mixin: site -> codec table, the stock/compressed switch and ledger reporting."""
+
+    #: the sites this module stores (an instance may narrow it, e.g. one linear = one site)
+    ACT_SITES: tuple[str, ...] = ()
+
+    # ---- conversion --------------------------------------------------------------------
+    @classmethod
+    def from_stock(cls, module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        """Turn a stock instance into `cls` in place (parameters untouched) and return it."""
+        stock = [b for b in cls.__bases__ if not issubclass(b, ActModule)]
+        if stock and not isinstance(module, tuple(stock)):
+            raise TypeError(
+                f"{cls.__name__}.from_stock needs a {stock[0].__name__}, "
+                f"got {type(module).__name__}"
+            )
+        module.__class__ = cls
+        cls._act_init(module, **kwargs)
+        return module
+
+    def _act_init(self, **kwargs: Any) -> None:
+        """Initialise the act_* fields (also called by apply after a class swap)."""
+        if kwargs:
+            raise TypeError(
+                f"{type(self).__name__}._act_init got unexpected arguments {sorted(kwargs)}"
+            )
+        self.act_layer: int | None = getattr(self, "act_layer", None)
+        self.act_codecs: dict[str, Codec | None] = {s: None for s in self.ACT_SITES}
+
+    # ---- the codec table ---------------------------------------------------------------
+    #: sites an instance built without a site (e.g. from a ModuleSpec) may be bound to by
+    #: its first `set_act_codec` (one class serving several sites: linears, norms)
+    ACT_BINDABLE: tuple[str, ...] = ()
+
+    def set_act_codec(self, site: str, codec: Codec | None) -> None:
+        check_site(site)
+        if not self.ACT_SITES and site in self.ACT_BINDABLE:
+            self.ACT_SITES = (site,)
+            self.act_site = site
+            self.act_codecs = {site: None}
+        if site not in self.ACT_SITES:
+            raise ValueError(
+                f"{type(self).__name__} stores sites {self.ACT_SITES}, not site {site!r}"
+            )
+        if codec is not None and not isinstance(codec, Codec):
+            raise TypeError(f"codec for site {site!r} must be a Codec or None, got {codec!r}")
+        self.act_codecs[site] = codec
+
+    def act_codec(self, site: str, *tensors: torch.Tensor | None) -> Codec | None:
+        """The codec to use for `site` in this forward, or None for the stock path.
+
+        None under torch.no_grad(), in eval mode, when the site is kept, or when none of
+        `tensors` (if given: the op's differentiable inputs) requires grad.
+        """
+        if not (self.training and torch.is_grad_enabled()):
+            return None
+        if tensors and not any(t is not None and t.requires_grad for t in tensors):
+            return None
+        return self.act_codecs.get(site)
+
+    def act_compressing(self) -> bool:
+        """True when at least one site of this module is encoded in this forward."""
+        return any(self.act_codec(s) is not None for s in self.ACT_SITES)
+
+    # ---- ledger ------------------------------------------------------------------------
+    def act_report(self, site: str, record, nbytes: int, replaces: torch.Tensor | None = None) -> None:
+        """Tell the active ledgers that `site` of this layer stores `record` (`nbytes`)."""
+        report_to_ledger(self.act_layer, site, record, nbytes, replaces)
+
+
+def report_to_ledger(layer, site: str, record, nbytes: int, replaces=None) -> None:
+    """Count `record` (an `Encoded` or an object with a `.data` dict of tensors, held by
+    the autograd context until backward) at (layer, site) in every active ledger.
+
+    `replaces` is the raw tensor the record stands for. A no-op without an active ledger.
+    """
+    from llm_act import ledger
+
+    ledger.report(layer, site, record, int(nbytes), replaces=replaces)

@@ -1,0 +1,129 @@
+"""`apply(model, config) -> Controller`: compress a megatron-core model in place.
+
+Works on anything holding megatron-core `TransformerLayer`s -- a `GPTModel`, a
+`TransformerBlock`, a list of pipeline chunks, or those wrapped in `Float16Module` / DDP --
+by walking `modules()`. Each layer's storing modules are converted in place
+(`swap.convert_layer`: class swaps, parameters and state_dict keys untouched) and handed to
+a `Controller` under the layer's global 0-based index (`layer_number - 1`, which megatron
+already offsets by the pipeline stage). Nothing here draws random numbers, and with plan
+"keep" every converted module runs its stock code path, so results and RNG consumption
+are those of the stock model. `embedding.*` and `loss.logits` need nothing here: the
+ledger attributes what the embedding and the output layer / loss save by module.
+
+Megatron-core is imported only when `apply` is called (this module imports with torch only).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Union
+
+import torch
+
+from llm_act._imports import require
+from llm_act.config import ActConfig
+from llm_act.controller import Controller
+
+
+def as_config(config: Union[ActConfig, dict, None]) -> ActConfig:
+    """An `ActConfig` from an ActConfig, a dict (`ActConfig.from_dict`) or None (defaults)."""
+    if config is None:
+        return ActConfig()
+    if isinstance(config, ActConfig):
+        return config
+    if isinstance(config, dict):
+        return ActConfig.from_dict(config)
+    raise TypeError(f"config: expected an llm_act.ActConfig, a dict or None, got {type(config).__name__}")
+
+
+def _roots(model: Any) -> list[torch.nn.Module]:
+    items = list(model) if isinstance(model, (list, tuple)) else [model]
+    for i, item in enumerate(items):
+        if not isinstance(item, torch.nn.Module):
+            raise TypeError(
+                f"model: expected a torch.nn.Module or a list of them (pipeline chunks), "
+                f"got {type(item).__name__}" + (f" at index {i}" if len(items) > 1 else "")
+            )
+    return items
+
+
+def _all_modules(roots: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    seen: set[int] = set()
+    out = []
+    for root in roots:
+        for m in root.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+    return out
+
+
+def transformer_layers(model: Any) -> list[torch.nn.Module]:
+    """The megatron-core TransformerLayers held by `model` (a module or a list of modules)."""
+    require("megatron.core", "llm_act.patches.megatron.apply")
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [m for m in _all_modules(_roots(model)) if isinstance(m, TransformerLayer)]
+
+
+def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller:
+    """Convert every TransformerLayer of `model` in place and return its `Controller`.
+
+    `config.enabled` False: the model is left untouched and the Controller does nothing.
+    Unsupported features (Transformer Engine, MoE, MLA, context parallel, CUDA graphs,
+    torch.compile, Megatron's recompute_granularity) raise a clear error before anything
+    is changed. Calling `apply` again on the same model raises: change plans through the
+    Controller (`set_plan`) instead. A model built with `layer_spec(...)` already holds the
+    compressed classes; `apply` then only binds them to a Controller.
+    """
+    config = as_config(config)
+    roots = _roots(model)
+    if not config.enabled:
+        return Controller(config)
+    require("megatron.core", "llm_act.patches.megatron.apply")
+    from llm_act.patches.megatron import cpu_shim, unsupported
+
+    if config.attention in ("sdpa", "chunked"):
+        raise NotImplementedError(
+            f"attention={config.attention!r}: llm_act's memory-efficient attention is not "
+            "available yet (issue 4); attention stays stock megatron-core -- use "
+            "attention='auto' or 'stock'"
+        )
+
+    cpu_shim.install()
+    layers = transformer_layers(roots)
+    if not layers:
+        raise ValueError(
+            f"model: no megatron-core TransformerLayer found in {type(model).__name__}; apply "
+            "takes a GPTModel, a TransformerBlock, a list of pipeline chunks, or those wrapped "
+            "in Float16Module / DistributedDataParallel"
+        )
+    for layer in layers:
+        if getattr(layer, "_llm_act_controller", None) is not None:
+            raise ValueError(
+                f"model: layer {layer.layer_number} was already converted by apply(); switch "
+                "plans with the Controller it returned (controller.set_plan(...))"
+            )
+    tconfigs = {id(layer.config): layer.config for layer in layers}
+    for tconfig in tconfigs.values():
+        unsupported.check_transformer_config(tconfig, config)
+    unsupported.check_modules(_all_modules(roots))
+    unsupported.check_context_parallel()
+    num_layers = max(int(getattr(c, "num_layers", 0) or 0) for c in tconfigs.values())
+
+    from llm_act.patches.megatron.swap import convert_layer
+
+    modules: dict[int, dict[str, Any]] = {}
+    for layer in layers:
+        index = int(layer.layer_number) - 1
+        if index in modules:
+            raise ValueError(
+                f"model: two TransformerLayers have layer_number {index + 1}; apply needs "
+                "megatron's global layer numbers to tell layers apart"
+            )
+        modules[index] = convert_layer(layer, index)
+    num_layers = max(num_layers, max(modules) + 1)
+    controller = Controller(config, modules, num_layers=num_layers)
+    for layer in layers:
+        unsupported.guard_compile(layer)
+        layer._llm_act_controller = controller
+    return controller
+

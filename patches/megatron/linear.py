@@ -1,0 +1,76 @@
+"""Column- and row-parallel linears that save their input encoded (one site each).
+
+Subclasses of megatron-core's `ColumnParallelLinear` / `RowParallelLinear` with the same
+constructor and parameters (state_dict keys unchanged). Only `_forward_impl`, the
+matmul-with-communication call, is replaced: with the site kept (or no grad / eval) it is
+the stock call, otherwise `EncodedLinear`. One class serves several sites, so the site is
+given by `from_stock(module, site=...)` or the `act_site` constructor keyword.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+from llm_act._imports import require
+from llm_act.patches.megatron.act_module import ActModule
+from llm_act.patches.megatron.functions import EncodedLinear
+from llm_act.sites import check_site
+
+require("megatron.core", "llm_act.patches.megatron.linear")
+from megatron.core.tensor_parallel import layers as _layers  # noqa: E402
+from megatron.core.tensor_parallel.layers import (  # noqa: E402
+    ColumnParallelLinear,
+    RowParallelLinear,
+)
+
+LINEAR_SITES = ("attn.qkv_input", "attn.out", "mlp.fc1_input", "mlp.fc2_input")
+_IMPL_SIG = inspect.signature(_layers.linear_with_grad_accumulation_and_async_allreduce)
+
+
+class _ActLinear(ActModule):
+    """Shared part of the two linears: the site and the compressed `_forward_impl`."""
+
+    ACT_BINDABLE = LINEAR_SITES
+
+    def _act_init(self, site: Optional[str] = None) -> None:
+        if site is not None:
+            check_site(site)
+            if site not in LINEAR_SITES:
+                raise ValueError(f"site: a linear stores one of {LINEAR_SITES}, got {site!r}")
+        self.ACT_SITES = (site,) if site is not None else ()
+        self.act_site = site
+        ActModule._act_init(self)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        site = self.act_site
+        codec = self.act_codec(site, input, weight) if site is not None else None
+        if codec is None or not weight.requires_grad:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        a = _IMPL_SIG.bind(input, weight, *args, **kwargs).arguments
+        if a.get("sequence_parallel"):
+            raise NotImplementedError(
+                f"site {site!r}: compressing a linear's input under sequence parallelism "
+                "(compressed all-gather) is not implemented yet; keep this site")
+        if a.get("grad_output_buffer") is not None:
+            raise NotImplementedError(
+                f"site {site!r}: deferred embedding wgrad compute is not supported with compression")
+        tp_group = _layers.get_tensor_model_parallel_group_if_none(a.get("tp_group"))
+        return EncodedLinear.apply(
+            input, weight, a.get("bias"), a["gradient_accumulation_fusion"],
+            a["allreduce_dgrad"], tp_group, codec, self, site)
+
+
+class ActColumnParallelLinear(_ActLinear, ColumnParallelLinear):
+    """ColumnParallelLinear whose saved input is encoded by its site's codec."""
+
+    def __init__(self, *args: Any, act_site: Optional[str] = None, **kwargs: Any):
+        ColumnParallelLinear.__init__(self, *args, **kwargs)
+        self._act_init(site=act_site)
+
+
+class ActRowParallelLinear(_ActLinear, RowParallelLinear):
+    """RowParallelLinear (input already split over TP) whose saved input is encoded."""
+
+    def __init__(self, *args: Any, act_site: Optional[str] = None, **kwargs: Any):
+        RowParallelLinear.__init__(self, *args, **kwargs)
+        self._act_init(site=act_site)

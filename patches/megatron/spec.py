@@ -1,0 +1,143 @@
+"""`layer_spec(config)`: megatron-core's local GPT layer spec with llm_act's classes in the slots.
+
+A model built from it is what `apply` makes of a model built from the local spec: the
+same parameters (same initialisation, same state_dict keys), the compressed classes in
+place, every site "keep" until `apply(model, config)` binds the layers to a Controller.
+It is also the way to build a *sequence-parallel* model on CPU: megatron's own norm
+without apex (`WrappedTorchNorm`) refuses sequence parallelism, ours does not. The
+block's final norm is not part of a layer spec; `block_spec(...)` returns the whole block
+(layers + our final norm), which `GPTModel(transformer_layer_spec=...)` also accepts.
+
+Megatron-core is imported only when a spec is requested.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+from llm_act._imports import require
+from llm_act.config import ActConfig
+
+
+class ActNorm:
+    """Spec slot for a norm: builds `ActLayerNorm` or `ActRMSNorm` after
+    `config.normalization` (megatron's norm builder signature). A class, because
+    `build_module` would return a plain function uncalled."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        from llm_act.patches.megatron.norm import act_norm
+
+        return act_norm(config, hidden_size, eps, **kwargs)
+
+
+_REJECTED_KWARGS = {
+    "num_experts": "MoE layers are not supported by llm_act yet",
+    "multi_latent_attention": "multi-latent attention (MLA) is not supported by llm_act yet",
+    "use_kitchen": "NVIDIA Kitchen quantized modules are not supported by llm_act yet",
+}
+
+
+def layer_spec(
+    config: Union[ActConfig, dict, None] = None,
+    transformer_config: Any = None,
+    **local_spec_kwargs: Any,
+):
+    """The `ModuleSpec` of a GPT TransformerLayer equivalent to `apply` on
+    `get_gpt_layer_local_spec(**local_spec_kwargs)` (e.g. `normalization="RMSNorm"`,
+    `qk_layernorm=True`). `config`: the ActConfig (checked for unsupported combinations
+    with `transformer_config` when given); with `config.enabled` False the stock local spec
+    is returned. Build the model, then `controller = apply(model, config)`.
+    """
+    require("megatron.core", "llm_act.patches.megatron.layer_spec")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from llm_act.patches.megatron import cpu_shim, unsupported
+    from llm_act.patches.megatron.apply import as_config
+
+    config = as_config(config)
+    for key, why in _REJECTED_KWARGS.items():
+        if local_spec_kwargs.get(key):
+            raise NotImplementedError(f"layer_spec({key}={local_spec_kwargs[key]!r}): {why}")
+    unsupported.check_transformer_config(transformer_config, config)
+    stock = get_gpt_layer_local_spec(**local_spec_kwargs)
+    if not config.enabled:
+        return stock
+    cpu_shim.install()
+
+    from llm_act.patches.megatron.dropout import ActBiasDropoutAdd
+    from llm_act.patches.megatron.linear import ActColumnParallelLinear, ActRowParallelLinear
+
+    def slot(module: type, site: str) -> ModuleSpec:
+        return ModuleSpec(module=module, params={"act_site": site})
+
+    layer = stock.submodules
+    attn = layer.self_attention
+    mlp = layer.mlp
+    if mlp.module.__name__ != "MLP":
+        raise NotImplementedError(f"layer_spec: the local spec's MLP is {mlp.module.__name__}; only the dense MLP is supported")
+    attn_sub = dataclasses.replace(
+        attn.submodules,
+        linear_qkv=slot(ActColumnParallelLinear, "attn.qkv_input"),
+        linear_proj=slot(ActRowParallelLinear, "attn.out"),
+    )
+    mlp_sub = dataclasses.replace(
+        mlp.submodules,
+        linear_fc1=slot(ActColumnParallelLinear, "mlp.fc1_input"),
+        linear_fc2=slot(ActRowParallelLinear, "mlp.fc2_input"),
+    )
+    submodules = dataclasses.replace(
+        layer,
+        input_layernorm=slot(ActNorm, "ln1.input"),
+        self_attention=dataclasses.replace(attn, submodules=attn_sub),
+        self_attn_bda=ModuleSpec(
+            module=ActBiasDropoutAdd,
+            params={"stock": layer.self_attn_bda, "site": "attn.hidden_dropout_mask"},
+        ),
+        pre_mlp_layernorm=slot(ActNorm, "ln2.input"),
+        # the MLP class itself stays megatron's: TransformerLayer passes the TP group only to
+        # `MLP` exactly; `apply` swaps it to ActMLP in place (its site is bound there)
+        mlp=dataclasses.replace(mlp, submodules=mlp_sub),
+        mlp_bda=ModuleSpec(
+            module=ActBiasDropoutAdd,
+            params={"stock": layer.mlp_bda, "site": "mlp.hidden_dropout_mask"},
+        ),
+    )
+    return dataclasses.replace(stock, submodules=submodules)
+
+
+def block_spec(
+    config: Union[ActConfig, dict, None] = None,
+    transformer_config: Any = None,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+    **local_spec_kwargs: Any,
+):
+    """A `ModuleSpec` of the whole TransformerBlock: this rank's layers from `layer_spec`
+    and the final norm built by `ActNorm` (no site: it runs stock, but accepts sequence
+    parallelism). Needs megatron's parallel state (it counts this stage's layers)."""
+    require("megatron.core", "llm_act.patches.megatron.block_spec")
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    from llm_act.patches.megatron.apply import as_config
+
+    if transformer_config is None:
+        raise ValueError("transformer_config: block_spec needs the model's TransformerConfig, got None")
+    layer = layer_spec(config, transformer_config, **local_spec_kwargs)
+    if not as_config(config).enabled:
+        from megatron.core.transformer.transformer_block import LayerNormImpl
+
+        norm: Any = LayerNormImpl
+    else:
+        norm = ActNorm
+    count = get_num_layers_to_build(transformer_config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=norm),
+    )
+

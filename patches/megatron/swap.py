@@ -1,0 +1,91 @@
+"""`convert_layer`: turn a stock megatron-core TransformerLayer's modules into Act ones.
+
+The registry `apply` uses: each stored site of a block -> the module that stores it,
+converted in place (class swap, parameters untouched), so state_dict keys do not change.
+Attention internals (q/k/v, softmax, attention dropout) stay stock here.
+"""
+from __future__ import annotations
+
+import torch
+
+from llm_act._imports import require
+from llm_act.patches.megatron.act_module import ActModule
+from llm_act.patches.megatron.dropout import ActBiasDropoutAdd
+from llm_act.patches.megatron.linear import ActColumnParallelLinear, ActRowParallelLinear
+from llm_act.patches.megatron.mlp import ActMLP
+from llm_act.patches.megatron.norm import ActLayerNorm, ActRMSNorm
+
+require("megatron.core", "llm_act.patches.megatron.swap")
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp  # noqa: E402
+from megatron.core.transformer.mlp import MLP  # noqa: E402
+
+
+def _norm(module: torch.nn.Module, site: str):
+    if isinstance(module, (ActLayerNorm, ActRMSNorm)):
+        module._act_init(site=site)
+        return module
+    if type(module) is torch.nn.LayerNorm:
+        return ActLayerNorm.from_stock(module, site=site)
+    if type(module) is torch.nn.RMSNorm:
+        return ActRMSNorm.from_stock(module, site=site)
+    raise TypeError(
+        f"{site}: cannot compress a {type(module).__module__}.{type(module).__name__}; "
+        "llm_act converts torch.nn.LayerNorm / torch.nn.RMSNorm (megatron's WrappedTorchNorm)")
+
+
+def _linear(module: torch.nn.Module, site: str, column: bool):
+    cls, stock = (ActColumnParallelLinear, ColumnParallelLinear) if column else (ActRowParallelLinear, RowParallelLinear)
+    if isinstance(module, cls):
+        module._act_init(site=site)
+        return module
+    if type(module) is not stock:
+        raise TypeError(
+            f"{site}: cannot compress a {type(module).__module__}.{type(module).__name__}; "
+            f"llm_act converts megatron-core's {stock.__name__} (local spec)")
+    return cls.from_stock(module, site=site)
+
+
+def _is_identity(module) -> bool:
+    return module is None or isinstance(module, (IdentityOp, IdentityFuncOp))
+
+
+def convert_layer(layer: torch.nn.Module, layer_index: int) -> dict[str, ActModule]:
+    """Convert `layer` (a TransformerLayer) in place; return site -> the module storing it.
+
+    Idempotent (a converted layer is re-initialised: every site back to "keep").
+    Sites whose module is an identity (e.g. no pre-MLP norm) are left out.
+    """
+    if isinstance(layer_index, bool) or not isinstance(layer_index, int) or layer_index < 0:
+        raise ValueError(f"layer_index: expected a non-negative int, got {layer_index!r}")
+    sites: dict[str, ActModule] = {}
+    if not _is_identity(layer.input_layernorm):
+        sites["ln1.input"] = _norm(layer.input_layernorm, "ln1.input")
+    attn = layer.self_attention
+    sites["attn.qkv_input"] = _linear(attn.linear_qkv, "attn.qkv_input", column=True)
+    sites["attn.out"] = _linear(attn.linear_proj, "attn.out", column=False)
+    if not _is_identity(layer.pre_mlp_layernorm):
+        sites["ln2.input"] = _norm(layer.pre_mlp_layernorm, "ln2.input")
+    mlp = layer.mlp
+    if not isinstance(mlp, MLP):
+        raise TypeError(
+            f"mlp: cannot compress a {type(mlp).__module__}.{type(mlp).__name__} "
+            "(MoE layers are not supported)")
+    if not isinstance(mlp, ActMLP):
+        ActMLP.from_stock(mlp)
+    else:
+        mlp._act_init()
+    sites["mlp.act_input"] = mlp
+    sites["mlp.fc1_input"] = _linear(mlp.linear_fc1, "mlp.fc1_input", column=True)
+    sites["mlp.fc2_input"] = _linear(mlp.linear_fc2, "mlp.fc2_input", column=False)
+    for attr, site in (("self_attn_bda", "attn.hidden_dropout_mask"), ("mlp_bda", "mlp.hidden_dropout_mask")):
+        bda = getattr(layer, attr)
+        if isinstance(bda, ActBiasDropoutAdd):
+            bda._act_init()
+        else:
+            bda = ActBiasDropoutAdd.from_stock(bda, site=site)
+            setattr(layer, attr, bda)
+        sites[site] = bda
+    for module in sites.values():
+        module.act_layer = layer_index
+    return sites

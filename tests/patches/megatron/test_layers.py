@@ -1,0 +1,279 @@
+"""Converted megatron-core layers against the stock ones, on CPU (TP=1).
+
+Exactness: with every site kept, and with the lossless mask codecs (bitmask, regen) at the
+hidden-dropout sites, outputs, gradients and the RNG state after the step are bit-identical
+to the stock layer (dropout on, float32 and bfloat16).
+
+Lossy codecs, the bound (flash-attention style): for every gradient tensor (input and
+parameters) of the module that stores the site, run in bfloat16,
+
+    err(compressed bf16 vs fp32 stock) <= 2 * err(stock bf16 vs fp32 stock) + 2 * err_pred
+
+where err is the relative L2 error and err_pred is the codec's predicted error propagated
+through the module's real backward: the error the same module gets in float32 when the
+site is stored through a Gaussian channel whose per-element variance is the codec's
+`expected_error` of that tensor (for few-bit codecs, the channel adds that variance to the
+exact f'(x)). The factor 2 on err_pred covers one random draw and the non-Gaussian, partly
+correlated errors of nearest-rounding codecs.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from llm_act import testing
+from llm_act.codecs import make_codec
+from llm_act.codecs.fewbit import derivative
+from llm_act.ledger import SavedTensorLedger
+from tests.patches.megatron.layer_pairs import (
+    GaussianChannel,
+    grads,
+    input_width,
+    rel_errors,
+    submodule,
+    twin_layers,
+)
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+
+S, B, H = 32, 2, 64
+LINEAR_NORM_CODECS = ("int8", "int4", "int2", "outlier_int4", "fp8_e4m3", "dual2", "int4_sym")
+VALUE_SITES = ("ln1.input", "attn.qkv_input", "attn.out", "mlp.fc1_input", "mlp.fc2_input")
+ALL_SITES = VALUE_SITES + ("ln2.input", "mlp.act_input")
+DROP_SITES = ("attn.hidden_dropout_mask", "mlp.hidden_dropout_mask")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel():
+    testing.init_parallel(tp=1)
+    yield
+    testing.destroy_parallel()
+
+
+def config(dropout=0.0, **kw):
+    return testing.small_config(hidden_size=H, num_attention_heads=4, num_layers=1, dropout=dropout, **kw)
+
+
+def layer_step(layer, x, seed=3):
+    """Output, [x.grad, *param grads] and the default RNG state after one step."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed)
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    out, _ = layer(x, attention_mask=None)
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+    out.backward(gy)
+    return out, [x.grad] + [p.grad for p in layer.parameters()], torch.default_generator.get_state()
+
+
+def assert_identical(a, b):
+    assert torch.equal(a[0], b[0]), "outputs differ"
+    for i, (ga, gb) in enumerate(zip(a[1], b[1])):
+        assert torch.equal(ga, gb), f"gradient {i} differs"
+    assert torch.equal(a[2], b[2]), "default RNG state differs (different consumption)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keep_is_stock_bit_for_bit(dtype):
+    stock, act, sites = twin_layers(config(dropout=0.1), dtype)
+    assert set(sites) == set(ALL_SITES + DROP_SITES)
+    assert stock.state_dict().keys() == act.state_dict().keys()
+    x = torch.randn(S, B, H, dtype=dtype)
+    assert_identical(layer_step(stock, x), layer_step(act, x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["bitmask", "regen"])
+def test_mask_codecs_are_bit_identical(name, dtype):
+    stock, act, sites = twin_layers(config(dropout=0.1), dtype)
+    codec = make_codec(name)
+    for s in DROP_SITES:
+        sites[s].set_act_codec(s, codec)
+    x = torch.randn(S, B, H, dtype=dtype)
+    ref = layer_step(stock, x)
+    with SavedTensorLedger() as ledger:
+        got = layer_step(act, x)
+    assert_identical(ref, got)
+    per_site = ledger.by_site()
+    for s in DROP_SITES:
+        assert per_site[(0, s)] == codec.nbytes_for((S, B, H), torch.bool)
+
+
+def test_nothing_encoded_without_grad_or_in_eval():
+    stock, act, sites = twin_layers(config(dropout=0.1))
+    codec = make_codec("int4", seed=11)
+    for s in VALUE_SITES + ("ln2.input",):
+        sites[s].set_act_codec(s, codec)
+    state = codec.generator(torch.device("cpu")).get_state()
+    x = torch.randn(S, B, H)
+    with torch.no_grad(), SavedTensorLedger() as ledger:
+        act(x, attention_mask=None)
+    assert ledger.total_bytes == 0
+    act.eval()
+    stock.eval()
+    with SavedTensorLedger() as ledger:
+        act(x.clone().requires_grad_(True), attention_mask=None)
+    with SavedTensorLedger() as stock_ledger:
+        stock(x.clone().requires_grad_(True), attention_mask=None)
+    assert ledger.by_site() == stock_ledger.by_site()  # raw tensors, as stock saves them
+    assert torch.equal(codec.generator(torch.device("cpu")).get_state(), state)
+
+
+# ---- lossy codecs: error bound -------------------------------------------------------------
+
+
+def _site_input(module_fp32, site, cfg, x32):
+    """The tensor stored at `site` when the module runs on x32."""
+    if site == "mlp.act_input":
+        inter, bias = module_fp32.linear_fc1(x32)
+        return inter + bias if bias is not None else inter
+    return x32
+
+
+def site_errors(site, codec_name, cfg, activation="gelu", scale=1.0):
+    """(err_compressed, err_bf16, err_pred) per gradient tensor of the site's module."""
+    torch.manual_seed(1)
+    s32, a32, sites32 = twin_layers(cfg, torch.float32)
+    state = s32.state_dict()
+    sb, ab, sitesb = twin_layers(cfg, torch.bfloat16, state=state)
+    s32.load_state_dict({k: v.float() if torch.is_tensor(v) else v for k, v in sb.state_dict().items()})
+    a32.load_state_dict(s32.state_dict())
+    x = (scale * torch.randn(S, B, input_width(cfg, site))).bfloat16()
+    x32 = x.float()
+    codec = make_codec(codec_name, seed=5, activation=activation)
+    submodule(ab, site).set_act_codec(site, codec)
+
+    ref = grads(submodule(s32, site), x32)
+    stock_b = grads(submodule(sb, site), x)
+    comp_b = grads(submodule(ab, site), x)
+
+    stored = _site_input(submodule(s32, site), site, cfg, x32).detach()
+    if codec_name.startswith("fewbit"):
+        channel = GaussianChannel(codec.expected_error(stored), fn=derivative(codec.activation),
+                                  table=codec.table, activation=codec.activation)
+    else:
+        channel = GaussianChannel(codec.expected_error(stored))
+    submodule(a32, site).set_act_codec(site, channel)
+    pred = grads(submodule(a32, site), x32)
+    return rel_errors(comp_b, ref), rel_errors(stock_b, ref), rel_errors(pred, ref)
+
+
+def check_bound(errs):
+    err_c, err_b, err_p = errs
+    for i, (c, b, p) in enumerate(zip(err_c, err_b, err_p)):
+        assert math.isfinite(c)
+        assert c <= 2 * b + 2 * p + 1e-6, f"gradient {i}: {c:.3g} > 2*{b:.3g} + 2*{p:.3g}"
+
+
+@pytest.mark.parametrize("codec_name", LINEAR_NORM_CODECS)
+@pytest.mark.parametrize("site", VALUE_SITES)
+def test_lossy_linear_and_norm_sites(site, codec_name):
+    errs = site_errors(site, codec_name, config())
+    check_bound(errs)
+    assert max(errs[0]) > 0  # the codec is really used
+
+
+@pytest.mark.parametrize("codec_name", ["int4", "outlier_int4", "int2"])
+def test_lossy_rmsnorm(codec_name):
+    check_bound(site_errors("ln2.input", codec_name, config(normalization="RMSNorm")))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_fewbit_activation(act, bits):
+    import torch.nn.functional as F
+
+    cfg = config(activation_func=getattr(F, act))
+    errs = site_errors("mlp.act_input", f"fewbit{bits}", cfg, activation=act)
+    check_bound(errs)
+    assert max(errs[0]) > 0
+
+
+@pytest.mark.parametrize("codec_name", ["outlier_int4", "int8", "fp8_e4m3"])
+def test_swiglu_value_codec(codec_name):
+    import torch.nn.functional as F
+
+    cfg = config(activation_func=F.silu, gated_linear_unit=True)
+    check_bound(site_errors("mlp.act_input", codec_name, cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu_mask_is_exact_and_one_bit(dtype):
+    import torch.nn.functional as F
+
+    stock, act, sites = twin_layers(config(activation_func=F.relu), dtype)
+    sites["mlp.act_input"].set_act_codec("mlp.act_input", make_codec("fewbit1", activation="relu"))
+    x = torch.randn(S, B, H, dtype=dtype)
+    ref = grads(stock.mlp, x)
+    with SavedTensorLedger() as ledger:
+        got = grads(act.mlp, x)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert ledger.by_site()[(0, "mlp.act_input")] == math.ceil(S * B * 4 * H / 8)
+
+
+def test_fewbit_codec_must_match_the_activation():
+    import torch.nn.functional as F
+
+    _, _, sites = twin_layers(config(activation_func=F.silu))
+    with pytest.raises(ValueError, match="activation='silu'"):
+        sites["mlp.act_input"].set_act_codec("mlp.act_input", make_codec("fewbit3", activation="gelu"))
+    _, _, sites = twin_layers(config(activation_func=F.silu, gated_linear_unit=True))
+    with pytest.raises(ValueError, match="value codec"):
+        sites["mlp.act_input"].set_act_codec("mlp.act_input", make_codec("fewbit3", activation="silu"))
+    with pytest.raises(ValueError, match="stores sites"):
+        sites["attn.out"].set_act_codec("mlp.fc1_input", None)
+
+
+# ---- NaN and the ledger ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("site,codec_name", [
+    ("attn.qkv_input", "int4"), ("mlp.fc2_input", "outlier_int4"), ("ln1.input", "dual2"),
+    ("ln2.input", "fp8_e4m3"), ("mlp.act_input", "fewbit3"),
+])
+def test_nan_input_gives_nan_grads_like_stock(site, codec_name):
+    cfg = config()
+    stock, act, sites = twin_layers(cfg)
+    sites[site].set_act_codec(site, make_codec(codec_name))
+    x = torch.randn(S, B, input_width(cfg, site))
+    x[3, 1, 5] = float("nan")
+    ref, got = grads(submodule(stock, site), x), grads(submodule(act, site), x)
+    assert any(torch.isnan(g).any() for g in ref)
+    for a, b in zip(ref, got):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("site", ALL_SITES)
+def test_ledger_counts_the_codec_bytes(site, dtype):
+    cfg = config()
+    _, act, sites = twin_layers(cfg, dtype)
+    name = "fewbit2" if site == "mlp.act_input" else "outlier_int4"
+    codec = make_codec(name)
+    sites[site].set_act_codec(site, codec)
+    module = submodule(act, site)
+    x = torch.randn(S, B, input_width(cfg, site), dtype=dtype)
+    stored = _site_input(module, site, cfg, x).detach()
+    expected = make_codec(name).encode(stored).nbytes
+    if site.startswith("ln"):
+        stat_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+        expected += 2 * S * B * torch.finfo(stat_dtype).bits // 8  # exact mean and rstd
+    with SavedTensorLedger() as ledger:
+        grads(module, x)
+    assert ledger.by_site()[(0, site)] == expected
+
+
+def test_sequence_parallel_linear_refuses_compression():
+    from llm_act.patches.megatron.linear import ActColumnParallelLinear
+
+    _, act, sites = twin_layers(config())
+    lin = sites["attn.qkv_input"]
+    assert isinstance(lin, ActColumnParallelLinear)
+    lin.sequence_parallel = True
+    lin.set_act_codec("attn.qkv_input", make_codec("int8"))
+    with pytest.raises(NotImplementedError, match="sequence parallel"):
+        grads(lin, torch.randn(S, B, H))

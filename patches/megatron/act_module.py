@@ -83,8 +83,13 @@ class ActModule:
 
     # ---- ledger ------------------------------------------------------------------------
     def act_report(self, site: str, record, nbytes: int, replaces: torch.Tensor | None = None) -> None:
-        """Tell the active ledgers that `site` of this layer stores `record` (`nbytes`)."""
+        """Tell the active ledgers that `site` of this layer stores `record` (`nbytes`), and
+        the layer's recomputation (`act_record_sink`, set by `recompute.LayerRecompute`),
+        which may rebuild a later site from this record in backward."""
         report_to_ledger(self.act_layer, site, record, nbytes, replaces)
+        sink = getattr(self, "act_record_sink", None)
+        if sink is not None:
+            sink(site, record)
 
 
 def report_to_ledger(layer, site: str, record, nbytes: int, replaces=None) -> None:

@@ -3,7 +3,8 @@
 Subclasses of megatron-core's `ColumnParallelLinear` / `RowParallelLinear` with the same
 constructor and parameters (state_dict keys unchanged). Only `_forward_impl`, the
 matmul-with-communication call, is replaced: with the site kept (or no grad / eval) it is
-the stock call, otherwise `EncodedLinear`. One class serves several sites, so the site is
+the stock call, otherwise `EncodedLinear` (`sp.EncodedSPLinear` under sequence parallelism:
+the local shard is encoded before the all-gather and gathered encoded in backward). One class serves several sites, so the site is
 given by `from_stock(module, site=...)` or the `act_site` constructor keyword.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Optional
 from llm_act._imports import require
 from llm_act.patches.megatron.act_module import ActModule
 from llm_act.patches.megatron.functions import EncodedLinear
+from llm_act.patches.megatron.sp import EncodedSPLinear
 from llm_act.sites import check_site
 
 require("megatron.core", "llm_act.patches.megatron.linear")
@@ -47,14 +49,15 @@ class _ActLinear(ActModule):
         if codec is None or not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
         a = _IMPL_SIG.bind(input, weight, *args, **kwargs).arguments
-        if a.get("sequence_parallel"):
-            raise NotImplementedError(
-                f"site {site!r}: compressing a linear's input under sequence parallelism "
-                "(compressed all-gather) is not implemented yet; keep this site")
         if a.get("grad_output_buffer") is not None:
             raise NotImplementedError(
                 f"site {site!r}: deferred embedding wgrad compute is not supported with compression")
         tp_group = _layers.get_tensor_model_parallel_group_if_none(a.get("tp_group"))
+        if a.get("sequence_parallel"):
+            # the local shard is encoded before the all-gather; backward gathers it encoded
+            return EncodedSPLinear.apply(
+                input, weight, a.get("bias"), a["gradient_accumulation_fusion"], tp_group,
+                codec, self, site)
         return EncodedLinear.apply(
             input, weight, a.get("bias"), a["gradient_accumulation_fusion"],
             a["allreduce_dgrad"], tp_group, codec, self, site)

@@ -2,7 +2,8 @@
 
 The registry `apply` uses: each stored site of a block -> the module that stores it,
 converted in place (class swap, parameters untouched), so state_dict keys do not change.
-Attention internals (q/k/v, softmax, attention dropout) stay stock here.
+Attention internals (q/k/v, softmax, attention dropout) stay stock unless
+`convert_layer(..., attention=True)` / `convert_attention` converts the core attention.
 """
 from __future__ import annotations
 
@@ -50,10 +51,11 @@ def _is_identity(module) -> bool:
     return module is None or isinstance(module, (IdentityOp, IdentityFuncOp))
 
 
-def convert_layer(layer: torch.nn.Module, layer_index: int) -> dict[str, ActModule]:
+def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = False) -> dict[str, ActModule]:
     """Convert `layer` (a TransformerLayer) in place; return site -> the module storing it.
 
     Idempotent (a converted layer is re-initialised: every site back to "keep").
+    `attention=True` also converts the core attention (`convert_attention`).
     Sites whose module is an identity (e.g. no pre-MLP norm) are left out.
     """
     if isinstance(layer_index, bool) or not isinstance(layer_index, int) or layer_index < 0:
@@ -86,6 +88,40 @@ def convert_layer(layer: torch.nn.Module, layer_index: int) -> dict[str, ActModu
             bda = ActBiasDropoutAdd.from_stock(bda, site=site)
             setattr(layer, attr, bda)
         sites[site] = bda
+    if attention:
+        sites.update(convert_attention(layer, layer_index))
     for module in sites.values():
         module.act_layer = layer_index
+    from llm_act.patches.megatron.recompute import LayerRecompute
+
+    old = getattr(layer, "act_recompute", None)
+    if old is not None:
+        old.bind({}, lambda site, name: None)  # drop hooks of an earlier conversion
+    layer.act_recompute = LayerRecompute(layer, sites, layer_index)
     return sites
+
+
+def convert_attention(layer: torch.nn.Module, layer_index: int) -> dict[str, ActModule]:
+    """Convert the layer's core attention (megatron-core's DotProductAttention) in place to
+    `ActCoreAttention` (mode "stock", every site kept, i.e. still stock) and link it to the
+    output projection, which stores `attn.out`. Returns {site: module} for `attn.q/k/v`,
+    `attn.softmax` and `attn.dropout_mask` (`attn.out` stays with the projection)."""
+    from llm_act.patches.megatron.attention import ATTENTION_SITES, ActCoreAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if isinstance(layer_index, bool) or not isinstance(layer_index, int) or layer_index < 0:
+        raise ValueError(f"layer_index: expected a non-negative int, got {layer_index!r}")
+    attn = layer.self_attention
+    core = attn.core_attention
+    if isinstance(core, ActCoreAttention):
+        core._act_init()
+    elif type(core) is DotProductAttention:
+        ActCoreAttention.from_stock(core)
+    else:
+        raise TypeError(
+            f"attn.q: cannot convert a {type(core).__module__}.{type(core).__name__}; llm_act "
+            "converts megatron-core's DotProductAttention (local spec)")
+    if isinstance(attn.linear_proj, ActModule):
+        core.link_out_site(attn.linear_proj)
+    core.act_layer = layer_index
+    return {site: core for site in ATTENTION_SITES if site != "attn.out"}

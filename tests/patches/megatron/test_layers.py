@@ -267,13 +267,19 @@ def test_ledger_counts_the_codec_bytes(site, dtype):
     assert ledger.by_site()[(0, site)] == expected
 
 
-def test_sequence_parallel_linear_refuses_compression():
+def test_sequence_parallel_linear_compresses_the_local_shard():
+    """SP linears take `sp.EncodedSPLinear` (tested at TP=2 in test_sp.py); at TP=1 the
+    gather is the identity, so a lossless codec gives the plain path's gradients."""
     from llm_act.patches.megatron.linear import ActColumnParallelLinear
 
     _, act, sites = twin_layers(config())
     lin = sites["attn.qkv_input"]
     assert isinstance(lin, ActColumnParallelLinear)
+    x = torch.randn(S, B, H)
+    ref = grads(lin, x)
     lin.sequence_parallel = True
-    lin.set_act_codec("attn.qkv_input", make_codec("int8"))
-    with pytest.raises(NotImplementedError, match="sequence parallel"):
-        grads(lin, torch.randn(S, B, H))
+    from llm_act.patches.megatron.recompute import _Visible
+
+    lin.set_act_codec("attn.qkv_input", _Visible())
+    got = grads(lin, x)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))

@@ -1,0 +1,553 @@
+"""Recomputation in backward: the choice "recompute" for a site of a megatron-core block.
+
+A recomputed site is one its consumer keeps *nothing* of: in backward the tensor is rebuilt
+by re-running its producer on the producer's input, which is itself stored (kept), decoded
+(a value codec) or recomputed, back to the nearest stored tensor. The producers:
+
+    attn.qkv_input <- input_layernorm(ln1.input)
+    attn.out       <- core_attention(attn.q, attn.k, attn.v)       (needs the attention region)
+    ln2.input      <- self_attn_bda(linear_proj(attn.out), ln1.input)   (hidden dropout replayed)
+    mlp.fc1_input  <- pre_mlp_layernorm(ln2.input)
+    mlp.act_input  <- linear_fc1(mlp.fc1_input) (+ bias)
+    mlp.fc2_input  <- activation(mlp.act_input)
+
+A consumer that is a compressed module (`ActModule`) gets `SiteRecompute` as its codec: its
+"encode" stores a ticket on the layer's per-forward `_Frame`, its "decode" asks the frame for
+the value. The frame rebuilds under `torch.no_grad()` (the consumer's backward needs only the
+value), re-entering every module through `__call__` (so hooks fire and ZeRO-3 gathers), with
+megatron's RNG states (default generator, device generator, tracker) replayed through
+`megatron.core.tensor_parallel.random`'s helpers so a dropout draws the same mask. A group
+of consecutive recomputed sites is rebuilt once: the chain's values are cached until their
+own consumers take them (the transient of one group).
+
+Stock modules whose internals are sites use a *region* (megatron's CheckpointFunction with
+its inputs kept or encoded): the core attention (`attn.softmax`, `attn.dropout_mask`
+recomputed: Megatron's "selective", q/k/v stored per their choices) and the whole block
+("full": every site but `ln1.input` recomputed, GACT's CB1: the block input kept or encoded,
+and backward re-runs the block from its decoded copy at full precision).
+`attn.q/k/v` are recomputed only with the whole block. Masks chosen "recompute" are
+regenerated from the recorded generator state (the `regen` codec).
+
+A recomputed region holds collectives under tensor parallelism: every rank of a TP group
+must bind the same choices.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+
+from llm_act.codecs.base import Codec, Encoded
+from llm_act.codecs.registry import KEEP, RECOMPUTE, check_choice
+from llm_act.sites import MASK_SITES, SITES
+from llm_act.patches.megatron.act_module import report_to_ledger
+
+CHECKPOINT_SITE = "ln1.input"
+QKV_SITES = ("attn.q", "attn.k", "attn.v")
+ATTENTION_INTERNAL = ("attn.softmax", "attn.dropout_mask")
+#: site -> the sites its producer reads
+PRODUCER_INPUTS: dict[str, tuple[str, ...]] = {
+    "attn.qkv_input": ("ln1.input",),
+    "attn.out": QKV_SITES,
+    "ln2.input": ("attn.out", "ln1.input"),
+    "mlp.fc1_input": ("ln2.input",),
+    "mlp.act_input": ("mlp.fc1_input",),
+    "mlp.fc2_input": ("mlp.act_input",),
+}
+
+
+# ---- named plans ------------------------------------------------------------------------------
+
+
+def full_plan(checkpoint: str = KEEP) -> dict[str, str]:
+    """Megatron's "full" recompute: every site recomputed from `ln1.input`, which is kept
+    (`checkpoint="keep"`) or stored with the codec `checkpoint` (GACT's CB1)."""
+    check_choice(CHECKPOINT_SITE, checkpoint)
+    return {s: checkpoint if s == CHECKPOINT_SITE else RECOMPUTE for s in SITES}
+
+
+def selective_plan() -> dict[str, str]:
+    """Megatron's "selective" recompute: the core attention re-run from its kept q, k, v."""
+    return {s: RECOMPUTE if s in ATTENTION_INTERNAL else KEEP for s in SITES}
+
+
+NAMED_PLANS: dict[str, Callable[..., dict[str, str]]] = {"full": full_plan, "selective": selective_plan}
+
+
+def named_plan(name: str, **kwargs: Any) -> dict[str, str]:
+    """{site: choice} of a named recompute plan ("full", "selective")."""
+    if name not in NAMED_PLANS:
+        raise ValueError(f"name: unknown recompute plan {name!r}; known: {sorted(NAMED_PLANS)}")
+    return NAMED_PLANS[name](**kwargs)
+
+
+def is_full(choice: Mapping[str, str]) -> bool:
+    """Whether `choice` recomputes every site but the block input."""
+    return all(choice.get(s, KEEP) == RECOMPUTE for s in SITES if s != CHECKPOINT_SITE)
+
+
+# ---- RNG: megatron's own helpers --------------------------------------------------------------
+
+
+def _random():
+    from megatron.core.tensor_parallel import random
+
+    return random
+
+
+def capture_rng() -> tuple:
+    """(CPU state, device state, tracker states) as megatron's CheckpointFunction records them."""
+    return _random()._get_all_rng_states()
+
+
+@contextlib.contextmanager
+def replay_rng(states: tuple) -> Iterator[None]:
+    """Run with the RNG states `states` (from `capture_rng`), then restore the current ones.
+    The tracker gets a copy of the recorded dict, so `states` can be replayed again."""
+    random = _random()
+    cpu, device, tracker = states
+    with random._fork_rng():
+        random._set_all_rng_states(cpu, device, dict(tracker))
+        yield
+
+
+_LOCAL = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while llm_act re-runs a forward in backward (regions run their stock path then)."""
+    return getattr(_LOCAL, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _LOCAL.depth -= 1
+
+
+# ---- pseudo-codecs ------------------------------------------------------------------------------
+
+
+class _Visible(Codec):
+    """"keep" through a compressed module: the record holds x itself (same bytes as stock),
+    so a recomputation downstream can read it."""
+
+    name = KEEP
+    lossless = True
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        return Encoded(KEEP, x.shape, x.dtype, x.device, {"x": x})
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        return enc.data["x"]
+
+    def nbytes_for(self, shape, dtype) -> int:
+        return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+class SiteRecompute(Codec):
+    """The "recompute" choice as a codec: stores a ticket (0 bytes), decode rebuilds."""
+
+    name = RECOMPUTE
+    lossless = True
+
+    def __init__(self, owner: "LayerRecompute", site: str):
+        super().__init__(0)
+        self.owner, self.site = owner, site
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        frame = self.owner.frame
+        if frame is None:
+            raise RuntimeError(
+                f"site {self.site!r} of layer {self.owner.index}: 'recompute' needs the layer's "
+                "forward to run through the TransformerLayer (its hooks open the frame)")
+        frame.pending.add(self.site)
+        return Encoded(RECOMPUTE, x.shape, x.dtype, x.device, {}, {"frame": frame, "site": self.site})
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        return enc.meta["frame"].take(enc.meta["site"])
+
+    def nbytes_for(self, shape, dtype) -> int:
+        return 0
+
+
+# ---- regions: megatron's CheckpointFunction with kept or encoded inputs --------------------------
+
+
+class _Box:
+    """What a region stored, readable from outside its autograd context (for rebuilds)."""
+
+    def __init__(self, codecs: list, layer: Optional[int], sites: list):
+        self.codecs, self.layer, self.sites = codecs, layer, sites
+        self.stored: list = []
+        self.rng: tuple = ()
+
+    def store(self, tensors) -> None:
+        seen: set[int] = set()
+        for t, codec, site in zip(tensors, self.codecs, self.sites):
+            if codec is None:
+                st = t.untyped_storage()
+                if site is not None and id(st) not in seen:
+                    report_to_ledger(self.layer, site, t, st.nbytes())
+                seen.add(id(st))
+                self.stored.append(("raw", t))
+            else:
+                enc = codec.encode(t)
+                if site is not None:
+                    report_to_ledger(self.layer, site, enc, enc.nbytes, replaces=t)
+                self.stored.append((codec, enc))
+
+    def value(self, i: int) -> torch.Tensor:
+        kind, item = self.stored[i]
+        return item if kind == "raw" else kind.decode(item)
+
+
+class _Region(torch.autograd.Function):
+    """out = run(*xs) under no_grad; xs stored by `box`; backward re-runs `rerun` with grad
+    on the stored (decoded) copies under the recorded RNG states and backpropagates."""
+
+    @staticmethod
+    def forward(ctx, run, rerun, box, *xs):
+        box.rng = capture_rng()
+        with torch.no_grad():
+            outs = run(*xs)
+        box.store(xs)
+        ctx.rerun, ctx.box = rerun, box
+        ctx.needs = [x.requires_grad for x in xs]
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        box = ctx.box
+        inputs = [box.value(i).detach().requires_grad_(need) for i, need in enumerate(ctx.needs)]
+        ctx.box = None
+        with replay_rng(box.rng), torch.enable_grad(), recomputing():
+            outs = ctx.rerun(*inputs)
+        pairs = [(o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None) + tuple(x.grad if need else None for x, need in zip(inputs, ctx.needs))
+
+
+# ---- one layer's forward state ------------------------------------------------------------------
+
+
+class _Frame:
+    """One forward of one layer: stored values, RNG states and the rebuild cache."""
+
+    def __init__(self, owner: "LayerRecompute"):
+        self.owner = owner
+        self.choice = dict(owner.choice)
+        self.values: dict[str, Callable[[], torch.Tensor]] = {}
+        self.cache: dict[str, torch.Tensor] = {}
+        self.pending: set[str] = set()
+        self.rng: dict[str, tuple] = {}
+        self.attention: Optional[tuple] = None  # (box, call) of the core-attention region
+
+    def value(self, site: str) -> torch.Tensor:
+        if site in self.cache:
+            return self.cache[site]
+        if self.choice.get(site) == RECOMPUTE and site in PRODUCER_INPUTS:
+            v = self.owner.rebuild(self, site)
+            if site in self.pending:
+                self.cache[site] = v
+            return v
+        getter = self.values.get(site)
+        if getter is None:
+            raise RuntimeError(
+                f"layer {self.owner.index}: site {site!r} is needed to recompute "
+                f"{sorted(self.pending)} but was not stored in forward")
+        return getter()
+
+    def take(self, site: str) -> torch.Tensor:
+        v = self.value(site)
+        self.pending.discard(site)
+        self.cache.pop(site, None)
+        self._trim()
+        return v
+
+    def _trim(self) -> None:
+        """Drop what no pending rebuild needs any more (records stay alive only as needed)."""
+        needed: set[str] = set()
+        todo = [s for s in self.pending if self.choice.get(s) == RECOMPUTE]
+        while todo:
+            s = todo.pop()
+            for i in PRODUCER_INPUTS.get(s, ()):
+                if i not in needed:
+                    needed.add(i)
+                    if self.choice.get(i) == RECOMPUTE:
+                        todo.append(i)
+        for table in (self.values, self.cache):
+            for s in [s for s in table if s not in needed and s not in self.pending]:
+                del table[s]
+        if not (needed & set(QKV_SITES)) and "attn.out" not in needed:
+            self.attention = None
+
+
+class LayerRecompute:
+    """Binds a layer's {site: choice} to its modules, recomputation included.
+
+    `sites`: what `swap.convert_layer` returned (site -> the module that stores it).
+    `bind(choice, codec_of)` sets every module's codec (`codec_of(site, name)` builds or
+    returns the shared codec instance) and installs the hooks a plan with "recompute" needs;
+    a plan without any leaves the layer exactly as the plain codec assignment would.
+    """
+
+    def __init__(self, layer: torch.nn.Module, sites: Mapping[str, Any], index: int):
+        self.layer, self.sites, self.index = layer, dict(sites), index
+        self.choice: dict[str, str] = {s: KEEP for s in SITES}
+        self.frame: Optional[_Frame] = None
+        self.mode = "none"  # "none" | "sites" | "full"
+        self._handles: list = []
+        self._checkpoint_codec: Optional[Codec] = None
+        self._qkv_codecs: list = [None, None, None]
+        self._attention_region = False
+        for module in self.sites.values():
+            module._act_recompute = self
+
+    # ---- binding ------------------------------------------------------------------------
+    def bind(self, choice: Mapping[str, str], codec_of: Callable[[str, str], Codec]) -> None:
+        choice = {s: choice.get(s, KEEP) for s in SITES}
+        for s, name in choice.items():
+            check_choice(s, name)
+        recomputed = {s for s, c in choice.items() if c == RECOMPUTE}
+        if not is_full(choice):
+            self._validate(choice, recomputed)  # before anything changes
+        self._unhook()
+        self.choice = choice
+        if is_full(choice):
+            self._bind_full(choice, codec_of)
+            return
+        self._attention_region = bool(recomputed & set(ATTENTION_INTERNAL))
+        needed = set()
+        for s in recomputed:
+            needed.update(PRODUCER_INPUTS.get(s, ()))
+        self._needed = needed
+        for site, module in self.sites.items():
+            name = choice[site]
+            if name == RECOMPUTE:
+                codec = codec_of(site, "regen") if site in MASK_SITES else SiteRecompute(self, site)
+            elif name == KEEP:
+                codec = _Visible() if site in needed else None
+            else:
+                codec = codec_of(site, name)
+            module.set_act_codec(site, codec)
+        self._qkv_codecs = [None if choice[s] == KEEP else codec_of(s, choice[s]) for s in QKV_SITES]
+        self.mode = "sites" if (recomputed - MASK_SITES) else "none"
+        if self.mode == "sites":
+            self._hook_sites()
+
+    def _validate(self, choice: Mapping[str, str], recomputed: set) -> None:
+        where = f"layer {self.index}"
+        qkv = recomputed & set(QKV_SITES)
+        if qkv:
+            raise NotImplementedError(
+                f"{where}: {sorted(qkv)} can be recomputed only with the whole block (plan "
+                "'full': every site but ln1.input recomputed); keep or encode them")
+        inner = recomputed & set(ATTENTION_INTERNAL)
+        if inner and inner != set(ATTENTION_INTERNAL):
+            raise ValueError(
+                f"{where}: the core attention is recomputed as a whole: choose 'recompute' for "
+                f"both attn.softmax and attn.dropout_mask, got {dict((s, choice[s]) for s in ATTENTION_INTERNAL)}")
+        if "attn.out" in recomputed and not inner:
+            raise ValueError(
+                f"{where}: recomputing 'attn.out' re-runs the core attention from q, k, v: "
+                "recompute attn.softmax and attn.dropout_mask too (the 'selective' region)")
+        for s in recomputed & set(PRODUCER_INPUTS):
+            if s not in self.sites and s not in ("attn.out",):
+                raise ValueError(f"{where}: site {s!r} does not exist in this layer")
+            for i in PRODUCER_INPUTS[s]:
+                if not self._value_available(i, choice[i]):
+                    raise ValueError(
+                        f"{where}: recomputing {s!r} needs the value of {i!r}, but {i!r} = "
+                        f"{choice[i]!r} stores no value (choose keep, recompute or a value codec)")
+        if ("ln2.input" in recomputed and getattr(self.layer.config, "bias_dropout_fusion", False)
+                and choice["attn.hidden_dropout_mask"] != KEEP and self.layer.hidden_dropout > 0):
+            raise ValueError(
+                f"{where}: recomputing 'ln2.input' with config.bias_dropout_fusion=True needs "
+                "attn.hidden_dropout_mask kept (the fused and eager dropouts draw differently)")
+
+    def _value_available(self, site: str, name: str) -> bool:
+        if name in (KEEP, RECOMPUTE):
+            if site == "mlp.act_input" and name == KEEP:
+                return self._mlp_kind() != "mask"
+            return True
+        if name.startswith("fewbit"):
+            return False
+        return not (site == "mlp.act_input" and self._mlp_kind() == "mask")
+
+    def _mlp_kind(self) -> str:
+        from llm_act.patches.megatron.mlp import activation_of
+
+        return activation_of(self.layer.mlp.config)[0]
+
+    def _bind_full(self, choice: Mapping[str, str], codec_of) -> None:
+        for site, module in self.sites.items():
+            module.set_act_codec(site, None)  # the block re-runs stock, at full precision
+        name = choice[CHECKPOINT_SITE]
+        self._checkpoint_codec = None if name == KEEP else codec_of(CHECKPOINT_SITE, name)
+        self.mode = "full"
+        layer = self.layer
+        stock = type(layer).forward.__get__(layer)
+        layer.forward = self._make_full_forward(stock)
+        self._handles.append(("forward", layer))
+
+    def _hook_sites(self) -> None:
+        layer = self.layer
+        self._handles.append(layer.register_forward_pre_hook(self._open))
+        self._handles.append(layer.register_forward_hook(self._close, always_call=True))
+        for module in self.sites.values():
+            module.act_record_sink = self._on_record
+        self._handles.append(("sink", list(self.sites.values())))
+        if self.choice["ln2.input"] == RECOMPUTE:
+            proj = layer.self_attention.linear_proj
+            self._handles.append(proj.register_forward_pre_hook(self._capture_proj_rng))
+        if self._attention_region:
+            core = layer.self_attention.core_attention
+            stock = type(core).forward.__get__(core)
+            core.forward = self._make_attention_forward(core, stock)
+            self._handles.append(("forward", core))
+
+    def _unhook(self) -> None:
+        for h in self._handles:
+            if isinstance(h, tuple) and h[0] == "forward":
+                h[1].__dict__.pop("forward", None)
+            elif isinstance(h, tuple) and h[0] == "sink":
+                for m in h[1]:
+                    m.__dict__.pop("act_record_sink", None)
+            else:
+                h.remove()
+        self._handles = []
+        self.frame = None
+        self.mode = "none"
+        self._checkpoint_codec = None
+        self._attention_region = False
+
+    # ---- forward-time capture -----------------------------------------------------------------
+    def _active(self) -> bool:
+        return self.layer.training and torch.is_grad_enabled() and not is_recomputing()
+
+    def _open(self, module, args) -> None:
+        self.frame = _Frame(self) if self._active() else None
+
+    def _close(self, module, args, output) -> None:
+        self.frame = None
+
+    def _on_record(self, site: str, record) -> None:
+        frame = self.frame
+        if frame is None or site not in self._needed or frame.choice.get(site) == RECOMPUTE:
+            return
+        module = self.sites[site]
+        codec = module.act_codecs.get(site)
+        if codec is None or record.enc.codec != codec.name:
+            return  # not a value record (e.g. a ReLU's 1-bit mask)
+        frame.values[site] = lambda: codec.decode(record.enc)
+
+    def _capture_proj_rng(self, module, args) -> None:
+        if self.frame is not None:
+            self.frame.rng["ln2.input"] = capture_rng()
+
+    # ---- rebuilding ---------------------------------------------------------------------------
+    def rebuild(self, frame: _Frame, site: str) -> torch.Tensor:
+        """The value `site` had in the forward of `frame`, recomputed (no graph)."""
+        layer = self.layer
+        with torch.no_grad(), recomputing():
+            if site == "attn.qkv_input":
+                return layer.input_layernorm(frame.value("ln1.input"))
+            if site == "mlp.fc1_input":
+                return layer.pre_mlp_layernorm(frame.value("ln2.input"))
+            if site == "mlp.act_input":
+                out, bias = layer.mlp.linear_fc1(frame.value("mlp.fc1_input"))
+                return out + bias if bias is not None else out
+            if site == "mlp.fc2_input":
+                from llm_act.patches.megatron.mlp import activation_of
+
+                return activation_of(layer.mlp.config)[1](frame.value("mlp.act_input"))
+            if site == "ln2.input":
+                attn_out, residual = frame.value("attn.out"), frame.value("ln1.input")
+                with replay_rng(frame.rng["ln2.input"]):
+                    out_with_bias = layer.self_attention.linear_proj(attn_out)
+                    bda = layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)
+                    return bda(out_with_bias, residual, layer.hidden_dropout)
+            if site == "attn.out":
+                if frame.attention is None:
+                    raise RuntimeError(f"layer {self.index}: the core-attention region was not recorded")
+                box, call = frame.attention
+                qkv = [box.value(i) for i in range(3)]
+                with replay_rng(box.rng):
+                    return call(*qkv)
+        raise ValueError(f"site {site!r} has no producer that llm_act can re-run")
+
+    # ---- regions ------------------------------------------------------------------------------
+    def _make_attention_forward(self, core, stock):
+        owner = self
+
+        def forward(query, key, value, *args, **kwargs):
+            if not owner._active() or not any(t.requires_grad for t in (query, key, value)):
+                return stock(query, key, value, *args, **kwargs)
+
+            def run(q, k, v):
+                return stock(q, k, v, *args, **kwargs)
+
+            def call(q, k, v):  # through __call__: hooks fire; is_recomputing() -> stock
+                with recomputing():
+                    return core(q, k, v, *args, **kwargs)
+
+            box = _Box(list(owner._qkv_codecs), owner.index, list(QKV_SITES))
+            out = _Region.apply(run, lambda q, k, v: (call(q, k, v),), box, query, key, value)
+            if owner.frame is not None:
+                owner.frame.attention = (box, call)
+                owner.frame.values.update({s: (lambda i=i: box.value(i)) for i, s in enumerate(QKV_SITES)})
+            return out
+
+        return forward
+
+    def _make_full_forward(self, stock):
+        owner = self
+        layer = self.layer
+
+        def forward(*args, **kwargs):
+            if not owner._active():
+                return stock(*args, **kwargs)
+            if args:
+                hidden, rest = args[0], args[1:]
+            else:
+                kwargs = dict(kwargs)
+                hidden, rest = kwargs.pop("hidden_states"), ()
+            for k, v in kwargs.items():
+                if torch.is_tensor(v) and v.requires_grad:
+                    raise NotImplementedError(
+                        f"full recompute of layer {owner.index}: argument {k!r} requires grad; "
+                        "only the hidden states may carry gradients into a recomputed block")
+            context = []
+
+            def run(h):
+                out, ctx_out = stock(h, *rest, **kwargs)
+                context.append(ctx_out)
+                return out
+
+            def rerun(h):
+                with recomputing():
+                    return (layer(h, *rest, **kwargs)[0],)
+
+            box = _Box([owner._checkpoint_codec], owner.index, [CHECKPOINT_SITE])
+            out = _Region.apply(run, rerun, box, hidden)
+            if context and context[0] is not None:
+                raise NotImplementedError(f"full recompute of layer {owner.index}: cross-attention context")
+            return out, None
+
+        return forward
+
+
+def for_sites(sites: Mapping[str, Any]) -> Optional[LayerRecompute]:
+    """The LayerRecompute that owns the modules `sites` (what convert_layer returned)."""
+    for module in sites.values():
+        owner = getattr(module, "_act_recompute", None)
+        if owner is not None:
+            return owner
+    return None

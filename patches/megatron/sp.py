@@ -1,0 +1,150 @@
+"""Sequence parallelism with compressed activations: encode the local shard, gather encoded.
+
+Under sequence parallelism a column-parallel linear takes the local token shard
+[s/tp, b, h], all-gathers it to [s, b, h] for the matmul and, in stock megatron-core, saves
+the *shard* and all-gathers it again in backward for the weight gradient. `EncodedSPLinear`
+saves `codec.encode(shard)` instead and in backward all-gathers the *encoded* shard
+(`all_gather_encoded`) and decodes it: the backward all-gather moves the encoded bytes.
+
+Layout rule (design brief): an encoded shard must never need data of another shard. We
+gather per-shard records and decode each shard on its own, then concatenate the decoded
+shards along the token dimension (dim 0). That is exact for every codec whatever its
+grouping (an IntQuant group never straddles a shard, since each shard was encoded alone),
+and covers data-dependent sizes: OutlierInt4 keeps a different number of outlier channels
+per shard, so a small int64 header with every rank's tensor shapes and integer metadata is
+all-gathered first, tensors of unequal size are padded to the largest, and each rank's record
+is cut back to its own size. With equal sizes (IntQuant, FP8, ...) each rank sends exactly
+its record's `nbytes`; the header costs 8 bytes per tensor dimension and integer field.
+The collective is megatron's `dist_all_gather_func`, looked up at call time.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llm_act.codecs.base import Codec, Encoded
+from llm_act.patches.megatron.functions import Record, _accumulate_wgrad, _megatron_linear_helpers, _report
+
+
+def _gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    from megatron.core.tensor_parallel import layers
+
+    layers.dist_all_gather_func(out, inp, group=group)
+
+
+def _int_meta(enc: Encoded) -> list[str]:
+    return sorted(k for k, v in enc.meta.items() if isinstance(v, int) and not isinstance(v, bool))
+
+
+def all_gather_encoded(enc: Encoded, group) -> list[Encoded]:
+    """Every rank's record of its shard, in rank order (sizes exchanged first)."""
+    world = torch.distributed.get_world_size(group)
+    names = sorted(enc.data)
+    metas = _int_meta(enc)
+    local = []
+    for n in names:
+        t = enc.data[n]
+        local += [t.dim(), *t.shape]
+    local += [enc.meta[k] for k in metas]
+    header = torch.tensor(local, dtype=torch.int64, device=enc.device)
+    headers = torch.empty(world * header.numel(), dtype=torch.int64, device=enc.device)
+    _gather(headers, header, group)
+    rows = headers.view(world, -1).tolist()
+    shapes: list[list[tuple[int, ...]]] = []
+    for row in rows:
+        pos, mine = 0, []
+        for _ in names:
+            ndim = row[pos]
+            mine.append(tuple(row[pos + 1:pos + 1 + ndim]))
+            pos += 1 + ndim
+        shapes.append(mine)
+    records = [dict() for _ in range(world)]
+    for j, n in enumerate(names):
+        t = enc.data[n]
+        item = t.element_size()
+        sizes = [int(torch.Size(s[j]).numel()) * item for s in shapes]
+        width = max(sizes)
+        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        if flat.numel() < width:
+            flat = torch.cat([flat, flat.new_zeros(width - flat.numel())])
+        out = torch.empty(world * width, dtype=torch.uint8, device=t.device)
+        if width:
+            _gather(out, flat, group)
+        for r in range(world):
+            part = out[r * width:r * width + sizes[r]]
+            records[r][n] = part.view(t.dtype).reshape(shapes[r][j]) if sizes[r] else \
+                torch.empty(shapes[r][j], dtype=t.dtype, device=t.device)
+    result = []
+    for r in range(world):
+        meta = dict(enc.meta)
+        meta.update(zip(metas, rows[r][len(rows[r]) - len(metas):]))
+        result.append(Encoded(enc.codec, enc.shape, enc.dtype, enc.device, records[r], meta))
+    return result
+
+
+def gather_decoded(codec: Codec, enc: Encoded, group) -> torch.Tensor:
+    """The full-sequence tensor [s, b, ...] from every rank's encoded shard.
+
+    Codecs that hold no bytes of their own (the "recompute" ticket, a visible "keep") are
+    decoded locally and the raw shard is gathered, as stock does.
+    """
+    world = torch.distributed.get_world_size(group)
+    if not enc.data or codec.name in ("keep", "recompute"):
+        shard = codec.decode(enc).contiguous()
+        out = torch.empty((shard.shape[0] * world, *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+        _gather(out, shard, group)
+        return out
+    return torch.cat([codec.decode(e) for e in all_gather_encoded(enc, group)], dim=0)
+
+
+class EncodedSPLinear(torch.autograd.Function):
+    """megatron-core's column-parallel linear under sequence parallelism (all-gather of the
+    input in forward, reduce-scatter of its gradient in backward) saving the encoded shard."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, gradient_accumulation_fusion, tp_group,
+                codec: Codec, owner: Any, site: str):
+        from megatron.core.parallel_state import get_global_memory_buffer
+        from megatron.core.tensor_parallel import layers
+
+        main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
+        record = Record(codec.encode(input))
+        ctx.save_for_backward(weight)
+        ctx.record, ctx.codec, ctx.main_grad = record, codec, main_grad
+        ctx.use_bias = bias is not None
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        ctx.tp_group, ctx.shape, ctx.dtype = tp_group, input.shape, input.dtype
+        _report(owner, site, record, input)
+
+        size = list(input.size())
+        size[0] *= tp_group.size()
+        total_input = get_global_memory_buffer().get_tensor(size, input.dtype, "mpu")
+        layers.dist_all_gather_func(total_input, input, group=tp_group)
+        output = torch.matmul(total_input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from megatron.core.tensor_parallel import layers
+
+        L, prepare = _megatron_linear_helpers()
+        (weight,) = ctx.saved_tensors
+        if ctx.gradient_accumulation_fusion:
+            weight.main_grad = ctx.main_grad
+        total_input = gather_decoded(ctx.codec, ctx.record.enc, ctx.tp_group)
+        ctx.record = None
+        grad_input = grad_output.matmul(weight)
+        grad_output, total_input = prepare(grad_output, total_input)
+        sub_grad_input = torch.empty(ctx.shape, dtype=grad_input.dtype, device=grad_input.device)
+        handle = layers.dist_reduce_scatter_func(sub_grad_input, grad_input.contiguous(),
+                                                 group=ctx.tp_group, async_op=True)
+        if ctx.gradient_accumulation_fusion:
+            grad_weight = _accumulate_wgrad(L, weight, grad_output, total_input)
+        else:
+            grad_weight = grad_output.t().matmul(total_input)
+        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+        handle.wait()
+        return sub_grad_input, grad_weight, grad_bias, None, None, None, None, None

@@ -116,14 +116,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               codecs: Optional[Mapping[str, Union[Codec, str, None]]] = None,
               report: Optional[Report] = None,
               chunk_size: Union[int, Sequence[int]] = DEFAULT_CHUNK,
-              mask_storage: str = "regen") -> torch.Tensor:
+              mask_storage: str = "regen", recompute_out: bool = False) -> torch.Tensor:
     """Core attention: q [s, b, heads, d], k/v [s_k, b, groups, d] (after rotary) -> [s, b, heads, d].
 
     `codecs`: site -> Codec, codec name or None, for `attn.q/k/v` (any backend),
     `attn.softmax` (unfused only) and `attn.dropout_mask` ("regen" or "bitmask": how the
     unfused and chunked paths keep the mask; SDPA regenerates its own). `report(site, tensors,
     nbytes)` is told what each site stores (for the ledger). `generator`: where dropout
-    draws from (default: the device's default generator).
+    draws from (default: the device's default generator). `recompute_out`: store neither
+    out nor logsumexp (sdpa/chunked), only Q, K, V (encoded where their codecs are lossy),
+    and recompute the forward in backward -- for when the output is stored elsewhere,
+    encoded (the output projection's input, site `attn.out`).
     """
     C.check_qkv(q, k, v)
     p = C.check_dropout(dropout_p)
@@ -142,7 +145,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                                  generator=generator,
                                  qkv_codecs=tuple(c if is_lossy(c) else None for c in qkv_codecs),
                                  report=report)
-    if any(is_lossy(c) for c in qkv_codecs):
+    if not isinstance(recompute_out, bool):
+        raise TypeError(f"recompute_out must be a bool, got {type(recompute_out).__name__}")
+    if recompute_out or any(is_lossy(c) for c in qkv_codecs):
         scale = C.check_scale(scale, q.shape[-1])
         cq, ck = _chunks(chunk_size)
         if p > 0.0:

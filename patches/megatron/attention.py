@@ -1,0 +1,215 @@
+"""`ActCoreAttention`: megatron-core's DotProductAttention with memory-efficient backends.
+
+Stock core attention materialises the attention scores and keeps the fp32 softmax, a
+model-dtype copy of it and the dropout mask for backward: several s x s tensors per head,
+the largest activations of a long-sequence block. This class sits in the layer's
+`core_attention` slot (same constructor, convertible in place with `from_stock`; it has
+no parameters of its own, so state_dict keys do not change) and picks, by its attention
+*mode* (`set_attention_mode`):
+
+- "stock": megatron's own forward, bit for bit and with the same RNG use. With a codec at
+  `attn.q/k/v` or `attn.softmax` it takes the unfused path instead (the same math, the
+  stored softmax and Q/K/V encoded); with only `attn.dropout_mask` (bitmask/regen) it
+  stays stock and stores the attention-dropout mask packed or as the generator state
+  (still bit-identical).
+- "auto" (memory-efficient: SDPA without attention dropout or on CUDA, our chunked
+  attention with dropout on CPU), "sdpa", "chunked": `llm_act.attention`, which never
+  stores an s x s tensor (except "sdpa" with dropout on CPU, SDPA's math path). A codec at
+  `attn.softmax` means nothing here (no softmax is stored). "unfused": always the unfused
+  path.
+
+ActConfig.attention = "auto" is resolved by the Controller ("stock" under the "keep"
+plan, module mode "auto" otherwise); a converted module starts in "stock".
+
+Sites: `attn.q/k/v` (after rotary; GQA K/V un-expanded), `attn.softmax` (unfused path
+only), `attn.dropout_mask`, `attn.out` (SDPA output and logsumexp). A codec at `attn.out`
+(here, or at the output projection linked with `link_out_site`, which stores the same
+tensor encoded) makes the attention store no output and no logsumexp: backward recomputes
+the forward from the stored Q, K, V. Lossy Q/K/V codecs do the same (Adacc sec. 3.2).
+
+Attention dropout is drawn inside megatron's RNG tracker fork (unless sequence parallel,
+as the stock class does), so tensor-parallel ranks draw their own streams. Masks: causal
+-> `is_causal` (the given mask, if any, is taken to be causal, as megatron's fused softmax
+kernel and Transformer Engine do); no mask -> full attention. Explicit padding/arbitrary
+masks, sliding windows, softmax offsets, attention bias and packed sequences fall back
+to the stock forward with a warning.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from llm_act._imports import require
+from llm_act.codecs.base import Codec
+from llm_act.patches.megatron.act_module import ActModule
+
+require("megatron.core", "llm_act.patches.megatron.attention")
+from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+
+ATTENTION_MODES = ("stock", "auto", "sdpa", "chunked", "unfused")
+ATTENTION_SITES = ("attn.q", "attn.k", "attn.v", "attn.softmax", "attn.dropout_mask", "attn.out")
+QKV_SITES = ("attn.q", "attn.k", "attn.v")
+
+
+class _StoredMaskAttentionDropout(torch.nn.Dropout):
+    """The stock attention dropout; stores its mask through a codec when its owner says so.
+
+    The owner puts `(codec, owner)` in `act_mask` for one stock forward; the mask is then
+    drawn exactly as `torch.nn.Dropout` draws it (`dropout.StoredMaskDropout`), so results
+    and RNG use stay stock."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.__dict__.get("act_mask")
+        p = float(self.p)
+        if (spec is None or not self.training or not torch.is_grad_enabled() or not x.requires_grad
+                or not 0.0 < p < 1.0 or x.numel() == 0):
+            return super().forward(x)
+        from llm_act.patches.megatron.dropout import StoredMaskDropout
+
+        codec, owner = spec
+        return StoredMaskDropout.apply(x, p, codec, owner, "attn.dropout_mask")
+
+
+class ActCoreAttention(ActModule, DotProductAttention):
+    """DotProductAttention with a mode (stock / memory-efficient) and encoded sites."""
+
+    ACT_SITES = ATTENTION_SITES
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, *,
+                 act_attention: str = "stock"):
+        DotProductAttention.__init__(
+            self, config, layer_number, attn_mask_type, attention_type,
+            attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+            cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        self._act_init(attention=act_attention)
+
+    def _act_init(self, attention: str = "stock") -> None:
+        ActModule._act_init(self)
+        self.set_attention_mode(attention)
+        self._act_out_source = None
+        drop = self.attention_dropout
+        if type(drop) is torch.nn.Dropout:
+            drop.__class__ = _StoredMaskAttentionDropout
+
+    # ---- configuration -------------------------------------------------------------------
+    def set_attention_mode(self, mode: str) -> None:
+        """"stock", "auto" (memory-efficient, backend by dropout and device), "sdpa",
+        "chunked" or "unfused"; see the module docstring. Takes effect at the next forward."""
+        if mode not in ATTENTION_MODES:
+            raise ValueError(f"mode: expected one of {ATTENTION_MODES}, got {mode!r}")
+        self.act_attention = mode
+
+    def link_out_site(self, module: Any) -> None:
+        """Also read the `attn.out` codec from `module` (the output projection, which stores
+        the same tensor): when it encodes that tensor, this attention keeps no raw copy."""
+        if module is not None and not hasattr(module, "act_codecs"):
+            raise TypeError(f"module: expected an ActModule (or None), got {type(module).__name__}")
+        self._act_out_source = None if module is None else weakref.ref(module)
+
+    def _out_codec(self, *tensors: torch.Tensor) -> Optional[Codec]:
+        own = self.act_codec("attn.out", *tensors)
+        if own is not None or self._act_out_source is None:
+            return own
+        if not (self.training and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return None
+        linear = self._act_out_source()
+        return None if linear is None else linear.act_codecs.get("attn.out")
+
+    def _layer(self) -> int:
+        return self.act_layer if self.act_layer is not None else max(0, int(self.layer_number) - 1)
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None):
+        codecs = {site: self.act_codec(site, query, key, value) for site in ATTENTION_SITES}
+        codecs["attn.out"] = self._out_codec(query, key, value)
+        stock_args = (query, key, value, attention_mask, attn_mask_type, attention_bias,
+                      packed_seq_params)
+        stored = any(codecs[s] is not None for s in QKV_SITES + ("attn.softmax",))
+        if self.act_attention == "stock" and not stored:
+            return self._stock(codecs["attn.dropout_mask"], *stock_args)
+        causal, why = self._mask_kind(query, key, attention_mask, attn_mask_type,
+                                      attention_bias, packed_seq_params)
+        if why is not None:
+            warnings.warn(f"llm_act core attention (layer {self._layer()}): {why}; running the "
+                          "stock megatron-core attention instead", stacklevel=2)
+            return self._stock(codecs["attn.dropout_mask"], *stock_args)
+        return self._efficient(query, key, value, causal, codecs)
+
+    def _stock(self, mask_codec: Optional[Codec], *args):
+        if mask_codec is None:
+            return DotProductAttention.forward(self, *args)
+        drop = self.attention_dropout
+        drop.__dict__["act_mask"] = (mask_codec, self)
+        try:
+            return DotProductAttention.forward(self, *args)
+        finally:
+            drop.__dict__.pop("act_mask", None)
+
+    def _mask_kind(self, query, key, attention_mask, attn_mask_type, attention_bias,
+                   packed_seq_params) -> tuple[bool, Optional[str]]:
+        """(causal, reason to fall back to stock or None)."""
+        if attention_bias is not None:
+            return False, "attention_bias is not supported"
+        if packed_seq_params is not None:
+            return False, "packed sequences are not supported"
+        if self.softmax_offset is not None:
+            return False, f"softmax_type={self.config.softmax_type!r} is not supported"
+        if getattr(self.scale_mask_softmax, "window_size", None) is not None:
+            return False, "sliding-window attention is not supported"
+        kind = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        sq, sk = query.shape[0], key.shape[0]
+        if kind == AttnMaskType.causal or (kind == AttnMaskType.padding_causal and attention_mask is None):
+            if sq == 1:  # one query (decoding): it sees every key, as in the stock softmax
+                return False, None
+            if sq != sk:
+                return False, f"a causal mask needs equal query and key lengths, got {sq} and {sk}"
+            return True, None
+        if attention_mask is None and kind in (AttnMaskType.no_mask, AttnMaskType.padding):
+            return False, None
+        return False, (f"attn_mask_type {kind.name} with an explicit attention mask would need an "
+                       "s x s mask (only causal and unmasked attention are memory-efficient)")
+
+    def _efficient(self, query, key, value, causal: bool, codecs: dict) -> torch.Tensor:
+        from llm_act import ledger
+        from llm_act.attention import attention, pick_backend
+
+        mode = self.act_attention
+        p = float(self.attention_dropout.p) if self.training else 0.0
+        backend = "unfused" if mode in ("stock", "unfused") else pick_backend(mode, p, query.device)
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        use = {site: codecs[site] for site in QKV_SITES + ("attn.dropout_mask",)}
+        if backend == "unfused":
+            use["attn.softmax"] = codecs["attn.softmax"]
+        recompute_out = backend != "unfused" and codecs["attn.out"] is not None
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        layer = self._layer()
+        report = None
+        where = contextlib.nullcontext()
+        if grads:
+            def report(site, tensors, nbytes):
+                ledger.report(layer, site, list(tensors), int(nbytes))
+
+            # what SDPA saves internally (logsumexp; its math path's s x s tensors with
+            # dropout off CUDA) goes to the site that owns it
+            math_path = backend == "sdpa" and p > 0.0 and query.device.type != "cuda"
+            where = ledger.scope(layer, "attn.softmax" if math_path else "attn.out")
+        fork = (tensor_parallel.get_cuda_rng_tracker().fork()
+                if p > 0.0 and not self.config.sequence_parallel else contextlib.nullcontext())
+        with where, fork:
+            out = attention(query, key, value, causal=causal, dropout_p=p, scale=scale,
+                            backend=backend, codecs=use, report=report,
+                            recompute_out=recompute_out)
+        return out.reshape(out.shape[0], out.shape[1], self.hidden_size_per_partition)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.act_attention!r}"

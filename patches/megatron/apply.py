@@ -119,7 +119,7 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
                 f"model: two TransformerLayers have layer_number {index + 1}; apply needs "
                 "megatron's global layer numbers to tell layers apart"
             )
-        modules[index] = convert_layer(layer, index)
+        modules[index] = convert_layer(layer, index, attention=True)
     num_layers = max(num_layers, max(modules) + 1)
     controller = Controller(config, modules, num_layers=num_layers)
     for layer in layers:

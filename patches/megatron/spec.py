@@ -65,6 +65,7 @@ def layer_spec(
         return stock
     cpu_shim.install()
 
+    from llm_act.patches.megatron.attention import ActCoreAttention
     from llm_act.patches.megatron.dropout import ActBiasDropoutAdd
     from llm_act.patches.megatron.linear import ActColumnParallelLinear, ActRowParallelLinear
 
@@ -79,6 +80,7 @@ def layer_spec(
     attn_sub = dataclasses.replace(
         attn.submodules,
         linear_qkv=slot(ActColumnParallelLinear, "attn.qkv_input"),
+        core_attention=ActCoreAttention,
         linear_proj=slot(ActRowParallelLinear, "attn.out"),
     )
     mlp_sub = dataclasses.replace(

@@ -103,7 +103,7 @@ def held_after_forward(forward) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     held = []
-    for _ in range(2):
+    for _ in range(3):
         gc.collect()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = forward()

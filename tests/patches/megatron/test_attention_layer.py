@@ -96,7 +96,7 @@ def rope(s, h, a):
 
 def held_after_forward(forward) -> int:
     """Bytes a forward leaves allocated (profiler: allocations minus frees), its output
-    excluded. The smaller of two runs: a first run may also fill one-off caches (thread
+    excluded. The smallest of three runs: an earlier run may fill one-off caches (thread
     pools, scratch buffers), which are not activations."""
     import gc
 

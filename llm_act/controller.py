@@ -7,13 +7,20 @@ the same instance to the module, so each codec's random stream lives in exactly 
 and `state_dict()` captures it. A plan asked for with `set_plan` is applied at the next
 step boundary (entering or leaving `with controller.step():`, or after `optimizer.step()`
 when `attach_optimizer` was used), never in the middle of an iteration: a forward and its
-backward always see the same codecs. Plans are fixed in this issue; the planner and the
-adaptive re-planning of issue 5 drive `set_plan` later.
+backward always see the same codecs.
+
+Under plan "auto" the Controller re-plans during training (`llm_act.adapt`): at tracking
+iterations 1, 2, 4, ... (up to `adapt_interval_max` apart, back to 1 after a sharp shift in
+the statistics) it measures the sites on the current batch, reduces the statistics over
+the ranks, solves the MILP on one rank, broadcasts the plan and switches at that step
+boundary on every rank. Measuring needs a probe: `with controller.step(probe=fn)` or
+`set_probe(fn)`, `fn()` running one forward over the iteration's batch and returning the
+loss (per sample or per token, for the sampling-noise estimate).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from llm_act import plans
 from llm_act.codecs.base import Codec
@@ -66,6 +73,14 @@ class Controller:
         self._in_step = False
         self._hooks: list[Any] = []
         self.iteration = 0
+        #: global layer index -> its TransformerLayer (found by the measured profile)
+        self.layer_modules: dict[int, Any] = {}
+        self._probe: Optional[Callable[[], Any]] = None
+        self._step_probe: Optional[Callable[[], Any]] = None
+        self._probe_params: Any = None
+        from llm_act.adapt import Adapter
+
+        self.adapter = Adapter(self)
         if self.enabled:
             self._apply(plans.resolve(config, self.num_layers, self._modules, self._no_fewbit()))
 
@@ -89,6 +104,36 @@ class Controller:
     def pending_plan(self) -> Optional[plans.Plan]:
         """A plan asked for with `set_plan` that waits for the next step boundary."""
         return None if self._pending is None else {i: dict(c) for i, c in self._pending.items()}
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every plan change: {iteration, changes, predicted_bytes, overhead_ms, reason}."""
+        return self.adapter.history
+
+    def sites(self, layer: int) -> tuple[str, ...]:
+        """The sites of `layer` that compressed modules store, in `SITES` order."""
+        stored = self._modules.get(layer, {})
+        return tuple(s for s in SITES if s in stored)
+
+    def planned_sites(self, layer: int) -> tuple[str, ...]:
+        """The sites of `layer` the planner chooses for (`plans.IMPLEMENTED_SITES`; the
+        others keep what the plan in force gives them)."""
+        return tuple(s for s in self.sites(layer) if s in plans.IMPLEMENTED_SITES)
+
+    def all_modules(self) -> list[Any]:
+        """Every module the controller drives, each once."""
+        seen, out = set(), []
+        for stored in self._modules.values():
+            for m in stored.values():
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    out.append(m)
+        return out
+
+    def reinstall(self) -> None:
+        """Hand every module its codec of the plan in force again (after probe passes)."""
+        if self.enabled:
+            self._apply(self._plan)
 
     def module(self, layer: int, site: str) -> Any:
         """The module that stores `site` of `layer` (KeyError if none)."""
@@ -119,22 +164,48 @@ class Controller:
     def _driven(self) -> bool:
         return self.iteration > 0 or bool(self._hooks)
 
+    def set_probe(self, forward: Optional[Callable[[], Any]], params: Any = None) -> None:
+        """The closure the adaptive planner measures with: `forward()` runs one forward over
+        the current iteration's batch and returns the loss (unreduced per sample/token is
+        best); `params`: the parameters whose gradient sensitivity counts (default: those
+        of the controlled modules). None removes it."""
+        if forward is not None and not callable(forward):
+            raise TypeError(f"forward: expected a callable or None, got {type(forward).__name__}")
+        self._probe = forward
+        self._probe_params = params
+
+    def probe_params(self) -> list:
+        from llm_act.probing import params_of
+
+        if self._probe_params is not None:
+            return params_of(self._probe_params)
+        if self.layer_modules:
+            return params_of(list(self.layer_modules.values()))
+        return params_of([m for m in self.all_modules() if hasattr(m, "parameters")])
+
     @contextlib.contextmanager
-    def step(self) -> Iterator["Controller"]:
+    def step(self, probe: Optional[Callable[[], Any]] = None) -> Iterator["Controller"]:
         """`with controller.step(): forward/backward/optimizer step` -- one iteration.
 
-        A pending plan takes effect on entry; on a clean exit the iteration counter advances
-        (and a plan asked for during the step takes effect then).
+        A pending plan takes effect on entry; on a clean exit the iteration counter advances,
+        a tracking iteration re-plans (with `probe`, this iteration's forward closure, or the
+        one given to `set_probe`), and a plan asked for during the step takes effect then.
         """
         if self._in_step:
             raise RuntimeError("controller.step() is already active: steps do not nest")
+        if probe is not None and not callable(probe):
+            raise TypeError(f"probe: expected a callable or None, got {type(probe).__name__}")
         self._apply_pending()
         self._in_step = True
+        self._step_probe = probe
         try:
             yield self
         finally:
             self._in_step = False
-        self._advance()
+        try:
+            self._advance()
+        finally:
+            self._step_probe = None
 
     def attach_optimizer(self, optimizer: Any) -> Any:
         """Advance one iteration after every `optimizer.step()` (for loops that never call
@@ -159,6 +230,8 @@ class Controller:
 
     def _advance(self) -> None:
         self.iteration += 1
+        if self.enabled:
+            self.adapter.after_iteration(self._step_probe or self._probe)
         self._apply_pending()
 
     def _apply_pending(self) -> None:
@@ -209,6 +282,7 @@ class Controller:
             "iteration": self.iteration,
             "plan": _plan_to_state(self._plan),
             "pending": None if self._pending is None else _plan_to_state(self._pending),
+            "adapt": self.adapter.state_dict(),
             "codecs": {
                 f"{layer}/{site}/{name}": codec.state_dict()
                 for (layer, site, name), codec in self._codecs.items()
@@ -225,6 +299,8 @@ class Controller:
         self.iteration = int(state["iteration"])
         if not self.enabled:
             return
+        if state.get("adapt") is not None:
+            self.adapter.load_state_dict(state["adapt"])
         for key, codec_state in state.get("codecs", {}).items():
             layer, site, name = key.split("/")
             if int(layer) in self._modules:

@@ -6,8 +6,9 @@ one form the Controller applies to the modules, whatever the user wrote:
 
 - "keep": every site kept (stock megatron-core);
 - "compress": every *implemented* site at its default codec (`DEFAULT_CODECS`);
-- "auto": the planner and the adaptive controller come later (issue 5); until then "auto"
-  behaves exactly as "compress";
+- "auto": starts as "compress"; the Controller's planner (`llm_act.adapt`) then replaces
+  it at its tracking iterations with the MILP's plan for the measured profile, the
+  `ActConfig.codecs` overrides staying pinned;
 - "recompute": not available yet (issue 4) -> NotImplementedError;
 - a JSON plan path (or its dict) read by `llm_act.planner.load_plan_json`;
 - then `ActConfig.codecs` (site -> choice) overrides on top, for every layer.
@@ -89,7 +90,7 @@ def plan_from(source: PlanLike, num_layers: int, layers: Optional[Iterable[int]]
     wanted = _layers(layers, num_layers)
     if isinstance(source, str) and source == "keep":
         return {i: keep_layer() for i in wanted}
-    if isinstance(source, str) and source in ("compress", "auto"):
+    if isinstance(source, str) and source in ("compress", "auto"):  # "auto" until re-planned
         no_fewbit = set(no_fewbit)
         return {i: compress_layer(fewbit=i not in no_fewbit) for i in wanted}
     if isinstance(source, str) and source == RECOMPUTE:

@@ -1,0 +1,498 @@
+"""The measured profile: what each site of a converted megatron-core model really stores and
+costs, on the current batch, for the planner (Adacc sec. 3.3-3.4).
+
+`measure_profile(controller, forward)` runs the model (`forward()` = one forward over the
+current batch, returning the loss) in isolated probe passes (`llm_act.probing`: RNG
+streams, gradients and the real codecs untouched):
+
+1. every site kept, under a `SavedTensorLedger`: the bytes "keep" stores per site (what
+   stock megatron-core saves there, norm statistics and dropout noise included) and the
+   bytes nobody plans (`other_bytes`: embeddings, logits, attention internals);
+2. a capture codec at every site: the real tensor each site stores, and, from the ledger,
+   the exact side tensors the compressed path keeps beside the encoding (a norm's mean
+   and rstd);
+3. on those tensors, every codec the site admits: its stored bytes (`encode(x).nbytes`, so
+   outlier channels count), its error model (`expected_error`, relative to the tensor's
+   power: S of GACT sec. 4, in the units of the analytic prior), its encode and decode
+   times; and each site's producer op re-run on its captured input (the cost of
+   recomputing it).
+
+Times: CUDA events on a GPU, wall clock on CPU, medians of a few runs; only their ratios
+within one run mean anything. They are taken on the first layer of each group of
+identical layers (the same ops on the same shapes) and can be carried over from an
+earlier profile (`times_from`): the controller measures them once, then re-measures only
+the data-dependent figures (outlier rates, bytes, errors) at its tracking points.
+
+`MeasuredProfile.blocks()` gives the `BlockProfile`s for `solve_plan` (identical layers
+share one block with `count` = their number, bytes averaged so that the total over the
+layers is exact); `predicted_bytes(plan)` the bytes a plan would hold.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from llm_act import probing
+from llm_act.codecs.base import Codec, Encoded
+from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE, check_choice, make_codec
+from llm_act.ledger import SavedTensorLedger
+from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
+from llm_act.sites import MASK_SITES, SITES
+
+#: the sites whose producer reads each site (recomputation dependencies)
+PRODUCER_INPUTS: dict[str, tuple[str, ...]] = {
+    "attn.qkv_input": ("ln1.input",),
+    "attn.out": ("attn.q", "attn.k", "attn.v", "attn.qkv_input"),
+    "ln2.input": ("attn.out", "ln1.input", "attn.hidden_dropout_mask"),
+    "mlp.fc1_input": ("ln2.input",),
+    "mlp.act_input": ("mlp.fc1_input",),
+    "mlp.fc2_input": ("mlp.act_input",),
+}
+_MEASURE_SEED = 20240611
+
+
+@dataclass
+class OptionStats:
+    """One codec on one site's real tensor."""
+
+    nbytes: int
+    """stored bytes: the encoding plus the exact side tensors the compressed path keeps"""
+    error: float
+    """expected squared error per element (`expected_error`; bias^2 for nearest rounding)"""
+    rel_error: float
+    """`error` over the tensor's power: S(option), the noise per unit of sensitivity"""
+    encode_ms: float = 0.0
+    decode_ms: float = 0.0
+
+
+@dataclass
+class SiteStats:
+    """One site of one layer, measured."""
+
+    layer: int
+    site: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    keep_bytes: int
+    side_bytes: int
+    options: dict[str, OptionStats] = field(default_factory=dict)
+    forward_ms: Optional[float] = None
+    outlier_rate: float = 0.0
+    """share of channels outlier_int4 keeps exactly"""
+
+    def stored(self, choice: str) -> int:
+        if choice == KEEP:
+            return self.keep_bytes
+        if choice == RECOMPUTE:
+            return 0
+        return self.options[choice].nbytes
+
+    def ratio(self, choice: str) -> float:
+        """keep bytes / stored bytes under `choice` (the compression ratio reached)."""
+        stored = self.stored(choice)
+        return self.keep_bytes / stored if stored else math.inf
+
+
+@dataclass
+class MeasuredProfile:
+    """Per (layer, site) measurements of one run of `measure_profile`."""
+
+    sites: dict[tuple[int, str], SiteStats]
+    other_bytes: int
+    """bytes the keep-everything forward holds outside the planned sites"""
+    device: str = "cpu"
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted({layer for layer, _ in self.sites}))
+
+    def layer_sites(self, layer: int) -> tuple[str, ...]:
+        return tuple(s for s in SITES if (layer, s) in self.sites)
+
+    def groups(self) -> list[list[int]]:
+        """Layers with the same planned sites and shapes (identical blocks), in order."""
+        out: dict[tuple, list[int]] = {}
+        for layer in self.layers:
+            key = tuple((s, self.sites[(layer, s)].shape, self.sites[(layer, s)].dtype,
+                         tuple(sorted(self.sites[(layer, s)].options)))
+                        for s in self.layer_sites(layer))
+            out.setdefault(key, []).append(layer)
+        return list(out.values())
+
+    # ---- statistics the controller tracks ----------------------------------------------
+    def outlier_rates(self) -> dict[str, float]:
+        """Mean share of outlier channels per site type (sites with an outlier_int4 option)."""
+        acc: dict[str, list[float]] = {}
+        for (_, site), st in self.sites.items():
+            if "outlier_int4" in st.options:
+                acc.setdefault(site, []).append(st.outlier_rate)
+        return {s: sum(v) / len(v) for s, v in acc.items()}
+
+    def compression_ratios(self, plan: Mapping[int, Mapping[str, str]]) -> dict[str, float]:
+        """Per site type: keep bytes / bytes stored under `plan`, over all layers."""
+        keep: dict[str, int] = {}
+        stored: dict[str, int] = {}
+        for (layer, site), st in self.sites.items():
+            choice = plan.get(layer, {}).get(site, KEEP)
+            if choice not in (KEEP, RECOMPUTE) and choice not in st.options:
+                continue
+            keep[site] = keep.get(site, 0) + st.keep_bytes
+            stored[site] = stored.get(site, 0) + st.stored(choice)
+        return {s: keep[s] / stored[s] if stored[s] else math.inf for s in keep}
+
+    def predicted_bytes(self, plan: Mapping[int, Mapping[str, str]], include_other: bool = True) -> int:
+        """Bytes held at the end of forward under `plan` ({layer: {site: choice}})."""
+        total = self.other_bytes if include_other else 0
+        for (layer, site), st in self.sites.items():
+            total += st.stored(plan.get(layer, {}).get(site, KEEP))
+        return total
+
+    def noise(self, plan: Mapping[int, Mapping[str, str]], sensitivity: Mapping[str, float]) -> float:
+        """Predicted compression noise of `plan`: sum over layers and sites of c_i * S."""
+        return sum(self.noise_by_site(plan, sensitivity).values())
+
+    def noise_by_site(self, plan: Mapping[int, Mapping[str, str]],
+                      sensitivity: Mapping[str, float]) -> dict[str, float]:
+        """Per site type: sum over layers of c_i * S(choice) under `plan`."""
+        out: dict[str, float] = {}
+        for (layer, site), st in self.sites.items():
+            choice = plan.get(layer, {}).get(site, KEEP)
+            if choice in st.options:
+                out[site] = out.get(site, 0.0) + float(sensitivity.get(site, 0.0)) * st.options[choice].rel_error
+        return out
+
+    def times(self) -> dict[str, dict[str, Any]]:
+        """{site: {"forward_ms": ..., "codecs": {name: (encode_ms, decode_ms)}}} from the
+        first layer holding each site type (plain data, for checkpoints)."""
+        out: dict[str, dict[str, Any]] = {}
+        for (_, site), st in sorted(self.sites.items(), key=lambda kv: (kv[0][0], SITES.index(kv[0][1]))):
+            if site not in out:
+                out[site] = {"forward_ms": st.forward_ms,
+                             "codecs": {n: (o.encode_ms, o.decode_ms) for n, o in st.options.items()}}
+        return out
+
+    # ---- for the planner ---------------------------------------------------------------
+    def blocks(self, sensitivity: Optional[Mapping[str, float]] = None, inflight: int = 1,
+               per_layer: bool = False, recompute: bool = False,
+               candidates: Optional[Mapping[str, Sequence[str]]] = None,
+               exclude: Sequence[str] = ()) -> list[BlockProfile]:
+        """`BlockProfile`s in layer order: one per group of identical layers (`count` = its
+        size; bytes the mean over the group, rounded up, so totals are exact for the uniform
+        plan a group gets), or one per layer with `per_layer`. `recompute`: offer
+        "recompute" (the producer's measured forward time); `candidates`: site -> the codec
+        names to offer (default: all measured); `exclude`: sites left out (fixed choices)."""
+        sens = dict(sensitivity or {})
+        groups = [[layer] for layer in self.layers] if per_layer else self.groups()
+        out = []
+        for group in groups:
+            sites = tuple(s for s in self.layer_sites(group[0]) if s not in exclude)
+            profiles = []
+            for site in sites:
+                stats = [self.sites[(layer, site)] for layer in group]
+                names = [n for n in stats[0].options
+                         if candidates is None or site not in candidates or n in candidates[site]]
+                options = tuple(
+                    CodecOption(
+                        name,
+                        _mean_up([s.options[name].nbytes for s in stats]),
+                        stats[0].options[name].encode_ms,
+                        stats[0].options[name].decode_ms,
+                        sum(s.options[name].rel_error for s in stats) / len(stats),
+                    )
+                    for name in names
+                )
+                fwd = stats[0].forward_ms if recompute and site != "ln1.input" else None
+                inputs = tuple(d for d in PRODUCER_INPUTS.get(site, ()) if d in sites)
+                default_c = 0.0 if site in MASK_SITES else 1.0
+                profiles.append(SiteProfile(site, _mean_up([s.keep_bytes for s in stats]), fwd,
+                                            inputs, options, float(sens.get(site, default_c))))
+            out.append(BlockProfile(tuple(profiles), count=len(group), inflight=inflight))
+        return out
+
+    def block_layers(self, per_layer: bool = False) -> list[list[int]]:
+        """The layers behind each entry of `blocks(per_layer=...)`, in the same order."""
+        return [[layer] for layer in self.layers] if per_layer else self.groups()
+
+    def plan_from_choice(self, choice: Sequence[Mapping[str, str]], per_layer: bool = False
+                         ) -> dict[int, dict[str, str]]:
+        """{layer: {site: choice}} from a `solve_plan` answer over `blocks(per_layer)`."""
+        out: dict[int, dict[str, str]] = {}
+        for layers, ch in zip(self.block_layers(per_layer), choice):
+            for layer in layers:
+                out[layer] = dict(ch)
+        return out
+
+    def choice_for(self, plan: Mapping[int, Mapping[str, str]], per_layer: bool = False,
+                   exclude: Sequence[str] = ()) -> list[dict[str, str]]:
+        """The per-block choice list of `plan` for `evaluate_plan` over `blocks(per_layer,
+        exclude=...)` (a group takes its first layer's choice)."""
+        return [{s: plan.get(layers[0], {}).get(s, KEEP) for s in self.layer_sites(layers[0]) if s not in exclude}
+                for layers in self.block_layers(per_layer)]
+
+
+def _mean_up(values: Sequence[int]) -> int:
+    return -(-sum(values) // len(values))
+
+
+# ---- capture ---------------------------------------------------------------------------------
+
+
+class _Capture(Codec):
+    """A lossless probe: 'encodes' by keeping x itself and remembers it for measurement."""
+
+    lossless = True
+    name = "capture"
+
+    def __init__(self, sink: dict, key: tuple[int, str]):
+        super().__init__(seed=0)
+        self.sink, self.key = sink, key
+
+    def check_input(self, x: torch.Tensor) -> None:  # dropout masks arrive as bool
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"capture: expected a tensor, got {type(x).__name__}")
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        self.sink[self.key] = x
+        return self._record(x, value=x)
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        return enc.data["value"]
+
+    def nbytes_for(self, shape, dtype) -> int:
+        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+@functools.lru_cache(maxsize=None)
+def _codec(name: str, activation: str) -> Codec:
+    """One measuring instance per codec (never the controller's: its generators stay)."""
+    return make_codec(name, seed=_MEASURE_SEED, activation=activation)
+
+
+def site_codec_names(controller: Any, layer: int, site: str, x: torch.Tensor) -> list[str]:
+    """The codecs `site` of `layer` admits: the registry's rule, few-bit codecs only where
+    the MLP's activation has a fitted derivative, mask codecs on boolean masks."""
+    names = []
+    act = getattr(controller.module(layer, site), "act_activation", None) if site == "mlp.act_input" else None
+    for name in CODEC_NAMES:
+        try:
+            check_choice(site, name)
+        except ValueError:
+            continue
+        if name in FEWBIT_CODECS and not isinstance(act, str):
+            continue
+        if (name in MASK_CODECS) != (x.dtype == torch.bool):
+            continue
+        names.append(name)
+    return names
+
+
+def _activation_name(controller: Any, layer: int) -> str:
+    try:
+        name = getattr(controller.module(layer, "mlp.act_input"), "act_activation", None)
+    except KeyError:
+        name = None
+    return name if isinstance(name, str) else "gelu"
+
+
+def _power(x: torch.Tensor) -> float:
+    """Mean of x^2 over the finite elements (float64); 1 for an all-zero tensor."""
+    xf = x.detach().double()
+    xf = xf[torch.isfinite(xf)]
+    p = float(xf.pow(2).mean()) if xf.numel() else 0.0
+    return p if p > 0 else 1.0
+
+
+def derivative_power(x: torch.Tensor, activation: str) -> float:
+    """Mean of f'(x)^2: the power of what a few-bit codec stores."""
+    from llm_act.codecs.fewbit import derivative
+
+    return _power(derivative(activation)(x.detach().float()))
+
+
+def _option(codec: Codec, name: str, x: torch.Tensor, side: int, power: float, dpower: float,
+            timed: bool, repeats: int) -> tuple[OptionStats, Optional[Encoded]]:
+    if name == "regen":
+        nbytes = codec.nbytes_for(x.shape, x.dtype, device=x.device)
+        st = OptionStats(nbytes + side, 0.0, 0.0)
+        if timed:  # backward draws the mask again
+            st.decode_ms = probing.time_ms(lambda: torch.rand(x.shape, device=x.device) >= 0.5,
+                                           x.device, repeats)
+        return st, None
+    enc = codec.encode(x)
+    err = 0.0 if codec.lossless else float(codec.expected_error(x))
+    rel = err / (dpower if name in FEWBIT_CODECS else power)
+    st = OptionStats(enc.nbytes + side, err, rel)
+    if timed:
+        st.encode_ms = probing.time_ms(lambda: codec.encode(x), x.device, repeats)
+        st.decode_ms = probing.time_ms(lambda: codec.decode(enc), x.device, repeats)
+    return st, enc
+
+
+def measure_profile(controller: Any, forward: Callable[[], Any], *,
+                    times_from: Optional[Any] = None, repeats: int = 3,
+                    codecs: Optional[Sequence[str]] = None) -> MeasuredProfile:
+    """Measure every site the controller drives on the batch `forward()` runs (see the module
+    docstring). `times_from`: reuse the times of that profile or of its `times()` dict
+    (same model and shapes) instead of measuring them;
+    `codecs`: restrict the codecs measured (default: all the registry admits)."""
+    if not callable(forward):
+        raise TypeError(f"forward: expected a callable running one forward pass, got {forward!r}")
+    if not controller.layers:
+        raise ValueError("controller: it drives no layer; nothing to measure")
+    captured: dict[tuple[int, str], torch.Tensor] = {}
+    attn_call: dict[int, tuple] = {}
+    groups_first = set()
+    with probing.isolated(controller) as snap, torch.enable_grad():
+        probing.install(controller, {})
+        finder = _find_layers(controller)
+        try:
+            with SavedTensorLedger() as keep_ledger:
+                out = forward()
+        finally:
+            finder.remove()
+        keep = keep_ledger.by_site()
+        del out
+        snap.restore()
+        probes = {(layer, site): _Capture(captured, (layer, site))
+                  for layer in controller.layers for site in controller.planned_sites(layer)}
+        probing.install(controller, probes)
+        handles = _attention_hooks(controller, attn_call) if times_from is None else []
+        try:
+            with SavedTensorLedger() as probe_ledger:
+                out = forward()
+            held = probe_ledger.by_site()
+            del out
+        finally:
+            for h in handles:
+                h.remove()
+    planned = set(captured)
+    other = sum(n for key, n in keep.items() if key not in planned)
+    sites: dict[tuple[int, str], SiteStats] = {}
+    for key in sorted(captured, key=lambda k: (k[0], SITES.index(k[1]))):
+        layer, site = key
+        x = captured[key]
+        side = max(0, held.get(key, 0) - x.numel() * x.element_size())
+        sites[key] = SiteStats(layer, site, tuple(x.shape), x.dtype, keep.get(key, 0), side)
+    profile = MeasuredProfile(sites, other, str(probing.device_of(controller)))
+    for group in profile.groups():
+        groups_first.add(group[0])
+    activation = {layer: _activation_name(controller, layer) for layer in profile.layers}
+    snap = probing.RngSnapshot()  # timing dropout draws must not move the real streams
+    with torch.no_grad():
+        for key, st in sites.items():
+            layer, site = key
+            x = captured[key]
+            timed = times_from is None and layer in groups_first
+            power = _power(x) if x.is_floating_point() else 1.0
+            few = site == "mlp.act_input" and any(n in FEWBIT_CODECS
+                                                 for n in site_codec_names(controller, layer, site, x))
+            dpower = derivative_power(x, activation[layer]) if few else 1.0
+            for name in site_codec_names(controller, layer, site, x):
+                if codecs is not None and name not in codecs:
+                    continue
+                codec = _codec(name, activation[layer])
+                opt, enc = _option(codec, name, x, st.side_bytes, power, dpower, timed, repeats)
+                st.options[name] = opt
+                if name == "outlier_int4" and enc is not None and x.shape:
+                    st.outlier_rate = enc.meta["n_outliers"] / max(1, x.shape[-1])
+            if timed:
+                st.forward_ms = _producer_ms(controller, layer, site, captured, attn_call, repeats)
+        if times_from is not None:
+            _copy_times(profile, times_from)
+    snap.restore()
+    return profile
+
+
+def _copy_times(profile: MeasuredProfile, old: Any) -> None:
+    """Times of `old` (a profile or its `times()`), by site type."""
+    ref = old.times() if isinstance(old, MeasuredProfile) else old
+    for (_, site), st in profile.sites.items():
+        src = ref.get(site)
+        if src is None:
+            continue
+        st.forward_ms = src.get("forward_ms")
+        for name, opt in st.options.items():
+            if name in src.get("codecs", {}):
+                opt.encode_ms, opt.decode_ms = src["codecs"][name]
+
+
+# ---- producer times ----------------------------------------------------------------------------
+
+
+def _find_layers(controller: Any):
+    """A global forward pre-hook that records, while it is installed, the TransformerLayers
+    bound to `controller` (apply marks them) in `controller.layer_modules` by index."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    def pre(module, args):
+        if getattr(module, "_llm_act_controller", None) is controller:
+            controller.layer_modules[int(module.layer_number) - 1] = module
+
+    return register_module_forward_pre_hook(pre)
+
+
+def _layer_of(controller: Any, layer: int):
+    """The TransformerLayer holding `layer`'s modules (None when not found)."""
+    return controller.layer_modules.get(layer)
+
+
+def _attention_hooks(controller: Any, sink: dict[int, tuple]) -> list:
+    handles = []
+    for layer, tl in controller.layer_modules.items():
+        core = getattr(getattr(tl, "self_attention", None), "core_attention", None)
+        if core is None:
+            continue
+
+        def pre(module, args, kwargs, layer=layer):
+            sink.setdefault(layer, (module, args, kwargs))
+
+        handles.append(core.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles
+
+
+def _producer_ms(controller: Any, layer: int, site: str, captured: dict, attn_call: dict,
+                 repeats: int) -> Optional[float]:
+    """Forward time of the op that produces `site`, re-run on its captured input."""
+    tl = _layer_of(controller, layer)
+    x_of = lambda s: captured.get((layer, s))  # noqa: E731
+    dev = probing.device_of(controller)
+    t = lambda fn: probing.time_ms(fn, dev, repeats)  # noqa: E731
+    if site == "ln1.input":
+        return None
+    if site in MASK_SITES:
+        m = x_of(site)
+        return t(lambda: torch.rand(m.shape, device=m.device) >= 0.5)
+    if tl is None:
+        return None
+    if site == "attn.qkv_input" and x_of("ln1.input") is not None:
+        return t(lambda: tl.input_layernorm(x_of("ln1.input")))
+    if site == "mlp.fc1_input" and x_of("ln2.input") is not None:
+        return t(lambda: tl.pre_mlp_layernorm(x_of("ln2.input")))
+    if site == "mlp.act_input" and x_of("mlp.fc1_input") is not None:
+        return t(lambda: tl.mlp.linear_fc1(x_of("mlp.fc1_input")))
+    if site == "mlp.fc2_input" and x_of("mlp.act_input") is not None:
+        from llm_act.patches.megatron.mlp import activation_of
+
+        fn = activation_of(tl.config)[1]
+        return t(lambda: fn(x_of("mlp.act_input")))
+    if site == "ln2.input" and x_of("attn.out") is not None and x_of("ln1.input") is not None:
+        p = float(getattr(tl, "hidden_dropout", 0.0) or 0.0)
+        res = x_of("ln1.input")
+
+        def run():
+            y, _ = tl.self_attention.linear_proj(x_of("attn.out"))
+            return torch.nn.functional.dropout(y, p, True) + res
+
+        return t(run)
+    if site == "attn.out" and x_of("attn.qkv_input") is not None:
+        call = attn_call.get(layer)
+        qkv = t(lambda: tl.self_attention.linear_qkv(x_of("attn.qkv_input")))
+        if call is None:
+            return qkv
+        module, args, kwargs = call
+        return qkv + t(lambda: module(*args, **kwargs))
+    return None

@@ -1,0 +1,210 @@
+"""GACT's gradient sensitivity c_i per site type (GACT sec. 4, Alg. 1) and its failure
+prediction.
+
+Linearising the gradient in the compression error (GACT eq. 3, Thm. 2), the noise a plan
+adds to the gradient is V = sum over stored tensors l of c_l * S_l, where S_l is the
+codec's error at tensor l. Here S is the codec's `expected_error` relative to the tensor's
+power, mean(x^2) (for a few-bit site: of mean(f'(x)^2), the quantity it stores): the
+units of the planner's prior, so that c_l carries the tensor's scale as GACT's c_l carries
+its range R_l. Scaling a site's tensor by 10 with the gradient's Jacobian unchanged
+multiplies c by 100.
+
+Measuring c_i (Alg. 1, with every other tensor exact): two forward/backward passes that
+differ only in the random draws of an unbiased stochastic codec at site i (all layers at
+once: c_i is shared across identical blocks), every other site kept, the same dropout masks
+(the RNG streams are rewound before each pass). With g1, g2 the two gradients,
+E||g1 - g2||^2 = 2 tr Var_Q[g] = 2 V_i, so
+
+    c_i = ||g1 - g2||^2 / (2 * sum_l S_il),
+
+S_il the probe codec's relative error on layer l's tensor. The probe at a value site is
+stochastic INT4 (`int4`); at a few-bit site it is f'(x) plus Rademacher noise of the
+fitted fewbit3 table's error, so S is in f' units there. Deterministic codecs (nearest
+rounding, few-bit tables) enter the planner with their bias^2, which is what their
+`expected_error` gives. The passes use `torch.autograd.grad` (no `.grad`, no `main_grad`,
+no optimizer), rewind every RNG stream and never call the real codecs
+(`llm_act.probing.isolated`).
+
+Predicting failure (GACT sec. 4.2): the mini-batch sampling noise of the gradient is
+estimated from the same batch split in halves, Var[g] ~ ||g_a - g_b||^2 / 4 (each half's
+mean has twice the variance of the full batch's, and they are independent); when the
+plan's predicted compression noise exceeds `warn_ratio` times that, `check_noise` warns,
+naming the fix.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from llm_act import probing
+from llm_act.codecs.base import Codec, Encoded
+from llm_act.codecs.registry import make_codec
+from llm_act.sites import MASK_SITES, SITES
+
+#: the codec whose random draws measure c at value sites
+PROBE_CODEC = "int4"
+
+
+class CompressionNoiseWarning(UserWarning):
+    """The compression noise is large against the mini-batch sampling noise."""
+
+
+@dataclass
+class Sensitivity:
+    """One measurement: c per site type, the pieces it came from, and the sampling noise."""
+
+    c: dict[str, float] = field(default_factory=dict)
+    diff_sq: dict[str, float] = field(default_factory=dict)
+    """||g1 - g2||^2 per site type"""
+    probe_s: dict[str, float] = field(default_factory=dict)
+    """sum over layers of the probe's relative error S_il"""
+    sampling_noise: Optional[float] = None
+    """Var of the full-batch gradient from data sampling (None: batch of one)"""
+
+
+class _ValueProbe(Codec):
+    """Stochastic INT4 at a value site, recording S (relative error) of every encode."""
+
+    def __init__(self, seed: int, record: list):
+        super().__init__(seed)
+        self.inner = make_codec(PROBE_CODEC, seed=seed)
+        self.name = "probe"
+        self.record = record
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        power = float(x.detach().double().pow(2).mean()) or 1.0
+        self.record.append(float(self.inner.expected_error(x)) / power)
+        return self.inner.encode(x)
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        return self.inner.decode(enc)
+
+
+class _DerivativeProbe(Codec):
+    """At a few-bit site: stores f'(x) + sigma * Rademacher noise (unbiased), sigma^2 the
+    fewbit3 table's expected error on x; S = sigma^2 / mean(f'(x)^2)."""
+
+    def __init__(self, seed: int, activation: str, record: list):
+        super().__init__(seed)
+        self.table_codec = make_codec("fewbit3", activation=activation)
+        self.table = self.table_codec.table  # the MLP takes the few-bit path for it
+        self.activation = activation
+        self.name = "probe"
+        self.record = record
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        from llm_act.codecs.fewbit import derivative
+
+        d = derivative(self.activation)(x.detach().float())
+        var = max(float(self.table_codec.expected_error(x)), 1e-12)
+        sign = torch.randint(0, 2, d.shape, generator=self.generator(x.device), device=x.device)
+        noisy = d + math.sqrt(var) * (2.0 * sign.float() - 1.0)
+        power = float(d.double().pow(2).mean()) or 1.0
+        self.record.append(var / power)
+        return self._record(x, d=noisy.to(x.dtype))
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        return enc.data["d"]
+
+
+def _probe(controller: Any, layer: int, site: str, seed: int, record: list) -> Codec:
+    if site == "mlp.act_input":
+        act = getattr(controller.module(layer, site), "act_activation", None)
+        if isinstance(act, str) and act != "relu":
+            return _DerivativeProbe(seed, act, record)
+    return _ValueProbe(seed, record)
+
+
+def sensitive_sites(controller: Any) -> list[str]:
+    """Site types that carry noise when compressed (dropout masks never do; a ReLU MLP
+    stores its activation as an exact 1-bit mask)."""
+    out = []
+    for layer in controller.layers:
+        for site in controller.planned_sites(layer):
+            if site in MASK_SITES or site in out:
+                continue
+            if site == "mlp.act_input" and getattr(controller.module(layer, site), "act_activation", None) == "relu":
+                continue
+            out.append(site)
+    return out
+
+
+def measure_sensitivity(controller: Any, forward: Callable[[], Any], params: Any, *,
+                        sites: Optional[Sequence[str]] = None, seed: int = 0,
+                        sampling: bool = True) -> Sensitivity:
+    """c_i for each site type in `sites` (default: all that carry noise), from two
+    backward passes per site type on the batch `forward()` runs (see the module docstring).
+    `params`: the parameters whose gradient counts (a module, modules or tensors).
+    `sampling`: also estimate the mini-batch sampling noise (needs a loss with a batch
+    dimension of at least 2: `forward()` returning per-sample or per-token losses)."""
+    params = probing.params_of(params)
+    if not params:
+        raise ValueError("params: no trainable parameter given")
+    sites = list(sensitive_sites(controller) if sites is None else sites)
+    out = Sensitivity()
+    with probing.isolated(controller, params) as snap, torch.enable_grad():
+        for site in sites:
+            grads, s_sum = [], 0.0
+            for draw in range(2):
+                record: list[float] = []
+                probes = {
+                    (layer, site): _probe(controller, layer, site, seed * 1_000_003 + 7919 * SITES.index(site) + 104_729 * draw + layer, record)
+                    for layer in controller.layers if site in controller.planned_sites(layer)
+                }
+                snap.restore()
+                probing.install(controller, probes)
+                loss = probing.scalar_loss(forward())
+                grads.append(probing.optional_grad(loss, params))
+                del loss
+                if draw == 0:
+                    s_sum = sum(record)
+            d2 = probing.sq_distance(grads[0], grads[1])
+            out.diff_sq[site] = d2
+            out.probe_s[site] = s_sum
+            out.c[site] = d2 / (2.0 * s_sum) if s_sum > 0 else 0.0
+            del grads
+        if sampling:
+            probing.install(controller, {})
+            out.sampling_noise = _sampling_noise(forward, params, snap)
+    return out
+
+
+def _sampling_noise(forward: Callable[[], Any], params: list[torch.Tensor],
+                    snap: probing.RngSnapshot) -> Optional[float]:
+    """||g_a - g_b||^2 / 4 from the two halves of the batch (exact passes; one forward per
+    half, as some losses -- megatron's cross entropy -- cannot backpropagate twice)."""
+    halves = []
+    for part in range(2):
+        snap.restore()
+        out = forward()
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(loss, torch.Tensor) or loss.dim() == 0 or loss.shape[0] < 2:
+            return None
+        half = loss.shape[0] // 2
+        per = loss.float().reshape(loss.shape[0], -1).mean(dim=1)
+        halves.append(probing.optional_grad(per[part * half:(part + 1) * half].mean(), params))
+        del out, loss, per
+    return probing.sq_distance(halves[0], halves[1]) / 4.0
+
+
+def check_noise(noise: float, sampling_noise: Optional[float], warn_ratio: float = 1.0,
+                where: str = "") -> Optional[float]:
+    """Warn (`CompressionNoiseWarning`) when the predicted compression noise `noise` is more
+    than `warn_ratio` times the sampling noise; returns the ratio (None if unknown)."""
+    if sampling_noise is None or not math.isfinite(noise):
+        return None
+    ratio = noise / sampling_noise if sampling_noise > 0 else (math.inf if noise > 0 else 0.0)
+    if ratio > warn_ratio:
+        warnings.warn(
+            f"activation compression adds gradient noise {noise:.3g}, {ratio:.3g}x the mini-batch "
+            f"sampling noise {sampling_noise:.3g}{where}: training may converge worse (GACT sec. 4.2). "
+            "Fix: give the sensitive sites more bits (a larger memory budget, or codecs such as "
+            "int8 / outlier_int4 instead of int2 / int1 there), or set a smaller "
+            "ActConfig.variance_budget so the planner bounds the noise.",
+            CompressionNoiseWarning, stacklevel=2,
+        )
+    return ratio

@@ -1,0 +1,106 @@
+"""Agreement across ranks (2 gloo processes): with data crafted so that each rank alone would
+choose a different plan, every rank ends with the same plan, switched at the same iteration.
+
+- DP=2: the ranks see different batches; rank 1's tokens hit embedding rows with four huge
+  channels, so its `ln1.input` / `ln2.input` tensors carry outlier channels that
+  outlier_int4 stores exactly (more bytes).
+- TP=2: both ranks see the same batch, but rank 1's shard of fc1 (its own rows) is scaled
+  up in a few rows, so its half of `mlp.fc2_input` carries outlier channels.
+
+Every planned site but `mlp.fc1_input` is pinned (`ActConfig.codecs`) at its default codec,
+so the outlier channels make the pinned bytes of rank 1 larger. The budget is what rank 0
+needs to keep `mlp.fc1_input`: alone, rank 0 keeps it (zero cost) and rank 1 must compress
+it -- checked first, each rank solving from its own measured profile. Then the controllers
+run with plan "auto" under that budget and must agree.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from llm_act import testing as T
+
+pytestmark = pytest.mark.dist
+
+STEPS = 5
+#: the site the planner chooses; every other planned site is pinned at its default codec
+#: (outlier_int4 at the linear and norm inputs: bytes that depend on the data)
+FREE = "mlp.fc1_input"
+PINNED = ("ln1.input", "attn.qkv_input", "attn.out", "ln2.input", "mlp.act_input", "mlp.fc2_input")
+
+
+def _worker(rank, world, port, mode):
+    warnings.filterwarnings("ignore")
+    from llm_act import ActConfig, agreement
+    from llm_act.patches.megatron import apply
+    from llm_act.planner import evaluate_plan
+    from llm_act.planner.measure import measure_profile
+    from llm_act.sites import DEFAULT_CODECS
+    from tests.patches.megatron import gpt_runs as R
+
+    tp = 2 if mode == "tp" else 1
+    T.init_parallel(tp=tp, rank=rank, world_size=world, port=port)
+    model = R.build(dropout=0.0, num_layers=2, seed=0)
+    with torch.no_grad():
+        if mode == "dp":
+            model.embedding.word_embeddings.weight[64:, :4] *= 60.0  # tokens >= 64: outliers
+        elif rank == 1:
+            model.decoder.layers[0].mlp.linear_fc1.weight[:3] *= 40.0
+            model.decoder.layers[1].mlp.linear_fc1.weight[:3] *= 40.0
+    gen = torch.Generator().manual_seed(100 + (rank if mode == "dp" else 0))
+
+    def batch():
+        ids, pos, labels = T.gpt_batch(R.BATCH, R.SEQ, R.VOCAB, generator=gen)
+        if mode == "dp":  # rank 0 draws tokens < 64, rank 1 tokens >= 64
+            ids, labels = ids % 64 + 64 * rank, labels % 64 + 64 * rank
+        return ids, pos, labels
+
+    pins = {site: DEFAULT_CODECS[site] for site in PINNED}
+    controller = apply(model, ActConfig(plan="auto", codecs=pins, sensitivity=True, adapt_interval_max=2))
+
+    # ---- alone: each rank's own statistics under the budget the job will use ----------
+    ids, pos, labels = batch()
+    gen.manual_seed(100 + (rank if mode == "dp" else 0))  # the run starts from this batch
+    fwd = lambda: model(ids, pos, None, labels=labels)  # noqa: E731
+    local = measure_profile(controller, fwd)
+    blocks, static = controller.adapter.problem(local)
+    statics = agreement.gather(static)
+    assert statics[1] > statics[0], f"{mode}: rank 1 should store more in the pinned sites: {statics}"
+    keep_free = evaluate_plan(blocks, [{FREE: "keep"}] * len(blocks)).activation_bytes
+    budget = statics[0] + keep_free  # rank 0 alone can keep the free site, rank 1 cannot
+    alones = agreement.gather(controller.adapter.solve_alone(local, budget))
+
+    # ---- together -------------------------------------------------------------------
+    controller.config.budget = budget
+    plans_seen = []
+    for _ in range(STEPS):
+        ids, pos, labels = batch()
+        with controller.step(probe=lambda ids=ids, pos=pos, labels=labels: model(ids, pos, None, labels=labels)):
+            model(ids, pos, None, labels=labels).float().mean().backward()
+            model.zero_grad(set_to_none=True)
+        plans_seen.append(controller.plan)
+    everything = agreement.gather({
+        "plans": plans_seen,
+        "history": [(h["iteration"], h["changes"]) for h in controller.history],
+        "tracked": controller.adapter.tracked,
+        "sensitivity": controller.adapter.sensitivity,
+        "alone": alones,
+    })
+    if rank == 0:
+        a, b = everything
+        assert a["alone"][0][0][FREE] == "keep" != a["alone"][1][0][FREE], f"{mode}: alone {a['alone']}"
+        assert a["plans"] == b["plans"], f"{mode}: plans differ between ranks"
+        assert a["history"] == b["history"] and a["history"], f"{mode}: switches differ: {a['history']} / {b['history']}"
+        assert a["tracked"] == b["tracked"] and a["tracked"][:2] == [1, 2]
+        assert a["sensitivity"] == b["sensitivity"]
+        assert a["plans"][-1][0][FREE] != "keep"  # the agreed plan fits the rank that stores most
+        print(f"{mode}: alone {FREE}: rank 0 {a['alone'][0][0][FREE]}, rank 1 {a['alone'][1][0][FREE]}; "
+              f"agreed {a['plans'][-1][0][FREE]} from iteration {a['history'][0][0]}")
+    T.destroy_parallel()
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp"])
+def test_ranks_agree_on_plan_and_switch_iteration(mode):
+    T.spawn(_worker, 2, mode, timeout=240)

@@ -1,0 +1,197 @@
+"""The adaptive controller (plan "auto") on a real megatron-core GPT (CPU, one rank):
+tracking at exponentially growing intervals, a reset on a sharp shift, plan switches only
+between iterations (logged, kept in `history`), the CPU default budget, the optimizer-hook
+path, and a resumed run that continues exactly (state_dict / load_state_dict)."""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from llm_act import ActConfig, plans
+from llm_act import testing as T
+from llm_act.adapt import interval_sequence
+from llm_act.patches.megatron import apply
+from llm_act.planner import evaluate_plan
+from tests.patches.megatron import gpt_runs as R
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    T.init_parallel(tp=1)
+    yield
+    T.destroy_parallel()
+    torch.set_num_threads(threads)
+
+
+def _setup(seed=0, **cfg):
+    model = R.build(dropout=0.1, num_layers=2, seed=seed)
+    controller = apply(model, ActConfig(plan="auto", **cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, controller, opt, torch.Generator().manual_seed(seed + 7)
+
+
+def _train(model, controller, opt, gen, steps, on_step=None):
+    """Run `steps` iterations; per iteration: (iteration, plan in force during it, loss)."""
+    out = []
+    for _ in range(steps):
+        ids, pos, labels = T.gpt_batch(R.BATCH, R.SEQ, R.VOCAB, generator=gen)
+        if on_step is not None:
+            on_step(controller.iteration + 1, model)
+
+        def probe(ids=ids, pos=pos, labels=labels):
+            return model(ids, pos, None, labels=labels)
+
+        with controller.step(probe=probe):
+            during = controller.plan
+            loss = model(ids, pos, None, labels=labels).float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out.append((controller.iteration, during, float(loss.detach())))
+    return out
+
+
+def _replay(tracked_resets, interval_max, last):
+    """The tracking iterations the schedule must produce given the reset iterations."""
+    resets = set(tracked_resets)
+    out, it, stage = [], 1, 0
+    while it <= last:
+        out.append(it)
+        if it in resets:
+            stage = 0
+        it += min(2 ** stage, interval_max)
+        stage += 1
+    return out
+
+
+def test_schedule_grows_and_resets_on_an_outlier_shift():
+    model, controller, opt, gen = _setup(adapt_interval_max=4, sensitivity=False)
+
+    def inject(iteration, model):
+        if iteration == 9:  # after the tracking at 8: four channels become outliers
+            with torch.no_grad():
+                model.embedding.word_embeddings.weight[:, :4] *= 50.0
+
+    _train(model, controller, opt, gen, 14, on_step=inject)
+    a = controller.adapter
+    assert a.tracked[:4] == interval_sequence(4, 4) == [1, 2, 4, 8]
+    reset_its = [it for it, _ in a.resets]
+    assert 12 in reset_its and any("outlier rate of ln1.input" in r for it, rs in a.resets if it == 12 for r in rs)
+    assert 13 in a.tracked  # back to an interval of 1
+    assert a.tracked == _replay(reset_its, 4, 14)
+    assert all(b - a_ <= 4 for a_, b in zip(a.tracked, a.tracked[1:]))
+
+
+def test_plan_switches_between_iterations_and_is_logged(caplog):
+    model, controller, opt, gen = _setup(budget=10**9, sensitivity=False)
+    compress = plans.resolve(ActConfig(plan="compress"), 2)
+    with caplog.at_level(logging.INFO, logger="llm_act.controller"):
+        steps = _train(model, controller, opt, gen, 3)
+    # iteration 1 ran under "compress"; the loose budget's plan (keep everything) from 2 on
+    assert steps[0][1] == compress
+    keep = {i: {s: c for s, c in compress[i].items()} for i in compress}
+    for i in keep:
+        for s in controller.sites(i):
+            keep[i][s] = "keep"
+    assert steps[1][1] == keep and controller.plan == keep
+    h = controller.history
+    assert len(h) == 1 and h[0]["iteration"] == 1 and h[0]["overhead_ms"] == 0.0
+    lines = [r.getMessage() for r in caplog.records if "plan changed" in r.getMessage()]
+    assert len(lines) == 1 and "iteration 1" in lines[0] and "predicted memory" in lines[0]
+    assert "mlp.fc2_input: outlier_int4->keep (layers 0-1)" in lines[0] and "\n" not in lines[0]
+    # a tighter budget at the next tracking point moves the plan again, between iterations
+    profile = controller.adapter.profile
+    blocks = profile.blocks()
+    static = controller.adapter._static_bytes() + profile.other_bytes
+    comp = evaluate_plan(blocks, profile.choice_for(compress)).activation_bytes
+    controller.config.budget = static + comp
+    steps = _train(model, controller, opt, gen, 2)  # iterations 4 (tracked) and 5
+    assert steps[0][1] == keep and len(controller.history) == 2
+    assert controller.history[1]["iteration"] == 4 and steps[1][1] == controller.plan != keep
+    assert controller.history[1]["predicted_bytes"] <= controller.config.budget
+
+
+def test_cpu_default_budget_is_the_compress_plan_memory():
+    model, controller, opt, gen = _setup(sensitivity=False)
+    _train(model, controller, opt, gen, 1)
+    a = controller.adapter
+    profile = a.profile
+    static = a._static_bytes() + profile.other_bytes
+    compress = plans.resolve(ActConfig(plan="compress"), 2)
+    comp = evaluate_plan(profile.blocks(), profile.choice_for(compress))
+    assert a.budget == static + comp.activation_bytes
+    # the chosen plan fits it and costs no more time than "compress"
+    chosen = evaluate_plan(profile.blocks(), profile.choice_for(controller.plan))
+    assert chosen.activation_bytes <= comp.activation_bytes
+    assert chosen.overhead_ms <= comp.overhead_ms + 1e-9
+
+
+def test_optimizer_hook_drives_tracking():
+    model, controller, opt, gen = _setup(sensitivity=False)
+    controller.attach_optimizer(opt)
+    batch = {}
+    controller.set_probe(lambda: model(batch["ids"], batch["pos"], None, labels=batch["labels"]))
+    for _ in range(4):
+        batch["ids"], batch["pos"], batch["labels"] = T.gpt_batch(R.BATCH, R.SEQ, R.VOCAB, generator=gen)
+        model(batch["ids"], batch["pos"], None, labels=batch["labels"]).float().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert controller.iteration == 4 and controller.adapter.tracked == [1, 2, 4]
+
+
+def _snapshot(model, controller, opt, gen):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
+        "opt": opt.state_dict(),
+        "controller": controller.state_dict(),
+        "gen": gen.get_state(),
+        "rng": torch.get_rng_state(),
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+
+
+def _codec_states(controller):
+    return {k: v.state_dict()["generators"] for k, v in controller._codecs.items()}
+
+
+def test_resume_continues_with_the_same_plans_tracking_and_encodes():
+    import copy
+
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    model, controller, opt, gen = _setup(adapt_interval_max=4, seed=3)
+    _train(model, controller, opt, gen, 5)  # tracks 1, 2, 4
+    saved = copy.deepcopy(_snapshot(model, controller, opt, gen))
+    first = _train(model, controller, opt, gen, 6)  # tracks 8 (and 12 is beyond)
+    first_codecs = _codec_states(controller)
+    first_adapt = controller.adapter.state_dict()
+
+    model2, controller2, opt2, gen2 = _setup(adapt_interval_max=4, seed=3)
+    model2.load_state_dict(saved["model"], strict=False)
+    opt2.load_state_dict(saved["opt"])
+    controller2.load_state_dict(saved["controller"])
+    gen2.set_state(saved["gen"])
+    torch.set_rng_state(saved["rng"])
+    get_cuda_rng_tracker().set_states(saved["tracker"])
+    assert controller2.plan == {int(i): c for i, c in saved["controller"]["plan"].items()}
+    second = _train(model2, controller2, opt2, gen2, 6)
+    assert [s[0] for s in first] == [s[0] for s in second]
+    assert [s[1] for s in first] == [s[1] for s in second]  # same plan in force every iteration
+    assert [s[2] for s in first] == [s[2] for s in second]  # bit-identical losses
+    assert controller2.adapter.tracked == first_adapt["tracked"] and 8 in first_adapt["tracked"]
+    assert controller2.adapter.state_dict()["next_track"] == first_adapt["next_track"]
+    assert controller2.adapter.sensitivity == first_adapt["sensitivity"]
+    second_codecs = _codec_states(controller2)
+    assert first_codecs.keys() == second_codecs.keys()
+    for key in first_codecs:  # every codec's generator ended in the same state: identical encodes
+        for dev, st in first_codecs[key].items():
+            assert torch.equal(st, second_codecs[key][dev]), key

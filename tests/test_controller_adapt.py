@@ -187,7 +187,10 @@ def test_resume_continues_with_the_same_plans_tracking_and_encodes():
     assert [s[0] for s in first] == [s[0] for s in second]
     assert [s[1] for s in first] == [s[1] for s in second]  # same plan in force every iteration
     assert [s[2] for s in first] == [s[2] for s in second]  # bit-identical losses
-    assert controller2.adapter.tracked == first_adapt["tracked"] and 8 in first_adapt["tracked"]
+    # a tracking point fell after the save (8 without a reset; op times are wall clock, so a
+    # statistics shift may reset the interval and move it): the resumed run re-planned too
+    assert controller2.adapter.tracked == first_adapt["tracked"]
+    assert any(t > 5 for t in first_adapt["tracked"]), first_adapt["tracked"]
     assert controller2.adapter.state_dict()["next_track"] == first_adapt["next_track"]
     assert controller2.adapter.sensitivity == first_adapt["sensitivity"]
     second_codecs = _codec_states(controller2)

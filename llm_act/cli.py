@@ -4,6 +4,8 @@
                           and print the bytes each site stores, stock vs compressed
   llm-act bench kernels   codec encode+decode bandwidth against the device's copy bandwidth
   llm-act plan            plan a preset model per pipeline stage from its shape (no GPU)
+  llm-act train           train a small GPT on CPU, stock and compressed side by side
+                          (saved-activation bytes per layer, losses, tokens/s; a plot)
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     from llm_act.plan_cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from llm_act.train.compare import add_parser as add_train_parser
+
+    add_train_parser(sub)
     return p
 
 
@@ -64,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.output, "w") as f:
                 f.write(text + "\n")
         return 0
+    if args.command == "train":
+        from llm_act.train.compare import main as run_train
+
+        return run_train(args)
     if args.command == "plan":
         from llm_act.plan_cli import run as run_plan
 

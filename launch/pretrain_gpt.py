@@ -1,0 +1,14 @@
+"""GPT pretraining on megatron-core with llm_act, for torchrun (Megatron-LM's flag names).
+
+    torchrun --nproc_per_node 2 launch/pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+        --micro-batch-size 4 --train-iters 40 --act-compress
+
+Runs on CPU (gloo) and on GPUs (NCCL); the loop lives in `llm_act.train`.
+"""
+import sys
+
+from llm_act.train import main
+
+if __name__ == "__main__":
+    sys.exit(main())

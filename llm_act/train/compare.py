@@ -1,0 +1,235 @@
+"""`llm-act train`: stock and compressed training side by side on the embedded corpus.
+
+Two Trainers in one process, same seed, same initial weights, same batches. Their
+iterations alternate (stock, compressed, stock, ...), each with its own RNG state swapped
+in, so each run draws exactly what it would alone and both see the same machine load: the
+tokens/s ratio is measured side by side, as every time figure here is. Saved-activation
+bytes come from the ledger around the first micro-batch's forward. Prints a table (bytes
+per layer, losses, tokens/s ratio) and writes a plot of memory per site and the two loss
+curves (matplotlib, Agg backend) to `--output-dir`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from typing import Callable, Iterator, Optional
+
+from llm_act.sites import OUTER_SITES, SITES
+from llm_act.train import parallel, rng
+from llm_act.train.loop import load_data, quiet_megatron_warnings
+from llm_act.train.trainer import Trainer
+
+MiB = 2**20
+PLOT_NAME = "train_memory_per_site.png"
+
+
+class _Run:
+    """One Trainer with its own RNG state and what it measured."""
+
+    def __init__(self, name: str, args: argparse.Namespace, data) -> None:
+        self.name = name
+        self.trainer = Trainer(args, data)  # seeds every generator from args.seed
+        self.rng = rng.get_state()
+        self.losses: list[float] = []
+        self.seconds = 0.0
+        self.timed = 0
+        self.by_site: dict = {}
+        self.valid_loss: Optional[float] = None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        outer = rng.get_state()
+        rng.set_state(self.rng)
+        try:
+            yield
+        finally:
+            self.rng = rng.get_state()
+            rng.set_state(outer)
+
+    def step(self, measure: bool, timed: bool) -> None:
+        with self.active():
+            stats = self.trainer.train_step(measure=measure)
+        self.losses.append(stats.loss)
+        if timed:
+            self.seconds += stats.seconds
+            self.timed += 1
+        if measure and self.trainer.ledger is not None:
+            self.by_site = self.trainer.ledger.by_site()
+
+    def evaluate(self) -> None:
+        with self.active():
+            self.valid_loss = self.trainer.evaluate()
+
+    @property
+    def tokens_per_s(self) -> float:
+        a = self.trainer.args
+        return a.global_batch_size * a.seq_length * self.timed / self.seconds if self.seconds else float("nan")
+
+    def per_layer(self) -> dict:
+        out: dict = {}
+        for (layer, _site), n in self.by_site.items():
+            out[layer] = out.get(layer, 0) + n
+        return out
+
+    def per_site(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (_layer, site), n in self.by_site.items():
+            out[site] = out.get(site, 0) + n
+        return out
+
+
+def _stock_args(args: argparse.Namespace) -> argparse.Namespace:
+    stock = argparse.Namespace(**vars(args))
+    stock.act_config = None
+    return stock
+
+
+def _table(stock: _Run, comp: _Run, args: argparse.Namespace, sha256: str) -> str:
+    lines = [
+        f"llm-act train: megatron-core GPT, {args.num_layers} layers, hidden {args.hidden_size}, "
+        f"{args.num_attention_heads} heads, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
+        f"{'bf16' if args.bf16 else 'fp32'}, dropout {args.hidden_dropout}/{args.attention_dropout}, "
+        f"{args.train_iters} iterations, seed {args.seed}",
+        f"data: embedded stdlib corpus, sha256 {sha256}" if not args.data_path
+        else f"data: {args.data_path[0]}, sha256 {sha256}",
+        f"compressed: {args.act_config}",
+        "",
+        "saved activations per micro-batch (SavedTensorLedger, first micro-batch of the last "
+        "measured iteration)",
+        f"{'layer':<24}{'stock MiB':>12}{'compressed MiB':>16}{'ratio':>8}",
+    ]
+    s_layer, c_layer = stock.per_layer(), comp.per_layer()
+    keys = sorted({k for k in s_layer} | {k for k in c_layer}, key=lambda k: (k is None, k or 0))
+    for k in keys:
+        name = "outside blocks" if k is None else f"layer {k}"
+        s, c = s_layer.get(k, 0), c_layer.get(k, 0)
+        lines.append(f"{name:<24}{s / MiB:>12.3f}{c / MiB:>16.3f}{_ratio(c, s):>8}")
+    s_tot, c_tot = sum(s_layer.values()), sum(c_layer.values())
+    lines.append(f"{'total':<24}{s_tot / MiB:>12.3f}{c_tot / MiB:>16.3f}{_ratio(c_tot, s_tot):>8}")
+    lines += [
+        "",
+        f"{'':<24}{'stock':>12}{'compressed':>16}",
+        f"{'first train loss':<24}{stock.losses[0]:>12.4f}{comp.losses[0]:>16.4f}",
+        f"{'final train loss':<24}{stock.losses[-1]:>12.4f}{comp.losses[-1]:>16.4f}",
+        f"{'validation loss':<24}{_fmt(stock.valid_loss):>12}{_fmt(comp.valid_loss):>16}",
+        f"{'tokens/s':<24}{stock.tokens_per_s:>12.1f}{comp.tokens_per_s:>16.1f}",
+        "",
+        f"tokens/s ratio compressed/stock: {comp.tokens_per_s / stock.tokens_per_s:.3f} "
+        f"(iterations alternate in one process; the first iteration of each is not timed)",
+        f"saved activations: {s_tot / MiB:.3f} MiB -> {c_tot / MiB:.3f} MiB per micro-batch "
+        f"({_ratio(c_tot, s_tot)} of stock)",
+    ]
+    return "\n".join(lines)
+
+
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.1%}" if b else "n/a"
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def plot(stock: _Run, comp: _Run, path: str, title: str) -> str:
+    """Bars of saved bytes per site (summed over layers), stock vs compressed, and the two
+    loss curves; written to `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    s_site, c_site = stock.per_site(), comp.per_site()
+    order = [s for s in SITES + OUTER_SITES + ("other",) if s in s_site or s in c_site]
+    order += sorted((set(s_site) | set(c_site)) - set(order))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    xs = range(len(order))
+    w = 0.4
+    ax.bar([x - w / 2 for x in xs], [s_site.get(s, 0) / MiB for s in order], w, label="stock")
+    ax.bar([x + w / 2 for x in xs], [c_site.get(s, 0) / MiB for s in order], w, label="compressed")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(order, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("MiB saved for backward (all layers)")
+    ax.set_title("saved activations per site, one micro-batch")
+    ax.legend()
+    its = range(1, len(stock.losses) + 1)
+    bx.plot(its, stock.losses, label="stock")
+    bx.plot(its, comp.losses, label="compressed", linestyle="--")
+    bx.set_xlabel("iteration")
+    bx.set_ylabel("train loss")
+    bx.set_title("loss")
+    bx.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace, output_dir: str, log: Callable[[str], None] = print) -> dict:
+    """Train both runs (one process, one rank) and print the comparison; returns the numbers."""
+    parallel.init(args)
+    try:
+        data = load_data(args)
+        log(data.describe())
+        stock = _Run("stock", _stock_args(args), data)
+        comp = _Run("compressed", args, data)
+        for it in range(1, args.train_iters + 1):
+            measure = it == 1 or it % args.ledger_interval == 0 or it == args.train_iters
+            for r in (stock, comp):
+                r.step(measure, timed=it > 1)
+            if it % args.log_interval == 0 or it == args.train_iters:
+                log(f" iteration {it:4d}/{args.train_iters} | stock loss {stock.losses[-1]:.4f} | "
+                    f"compressed loss {comp.losses[-1]:.4f} | saved MiB/micro-batch stock "
+                    f"{sum(stock.by_site.values()) / MiB:.3f}, compressed "
+                    f"{sum(comp.by_site.values()) / MiB:.3f}")
+        for r in (stock, comp):
+            r.evaluate()
+        table = _table(stock, comp, args, data.sha256)
+        path = plot(stock, comp, os.path.join(output_dir, PLOT_NAME),
+                    f"llm-act train: GPT {args.num_layers}x{args.hidden_size}, seq {args.seq_length}, "
+                    f"micro-batch {args.micro_batch_size}, plan {args.act_config.plan}")
+        log("")
+        log(table)
+        log(f"plot: {path}")
+        return {"stock": stock, "compressed": comp, "table": table, "plot": path}
+    finally:
+        parallel.teardown()
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The `llm-act train` subcommand: every flag of the loop, demo-sized defaults."""
+    from llm_act.train.args import build_parser
+
+    p = sub.add_parser("train", help="stock vs compressed training side by side on CPU (table + plot)",
+                       parents=[build_parser("llm-act train", add_help=False)],
+                       allow_abbrev=False, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output-dir", default="docs", help="where the plot goes (default: docs)")
+    p.set_defaults(train_iters=40, lr=2e-3, min_lr=2e-4, lr_warmup_iters=4, log_interval=10,
+                   eval_iters=4, hidden_size=128, num_layers=2, seq_length=128, micro_batch_size=4,
+                   train_parser=p)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry from `llm-act train`: the compressed run always has --act-compress (plan
+    "compress" unless --act-compress-plan says otherwise)."""
+    from llm_act.train.args import check
+
+    parser = args.train_parser
+    quiet_megatron_warnings()
+    if args.tensor_model_parallel_size * args.pipeline_model_parallel_size != 1:
+        parser.error("--tensor-model-parallel-size / --pipeline-model-parallel-size: llm-act train "
+                     "compares two runs in one process; run launch/pretrain_gpt.py under torchrun "
+                     "for tensor or pipeline parallelism")
+    args.act_compress = True
+    if args.act_compress_plan is None:
+        args.act_compress_plan = "compress"
+    args = check(parser, args, world_size=1)
+    try:
+        run(args, args.output_dir, log=lambda m: print(m, flush=True))
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    return 0

@@ -1,0 +1,88 @@
+"""Checkpoint save + resume continues exactly as the uninterrupted run (single rank,
+in-process): model, optimizer with fp32 masters, LR schedule, data position, every RNG
+(dropout on) and the act Controller's state all come back."""
+import os
+
+import pytest
+import torch
+
+from llm_act.train import loop, parallel
+from llm_act.train.args import parse_args
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--eval-iters", "1",
+         "--log-interval", "1", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+def run(argv, lines=None):
+    args = parse_args(SMALL + argv)
+    parallel.init(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: bit-identical sums in every run
+    try:
+        return loop.train(args, log=(lines.append if lines is not None else lambda m: None))
+    finally:
+        torch.set_num_threads(threads)
+        parallel.teardown()
+
+
+@pytest.mark.parametrize("extra", [["--act-compress", "--act-compress-plan", "compress"], ["--bf16"]],
+                         ids=["compress-fp32", "stock-bf16"])
+def test_save_and_resume_gives_the_uninterrupted_losses(tmp_path, extra):
+    full = run(["--train-iters", "6"] + extra)
+    ckpt = str(tmp_path / "ckpt")
+    first = run(["--train-iters", "3", "--save", ckpt] + extra)
+    assert first["losses"] == full["losses"][:3]
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+    assert os.path.exists(os.path.join(ckpt, "iter_0000003", "mp_rank_00_000_000", "model_optim_rng.pt"))
+    lines = []
+    resumed = run(["--train-iters", "6", "--load", ckpt] + extra, lines)
+    assert any("loaded checkpoint of iteration 3" in line for line in lines)
+    assert resumed["losses"] == full["losses"][3:]  # exactly, not approximately
+    assert resumed["valid_loss"] == full["valid_loss"]
+    assert full["losses"][-1] < full["losses"][0]
+    if "--act-compress" in extra:
+        assert resumed["trainer"].controller.iteration == 6
+
+
+def test_resume_with_another_model_shape_is_refused(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run(["--train-iters", "1", "--save", ckpt])
+    with pytest.raises(ValueError, match="--hidden-size saved 64, now 128"):
+        run(["--train-iters", "2", "--load", ckpt, "--hidden-size", "128"])
+
+
+def test_load_from_an_empty_directory_starts_from_scratch(tmp_path):
+    lines = []
+    out = run(["--train-iters", "1", "--load", str(tmp_path)], lines)
+    assert out["iterations"] == 1
+    assert any("no checkpoint there yet" in line for line in lines)
+    assert any(line.startswith(" iteration        1/") and "saved activations:" in line
+               and "plan: stock" in line for line in lines)
+    assert any(line.startswith("summary: 1 iterations") for line in lines)
+
+
+def test_text_file_and_indexed_dataset_train_with_periodic_validation(tmp_path):
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    text = tmp_path / "notes.txt"
+    text.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 400)
+    lines = []
+    out = run(["--train-iters", "2", "--eval-interval", "1", "--data-path", str(text)], lines)
+    assert any(f"data: text file {text} (bytes)" in line for line in lines)
+    assert any(line.startswith(" validation loss at iteration 1:") for line in lines)
+    assert out["valid_loss"] is not None and out["valid_loss"] < 6
+
+    prefix = str(tmp_path / "docs_text_document")
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.uint16)
+    for i in range(30):
+        builder.add_document(np.arange(20 * i, 20 * i + 200) % 700, [200])
+    builder.finalize(get_idx_path(prefix))
+    lines = []
+    out = run(["--train-iters", "2", "--data-path", prefix], lines)
+    assert any("indexed dataset" in line and "vocab 700" in line for line in lines)
+    assert any("vocab 700;" in line for line in lines if line.startswith("model:"))
+    emb = out["trainer"].chunks[0].embedding.word_embeddings.weight
+    assert emb.shape[0] == 768  # padded to a multiple of 128, as Megatron-LM does

@@ -1,0 +1,273 @@
+"""Models without megatron-core layers (Hugging Face-style decoders, plain torch blocks).
+
+Such a model has no compressed layers, but it does have repeated blocks (the longest
+`ModuleList` of one block class: `model.layers`, `transformer.h`). Each block gets:
+
+- the generic saved-tensor hook path of `llm_act.hooks` (GACT's): everything the block
+  saves for backward is encoded with the codec its *site* has in the plan. The site of a
+  saved tensor is read from the submodule that saves it (`q_proj`/`c_attn` ->
+  `attn.qkv_input`, `o_proj` -> `attn.out`, `down_proj` -> `mlp.fc2_input`, ...; see
+  `SITE_OF`), so the block is planned like a megatron-core block, by the same
+  `Controller`: one `BlockSites` stands for the block's sites in the controller's module
+  table and receives the codec instances it picks (their random streams live in the
+  controller and its checkpoints). Few-bit codecs need the activation function's own
+  backward, so `mlp.act_input` takes a value codec here (`act_activation = None`).
+- per-block recompute (Megatron's "full", GACT's CB1) when the config asks for plan
+  "recompute": the block keeps only its input (`ln1.input`, kept or encoded) and re-runs
+  in backward, through `torch.utils.checkpoint` or, when the DeepSpeed config has
+  `"activation_checkpointing"`, through `deepspeed.checkpointing` (see `recompute`).
+  Until the plans know "recompute" (issue 4), the controller's plan shows such blocks as
+  "keep" and `GenericModel.recompute` tells that they are recomputed.
+
+Recomputation calls the block's original `forward`, whose submodules are entered through
+`__call__`, so ZeRO-3 gathers their parameters again in backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from llm_act.codecs.base import Codec
+from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
+from llm_act.config import ActConfig
+from llm_act.controller import Controller
+from llm_act.hooks import SavedTensorCompression
+from llm_act.sites import MASK_SITES
+
+#: last path component of a submodule of a block -> the site of what it saves
+SITE_OF: dict[str, str] = {
+    **dict.fromkeys(("input_layernorm", "ln_1", "ln1", "attention_norm", "self_attn_layer_norm",
+                     "norm1"), "ln1.input"),
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value",
+                     "Wqkv", "wq", "wk", "wv", "query", "key", "value"), "attn.qkv_input"),
+    **dict.fromkeys(("o_proj", "out_proj", "wo", "dense"), "attn.out"),
+    **dict.fromkeys(("post_attention_layernorm", "ln_2", "ln2", "ffn_norm", "final_layer_norm",
+                     "norm2"), "ln2.input"),
+    **dict.fromkeys(("gate_proj", "up_proj", "gate_up_proj", "c_fc", "fc1", "w1", "w3",
+                     "dense_h_to_4h"), "mlp.fc1_input"),
+    **dict.fromkeys(("act_fn", "act", "activation_fn", "activation"), "mlp.act_input"),
+    **dict.fromkeys(("down_proj", "fc2", "w2", "dense_4h_to_h"), "mlp.fc2_input"),
+    **dict.fromkeys(("attn_dropout", "attention_dropout"), "attn.dropout_mask"),
+    **dict.fromkeys(("resid_dropout",), "attn.hidden_dropout_mask"),
+}
+#: containers: what they save themselves (SDPA's q, k, v, out; a gated unit's product inputs)
+_ATTENTION = ("self_attn", "attn", "attention", "self_attention")
+_MLP = ("mlp", "feed_forward", "ffn")
+#: submodule names whose meaning depends on the container (GPT-2's c_proj, dropout)
+_BY_PARENT = {("attn", "c_proj"): "attn.out", ("mlp", "c_proj"): "mlp.fc2_input",
+              ("mlp", "dropout"): "mlp.hidden_dropout_mask"}
+
+
+def site_of(path: str) -> Optional[str]:
+    """The site of what the block submodule at `path` (relative to the block) saves."""
+    if not path:
+        return None
+    parts = path.split(".")
+    if len(parts) >= 2 and (parts[-2], parts[-1]) in _BY_PARENT:
+        return _BY_PARENT[(parts[-2], parts[-1])]
+    if parts[-1] in SITE_OF:
+        return SITE_OF[parts[-1]]
+    if len(parts) == 1 and parts[0] in _ATTENTION:
+        return "attn.q"
+    if len(parts) == 1 and parts[0] in _MLP:
+        return "mlp.act_input"
+    return None
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of the largest `ModuleList` whose children share one class."""
+    best: list[torch.nn.Module] = []
+    best_size = -1
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+            continue
+        children = list(module)
+        if len({type(c) for c in children}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = children, size
+    if not best:
+        raise ValueError(
+            f"model: found no repeated blocks in {type(model).__name__} (a torch.nn.ModuleList "
+            "of one block class, like model.layers or transformer.h)"
+        )
+    return best
+
+
+class BlockSites:
+    """One block's sites as the Controller sees them: it receives the codec per site."""
+
+    #: no few-bit codec at mlp.act_input: the generic path stores the activation's input
+    act_activation = None
+
+    def __init__(self, layer: int, sites: tuple[str, ...]):
+        self.act_layer = layer
+        self.codecs: dict[str, Optional[Codec]] = dict.fromkeys(sites)
+
+    def set_act_codec(self, site: str, codec: Optional[Codec]) -> None:
+        if site not in self.codecs:
+            raise ValueError(f"block {self.act_layer} has no site {site!r}")
+        if codec is not None and (codec.name in FEWBIT_CODECS or codec.name in MASK_CODECS):
+            raise ValueError(f"site {site!r} of a generic block cannot take codec {codec.name!r}")
+        self.codecs[site] = codec
+
+    @property
+    def compressing(self) -> bool:
+        return any(c is not None for c in self.codecs.values())
+
+
+class _BlockHooks(SavedTensorCompression):
+    """The generic hooks of one block, with the codec of the site that saves each tensor."""
+
+    def __init__(self, block: torch.nn.Module, sites: BlockSites, seed: int):
+        self.sites = sites
+        self.current: list[Optional[str]] = []
+        super().__init__(block, self._choose, seed=seed, layer=sites.act_layer)
+
+    def _codec_here(self) -> Optional[Codec]:
+        site = next((s for s in reversed(self.current) if s is not None), None)
+        return None if site is None else self.sites.codecs.get(site)
+
+    def _choose(self, t: torch.Tensor) -> Optional[str]:
+        codec = self._codec_here()
+        return None if codec is None else codec.name
+
+    def codec(self, name: str) -> Codec:
+        codec = self._codec_here()
+        if codec is not None and codec.name == name:
+            return codec  # the controller's instance: its random stream is checkpointed
+        return super().codec(name)
+
+    def enter(self, site: Optional[str]) -> None:
+        self.current.append(site)
+        self.site = next((s for s in reversed(self.current) if s is not None), "other")
+
+    def leave(self) -> None:
+        if self.current:
+            self.current.pop()
+        self.site = next((s for s in reversed(self.current) if s is not None), "other")
+
+
+@dataclasses.dataclass
+class GenericModel:
+    """What `apply` did to a plain model: its blocks, their sites and hooks, the controller."""
+
+    controller: Controller
+    blocks: list[torch.nn.Module]
+    sites: list[BlockSites]
+    hooks: list[_BlockHooks]
+    recompute: bool = False
+    recompute_codec: Optional[str] = None
+
+    def extra_state(self) -> dict[str, Any]:
+        """Random streams of codecs the hooks built themselves (not the controller's)."""
+        return {str(i): {name: c.state_dict() for name, c in h._codecs.items()}
+                for i, h in enumerate(self.hooks) if h._codecs}
+
+    def load_extra(self, state: dict[str, Any]) -> None:
+        for i, codecs in state.items():
+            hooks = self.hooks[int(i)]
+            for name, codec_state in codecs.items():
+                SavedTensorCompression.codec(hooks, name).load_state_dict(codec_state)
+
+
+def generic_sites() -> tuple[str, ...]:
+    """The sites a generic block offers the controller: those plans may compress, masks
+    excepted (the hooks bit-pack saved masks losslessly anyway)."""
+    from llm_act.plans import IMPLEMENTED_SITES
+    from llm_act.sites import SITES
+
+    return tuple(s for s in SITES if s in IMPLEMENTED_SITES and s not in MASK_SITES)
+
+
+def _check_not_checkpointing(model: torch.nn.Module) -> None:
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError(
+            "model: Hugging Face gradient checkpointing is on, and llm_act plans recomputation "
+            "itself; call model.gradient_checkpointing_disable() (or set "
+            '"activation_compression": {"enabled": false})'
+        )
+
+
+def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
+          mpu: Any = None) -> GenericModel:
+    """Plan the repeated blocks of `model` with a Controller (see the module docstring).
+
+    `checkpointing`: DeepSpeed's `activation_checkpointing` settings (`ds_config.Checkpointing`)
+    or None; with them, recompute goes through `deepspeed.checkpointing` (with `mpu`).
+    """
+    from llm_act.patches.deepspeed import recompute as recompute_lib
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    _check_not_checkpointing(model)
+    blocks = repeated_blocks(model)
+    for i, block in enumerate(blocks):
+        if getattr(block, "_llm_act_generic", None) is not None:
+            raise ValueError(f"model: block {i} was already prepared by llm_act")
+    recompute = config.plan == RECOMPUTE
+    ckpt_codec = config.codecs.get("ln1.input", KEEP)
+    if recompute:
+        recompute_lib.check(checkpointing, ckpt_codec, len(blocks))
+        # the plans do not hold "recompute" yet (issue 4): the controller keeps the sites
+        config = dataclasses.replace(config, plan=KEEP, codecs={})
+    elif any(c == RECOMPUTE for c in config.codecs.values()):
+        raise ValueError(
+            "codecs: a generic block cannot recompute single sites; use plan \"recompute\" "
+            "to recompute whole blocks"
+        )
+    names = generic_sites()
+    sites = [BlockSites(i, names) for i in range(len(blocks))]
+    controller = Controller(config, {i: dict.fromkeys(names, s) for i, s in enumerate(sites)},
+                            num_layers=len(blocks))
+    hooks = []
+    for i, (block, bs) in enumerate(zip(blocks, sites)):
+        h = _BlockHooks(block, bs, seed=config.seed + 1000 * i)
+        _track_sites(block, h)
+        hooks.append(h)
+    handle = GenericModel(controller, blocks, sites, hooks, recompute,
+                          None if ckpt_codec == KEEP else ckpt_codec)
+    if recompute:
+        recompute_lib.wrap_blocks(blocks, handle.recompute_codec, checkpointing, seed=config.seed,
+                                  mpu=mpu)
+    else:
+        for block, bs, h in zip(blocks, sites, hooks):
+            _wrap_compress(block, bs, h)
+    for block in blocks:
+        block._llm_act_generic = handle
+    return handle
+
+
+def _track_sites(block: torch.nn.Module, hooks: _BlockHooks) -> None:
+    for path, sub in block.named_modules():
+        if not path:
+            continue
+        site = site_of(path)
+
+        def pre(_m, _args, site=site):
+            if hooks.active:
+                hooks.enter(site)
+
+        def post(_m, _args, _out):
+            if hooks.active:
+                hooks.leave()
+
+        sub.register_forward_pre_hook(pre)
+        sub.register_forward_hook(post, always_call=True)
+
+
+def _wrap_compress(block: torch.nn.Module, sites: BlockSites, hooks: _BlockHooks) -> None:
+    forward = block.forward
+
+    def compressed_forward(*args: Any, **kwargs: Any):
+        if not (block.training and torch.is_grad_enabled() and sites.compressing) or hooks.active:
+            return forward(*args, **kwargs)
+        with hooks:
+            hooks.current = []
+            hooks.site = "other"
+            return forward(*args, **kwargs)
+
+    block.forward = compressed_forward

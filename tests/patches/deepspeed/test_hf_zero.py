@@ -1,0 +1,173 @@
+"""A Hugging Face Llama decoder (built from a config) under DeepSpeed ZeRO on 2 gloo ranks.
+
+One spawn runs, on each rank with its own data:
+- ZeRO-2 without and with compression (plan "compress"): the first loss is identical
+  (compression changes only what backward reads), later losses stay within `LOSS_TOL`
+  (relative) of the uncompressed run, and the saved bytes shrink;
+- checkpoint save/load: a fresh engine that loads the checkpoint has the controller's
+  iteration, plan and codec random streams back, and its next loss equals the original's;
+- plan agreement: each rank picks a plan from its own batch (they differ); after
+  `engine.step()` both ranks run rank 0's;
+- plan "recompute" through DeepSpeed's activation checkpointing  under
+  ZeRO-2 and through torch's checkpoint under ZeRO-3: losses equal the stock run's.
+"""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+from llm_act.testing import spawn  # noqa: E402
+
+#: relative tolerance on the loss of a compressed run vs the same run without compression
+LOSS_TOL = 0.02
+STEPS = 3
+
+
+def _ds(stage, section=None, **extra):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}},
+           "zero_optimization": {"stage": stage}, "steps_per_print": 10**6, **extra}
+    if section is not None:
+        cfg["activation_compression"] = section
+    return cfg
+
+
+def _batches(rank, steps, seq=32, vocab=256):
+    g = torch.Generator().manual_seed(100 + rank)
+    half = vocab // 2  # every rank its own data: rank 0 the lower half of the vocabulary
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, half, (2, seq + 1), generator=g) + half * (rank % 2)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def _engine(ds):
+    from llm_act.patches.deepspeed import hf_decoder, initialize
+
+    model = hf_decoder.build("llama", hidden_size=64, num_layers=2, max_positions=64, seed=7)
+    engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=ds)
+    return engine
+
+
+def _train(engine, batches):
+    from llm_act.ledger import SavedTensorLedger
+    from llm_act.patches.deepspeed import hf_decoder
+
+    losses, saved = [], []
+    for tokens, labels in batches:
+        with SavedTensorLedger() as ledger:
+            loss = hf_decoder.lm_loss(engine, tokens, labels)
+        saved.append(ledger.total_bytes)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, saved
+
+
+def _init(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def _worker(rank, world, port, tmp):
+    import deepspeed  # noqa: F401
+    import torch.distributed as dist
+
+    _init(rank, world, port)
+    batches = _batches(rank, STEPS + 1)
+    compress = {"enabled": True, "plan": "compress"}
+
+    # ZeRO-2 with and without compression
+    ref_losses, ref_saved = _train(_engine(_ds(2)), batches[:STEPS])
+    engine = _engine(_ds(2, compress))
+    ctl = engine.act_controller
+    assert ctl.enabled and ctl.plan[0]["attn.qkv_input"] == "outlier_int4"
+    losses, saved = _train(engine, batches[:STEPS])
+    assert ctl.iteration == STEPS
+    assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6, abs=1e-6)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= LOSS_TOL * abs(b), (losses, ref_losses)
+    assert max(saved) < 0.6 * min(ref_saved), (saved, ref_saved)
+
+    # checkpoint: save, then a fresh engine loads it
+    engine.save_checkpoint(tmp, tag="t", client_state={"mine": 5})
+    state = ctl.state_dict()
+    fresh = _engine(_ds(2, compress))
+    assert fresh.act_controller.iteration == 0
+    _, client = fresh.load_checkpoint(tmp, tag="t")
+    assert client["mine"] == 5 and "llm_act" not in client
+    got = fresh.act_controller.state_dict()
+    assert got["iteration"] == STEPS and got["plan"] == state["plan"]
+    assert got["codecs"].keys() == state["codecs"].keys()
+    for key, codec_state in state["codecs"].items():
+        for name, value in codec_state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got["codecs"][key][name], value), key
+    next_a, _ = _train(engine, batches[STEPS:])
+    next_b, _ = _train(fresh, batches[STEPS:])
+    assert next_a == pytest.approx(next_b, rel=1e-6)
+
+    # plan agreement: each rank decides from its own data; rank 0's decision wins
+    tokens, labels = batches[0]
+    local = "int8" if tokens.float().mean() > 127.5 else "int4"
+    decisions = [None] * world
+    dist.all_gather_object(decisions, local)
+    assert len(set(decisions)) == world, decisions  # the ranks really disagree
+    ctl.set_plan({i: {**ctl.plan[i], "mlp.fc1_input": local} for i in ctl.plan})
+    _train(engine, batches[:1])
+    plans = [None] * world
+    dist.all_gather_object(plans, ctl.plan)
+    assert plans[0] == plans[1] and plans[0][0]["mlp.fc1_input"] == decisions[0]
+
+    # recompute through deepspeed.checkpointing under ZeRO-2
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+
+    for bad in ({"cpu_checkpointing": True}, {"partition_activations": True}):
+        with pytest.raises(ValueError, match="CPU accelerator"):  # DeepSpeed 0.19 on CPU
+            _engine(_ds(2, {"plan": "recompute"}, activation_checkpointing=bad))
+    calls = []
+    checkpoint = ds_ckpt.CheckpointFunction.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return checkpoint(*args, **kwargs)
+
+    ds_ckpt.CheckpointFunction.forward = staticmethod(counting)
+    rec = _engine(_ds(2, {"plan": "recompute"}, activation_checkpointing={"profile": False}))
+    assert ds_ckpt.is_configured()
+    assert rec.act_generic.recompute
+    rec_losses, rec_saved = _train(rec, batches[:STEPS])
+    ds_ckpt.CheckpointFunction.forward = checkpoint
+    assert len(calls) == 2 * STEPS  # both blocks, every step, through deepspeed.checkpointing
+    assert rec_losses == pytest.approx(ref_losses, rel=1e-5)
+    assert max(rec_saved) < 0.5 * min(ref_saved)
+
+
+def _worker_zero3(rank, world, port):
+    _init(rank, world, port)
+    batches = _batches(rank, 2)
+    ref, _ = _train(_engine(_ds(3)), batches)
+    rec = _engine(_ds(3, {"plan": "recompute"}))
+    losses, _ = _train(rec, batches)  # recompute re-enters the blocks' submodules: gathered
+    assert losses == pytest.approx(ref, rel=1e-5)
+    comp = _engine(_ds(3, {"plan": "compress"}))
+    losses, _ = _train(comp, batches)
+    assert losses[0] == pytest.approx(ref[0], rel=1e-6)
+    assert abs(losses[1] - ref[1]) <= LOSS_TOL * abs(ref[1])
+
+
+@pytest.mark.dist
+def test_hf_decoder_zero2_compress_checkpoint_agreement_recompute(tmp_path):
+    spawn(_worker, 2, str(tmp_path), timeout=420)
+
+
+@pytest.mark.dist
+def test_hf_decoder_zero3_recompute_and_compress():
+    spawn(_worker_zero3, 2, timeout=300)

@@ -56,16 +56,6 @@ _NOT_GENERIC = FEWBIT_CODECS | {"regen", "bitmask"}
 
 CodecChoice = Union[str, Callable[[torch.Tensor], Optional[str]]]
 
-#: autograd nodes that only re-view or cast their input (a cast of a parameter is not an
-#: activation).
-_PASS_NODES = (
-    "ToCopyBackward", "ViewBackward", "TBackward", "TransposeBackward", "PermuteBackward",
-    "ExpandBackward", "UnsafeViewBackward", "ReshapeAliasBackward", "AliasBackward",
-    "SliceBackward", "SelectBackward", "SqueezeBackward", "UnsqueezeBackward",
-    "AsStridedBackward", "CloneBackward",
-)
-
-
 def _task_id() -> int:
     return torch._C._current_graph_task_id()
 
@@ -94,24 +84,6 @@ def _dense_cover(t: torch.Tensor, storage_numel: int) -> bool:
             return False
         expected *= size
     return True
-
-
-def _param_cast(t: torch.Tensor) -> bool:
-    """`t` was made from a Parameter by autograd-tracked views or casts only."""
-    node = t.grad_fn
-    for _ in range(8):
-        if node is None:
-            return False
-        name = type(node).__name__
-        if name == "AccumulateGrad":
-            return isinstance(node.variable, torch.nn.Parameter)
-        if not name.startswith(_PASS_NODES):
-            return False
-        nexts = [n for n, _ in node.next_functions if n is not None]
-        if len(nexts) != 1:
-            return False
-        node = nexts[0]
-    return False
 
 
 @dataclass
@@ -274,11 +246,9 @@ class SavedTensorCompression:
             self._note_param(p)
 
     def _is_param(self, t: torch.Tensor, st) -> bool:
-        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
-            return True
         if (st.data_ptr(), t.device) in self._params:
             return True
-        return t.requires_grad and _param_cast(t)
+        return _ledger.param_derived(t)  # a Parameter, a view, or a tracked cast of one
 
     # ---- pack / unpack ---------------------------------------------------------------
     def _codec_name(self, t: torch.Tensor) -> Optional[str]:

@@ -139,7 +139,7 @@ def register_parameter_storage(t: Any) -> None:
     _extra_param_storages[id(st)] = st
 
 
-def _param_derived(t: torch.Tensor) -> bool:
+def param_derived(t: torch.Tensor) -> bool:
     """`t` is a Parameter, a view of one, or a re-view/copy/cast of one tracked by autograd."""
     if isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter):
         return True
@@ -435,7 +435,7 @@ class SavedTensorLedger:
 
     def _is_param(self, t: torch.Tensor, st) -> bool:
         sid = id(st)
-        if sid in self._params or sid in _extra_param_storages or _param_derived(t):
+        if sid in self._params or sid in _extra_param_storages or param_derived(t):
             return True
         for frame in reversed(self._frames[-4:]):  # ZeRO-3: gathered after our pre-hook
             for p in frame.module.parameters(recurse=False):

@@ -57,19 +57,8 @@ class EncodedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                 tp_group, codec: Codec, owner, site: str):
-        if gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-            main_grad = weight.main_grad
-        else:
-            main_grad = None
-        record = Record(codec.encode(input))
-        ctx.save_for_backward(weight)
-        ctx.record, ctx.codec = record, codec
-        ctx.main_grad = main_grad
-        ctx.use_bias = bias is not None
-        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        save_linear_ctx(ctx, input, weight, bias, gradient_accumulation_fusion, tp_group, codec, owner, site)
         ctx.allreduce_dgrad = allreduce_dgrad
-        ctx.tp_group = tp_group
-        _report(owner, site, record, input)
 
         output = torch.matmul(input, weight.t())
         if bias is not None:
@@ -90,15 +79,33 @@ class EncodedLinear(torch.autograd.Function):
         total_input = ctx.codec.decode(ctx.record.enc)
         ctx.record = None
         grad_output, total_input = prepare(grad_output, total_input)
-
-        if ctx.gradient_accumulation_fusion:
-            grad_weight = _accumulate_wgrad(L, weight, grad_output, total_input)
-        else:
-            grad_weight = grad_output.t().matmul(total_input)
-        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+        grad_weight, grad_bias = linear_param_grads(ctx, L, weight, grad_output, total_input)
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def save_linear_ctx(ctx, input, weight, bias, gradient_accumulation_fusion, tp_group,
+                    codec: Codec, owner, site: str) -> None:
+    """Encode `input` and keep what every compressed linear's backward needs: the weight, the
+    encoded input, megatron's flags (plain and sequence-parallel linears share this)."""
+    ctx.save_for_backward(weight)
+    ctx.record, ctx.codec = Record(codec.encode(input)), codec
+    fused = gradient_accumulation_fusion and hasattr(weight, "main_grad")
+    ctx.main_grad = weight.main_grad if fused else None
+    ctx.use_bias = bias is not None
+    ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+    ctx.tp_group = tp_group
+    _report(owner, site, ctx.record, input)
+
+
+def linear_param_grads(ctx, L, weight, grad_output, total_input):
+    """(grad_weight, grad_bias) from the decoded input, megatron's fused accumulation included."""
+    if ctx.gradient_accumulation_fusion:
+        grad_weight = _accumulate_wgrad(L, weight, grad_output, total_input)
+    else:
+        grad_weight = grad_output.t().matmul(total_input)
+    return grad_weight, (grad_output.sum(dim=0) if ctx.use_bias else None)
 
 
 def _accumulate_wgrad(L, weight, grad_output, total_input):

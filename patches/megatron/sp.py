@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from llm_act.codecs.base import Codec, Encoded
-from llm_act.patches.megatron.functions import Record, _accumulate_wgrad, _megatron_linear_helpers, _report
+from llm_act.patches.megatron.functions import _megatron_linear_helpers, linear_param_grads, save_linear_ctx
 
 
 def _gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -108,14 +108,8 @@ class EncodedSPLinear(torch.autograd.Function):
         from megatron.core.parallel_state import get_global_memory_buffer
         from megatron.core.tensor_parallel import layers
 
-        main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
-        record = Record(codec.encode(input))
-        ctx.save_for_backward(weight)
-        ctx.record, ctx.codec, ctx.main_grad = record, codec, main_grad
-        ctx.use_bias = bias is not None
-        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
-        ctx.tp_group, ctx.shape, ctx.dtype = tp_group, input.shape, input.dtype
-        _report(owner, site, record, input)
+        save_linear_ctx(ctx, input, weight, bias, gradient_accumulation_fusion, tp_group, codec, owner, site)
+        ctx.shape, ctx.dtype = input.shape, input.dtype
 
         size = list(input.size())
         size[0] *= tp_group.size()
@@ -141,10 +135,6 @@ class EncodedSPLinear(torch.autograd.Function):
         sub_grad_input = torch.empty(ctx.shape, dtype=grad_input.dtype, device=grad_input.device)
         handle = layers.dist_reduce_scatter_func(sub_grad_input, grad_input.contiguous(),
                                                  group=ctx.tp_group, async_op=True)
-        if ctx.gradient_accumulation_fusion:
-            grad_weight = _accumulate_wgrad(L, weight, grad_output, total_input)
-        else:
-            grad_weight = grad_output.t().matmul(total_input)
-        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+        grad_weight, grad_bias = linear_param_grads(ctx, L, weight, grad_output, total_input)
         handle.wait()
         return sub_grad_input, grad_weight, grad_bias, None, None, None, None, None

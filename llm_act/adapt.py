@@ -191,7 +191,8 @@ class Adapter:
         self.profile = profile
         old = c.plan
         if decision["plan"] is not None:
-            new = {layer: {**old.get(layer, {}), **choice, **self.pins(layer)}
+            new = {layer: {**old.get(layer, {}), **self.unmeasured(profile, layer), **choice,
+                           **self.pins(layer)}
                    for layer, choice in decision["plan"].items()}
             if new != old:
                 c.set_plan(new)
@@ -251,6 +252,12 @@ class Adapter:
                 seen.add(id(p))
                 total += 2 * p.numel() * p.element_size()
         return total
+
+    def unmeasured(self, profile: Any, layer: int) -> dict[str, str]:
+        """Planned sites of `layer` the profile did not see stored (the memory-efficient
+        attention stores no `attn.softmax` and regenerates its dropout mask from the RNG
+        state, whatever the choice): "keep", so a plan says what really happens there."""
+        return {s: KEEP for s in self.controller.planned_sites(layer) if (layer, s) not in profile.sites}
 
     def pins(self, layer: Optional[int] = None) -> dict[str, str]:
         """`ActConfig.codecs`: sites the user fixed; the planner chooses around them."""

@@ -9,6 +9,11 @@ step boundary (entering or leaving `with controller.step():`, or after `optimize
 when `attach_optimizer` was used), never in the middle of an iteration: a forward and its
 backward always see the same codecs.
 
+A megatron-core layer converted by `apply` binds its whole choice at once through its
+`LayerRecompute` (the "recompute" choices: regions, hooks, regenerated masks), and its
+core attention runs in the mode `attention_mode()` names ("auto": stock under a plan that
+keeps everything, memory-efficient otherwise).
+
 Under plan "auto" the Controller re-plans during training (`llm_act.adapt`): at tracking
 iterations 1, 2, 4, ... (up to `adapt_interval_max` apart, back to 1 after a sharp shift in
 the statistics) it measures the sites on the current batch, reduces the statistics over
@@ -24,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from llm_act import plans
 from llm_act.codecs.base import Codec
-from llm_act.codecs.registry import KEEP, make_codec
+from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.config import ActConfig
 from llm_act.sites import SITES
 
@@ -140,9 +145,9 @@ class Controller:
         return self._modules[layer][site]
 
     def codec(self, layer: int, site: str) -> Optional[Codec]:
-        """The codec in force at (layer, site), None when kept."""
+        """The codec in force at (layer, site), None when kept or recomputed."""
         name = self._plan.get(layer, {}).get(site, KEEP)
-        if name == KEEP:
+        if name in (KEEP, RECOMPUTE):
             return None
         return self._codecs[(layer, site, name)]
 
@@ -240,13 +245,52 @@ class Controller:
             self._apply(plan)
 
     def _apply(self, plan: plans.Plan) -> None:
-        """Give every module the codec of its (layer, site); build codecs on first use."""
+        """Give every module the codec of its (layer, site); build codecs on first use.
+
+        A megatron-core layer converted by `swap.convert_layer` has a `LayerRecompute`
+        owner (its modules' `_act_recompute`): it binds the whole layer's choice, the
+        "recompute" ones included (regions, hooks, regenerated masks), and refuses a
+        combination it cannot recompute before changing anything (the layers bound before
+        it get the plan in force back). The core attention then gets its mode
+        (`attention_mode`)."""
+        try:
+            self._bind(plan)
+        except Exception:
+            if self._plan or plan:  # a layer refused: put the plan in force back everywhere
+                self._bind(self._plan)
+            raise
+        self._plan = {layer: dict(plan.get(layer, plans.keep_layer())) for layer in self._modules}
+        self.set_attention_mode(self.attention_mode())
+
+    def _bind(self, plan: plans.Plan) -> None:
         for layer, stored in self._modules.items():
             choice = plan.get(layer, {})
+            owner = getattr(next(iter(stored.values()), None), "_act_recompute", None)
+            if owner is not None:
+                owner.bind(choice, lambda site, name, layer=layer: self._get_codec(layer, site, name))
+                continue
             for site, module in stored.items():
                 name = choice.get(site, KEEP)
                 module.set_act_codec(site, None if name == KEEP else self._get_codec(layer, site, name))
-        self._plan = {layer: dict(plan.get(layer, plans.keep_layer())) for layer in self._modules}
+
+    def attention_mode(self) -> str:
+        """The core-attention mode in force: `ActConfig.attention` when it names a backend
+        ("stock", "sdpa", "chunked"); under "auto", "stock" while the plan keeps everything
+        (exactly stock megatron-core; lossless mask codecs allowed, `plans.is_keep`) and
+        memory-efficient ("auto") otherwise -- also when
+        the adaptive planner ("auto" plan) keeps everything: its profile was measured with
+        the memory-efficient attention."""
+        wanted = self.config.attention
+        if wanted != "auto":
+            return wanted
+        return "stock" if plans.is_keep(self._plan) and self.config.plan != "auto" else "auto"
+
+    def set_attention_mode(self, mode: str) -> None:
+        """Put every controlled core attention in `mode` (until the next plan is applied)."""
+        for stored in self._modules.values():
+            core = stored.get("attn.q")
+            if core is not None and hasattr(core, "set_attention_mode"):
+                core.set_attention_mode(mode)
 
     def _get_codec(self, layer: int, site: str, name: str) -> Codec:
         key = (layer, site, name)

@@ -9,29 +9,40 @@ one form the Controller applies to the modules, whatever the user wrote:
 - "auto": starts as "compress"; the Controller's planner (`llm_act.adapt`) then replaces
   it at its tracking iterations with the MILP's plan for the measured profile, the
   `ActConfig.codecs` overrides staying pinned;
-- "recompute": not available yet (issue 4) -> NotImplementedError;
+- "recompute": Megatron-style full block recompute (`recompute.full_plan()`): `ln1.input`
+  kept, every other site recomputed in backward from it;
 - a JSON plan path (or its dict) read by `llm_act.planner.load_plan_json`;
 - then `ActConfig.codecs` (site -> choice) overrides on top, for every layer.
 
-Sites that no compressed layer implements yet stay "keep" under "compress"/"auto"; a plan
-or override that asks for anything else there raises NotImplementedError naming the site.
-`IMPLEMENTED_SITES` is the single place that grows as layers arrive.
+Sites that no compressed layer implements stay "keep" under "compress"/"auto"; a plan or
+override that asks for a codec there raises NotImplementedError naming the site.
+`IMPLEMENTED_SITES` is the single place that grows as layers arrive. Which combinations of
+"recompute" a layer can run is checked by `LayerRecompute.bind` when the plan is applied
+(before anything changes).
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
-from llm_act.codecs.registry import KEEP, RECOMPUTE, check_choice
+from llm_act.codecs.registry import KEEP, MASK_CODECS, RECOMPUTE, check_choice
 from llm_act.config import ActConfig
 from llm_act.sites import DEFAULT_CODECS, SITES
 
-#: Sites the compressed megatron-core layers store (issue 3). The attention internals
-#: (attn.q/k/v, attn.softmax, attn.dropout_mask) come with the attention of issue 4.
+#: the block's checkpoint: kept or encoded, never recomputed
+CHECKPOINT_SITE = "ln1.input"
+
+#: Sites the compressed megatron-core layers store (the attention internals through
+#: `ActCoreAttention`).
 IMPLEMENTED_SITES: frozenset[str] = frozenset(
     {
         "ln1.input",
         "attn.qkv_input",
+        "attn.q",
+        "attn.k",
+        "attn.v",
+        "attn.softmax",
+        "attn.dropout_mask",
         "attn.out",
         "attn.hidden_dropout_mask",
         "ln2.input",
@@ -49,6 +60,19 @@ PlanLike = Union[str, os.PathLike, Mapping[Any, Any], Sequence[Mapping[str, str]
 
 def keep_layer() -> LayerPlan:
     return {site: KEEP for site in SITES}
+
+
+def recompute_layer() -> LayerPlan:
+    """Megatron's full recompute of one block: the block input kept, the rest recomputed
+    (the same choice as `llm_act.patches.megatron.recompute.full_plan()`)."""
+    return {site: KEEP if site == CHECKPOINT_SITE else RECOMPUTE for site in SITES}
+
+
+def is_keep(plan: Plan) -> bool:
+    """Whether `plan` stores every value as stock megatron-core does: every site kept, or a
+    dropout mask stored losslessly (`bitmask`, `regen`: same values, same RNG use). The
+    attention stays stock under such a plan when `ActConfig.attention` is "auto"."""
+    return all(name == KEEP or name in MASK_CODECS for choice in plan.values() for name in choice.values())
 
 
 #: The "compress" choice at `mlp.act_input` where few-bit codecs do not apply (gated units
@@ -94,10 +118,7 @@ def plan_from(source: PlanLike, num_layers: int, layers: Optional[Iterable[int]]
         no_fewbit = set(no_fewbit)
         return {i: compress_layer(fewbit=i not in no_fewbit) for i in wanted}
     if isinstance(source, str) and source == RECOMPUTE:
-        raise NotImplementedError(
-            'plan "recompute" (Megatron-style full block recompute) is not available yet '
-            '(issue 4); use plan "keep", "compress", "auto" or a JSON plan'
-        )
+        return {i: recompute_layer() for i in wanted}
     if isinstance(source, Mapping) and "blocks" in source or isinstance(source, (str, os.PathLike)):
         from llm_act.planner.milp import load_plan_json
 
@@ -140,15 +161,10 @@ def _full(choice: Mapping[str, str], where: str, fill: bool = True) -> LayerPlan
             check_choice(site, name)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-        if name == RECOMPUTE:
+        if name not in (KEEP, RECOMPUTE) and site not in IMPLEMENTED_SITES:
             raise NotImplementedError(
-                f"{where}: 'recompute' at site {site!r} is not available yet (issue 4); "
-                "keep or compress it"
-            )
-        if name != KEEP and site not in IMPLEMENTED_SITES:
-            raise NotImplementedError(
-                f"{where}: site {site!r} (attention internals) cannot be compressed yet "
-                f"(issue 4); it stays as stock megatron-core stores it -- choose 'keep' there. "
+                f"{where}: site {site!r} cannot be compressed: no compressed layer stores it "
+                f"-- choose 'keep' or 'recompute' there. "
                 f"Compressible now: {', '.join(s for s in SITES if s in IMPLEMENTED_SITES)}"
             )
         out[site] = name

@@ -105,7 +105,15 @@ def isolated(controller: Any, params: Iterable[torch.Tensor] = ()) -> Iterator[R
 
 
 def install(controller: Any, codecs: dict[tuple[int, str], Any]) -> None:
-    """Give every (layer, site) the controller drives the codec in `codecs` (None = keep)."""
+    """Give every (layer, site) the controller drives the codec in `codecs` (None = keep).
+    A layer bound with recomputation (`LayerRecompute`) is unbound first (every site kept,
+    hooks and regions removed), so probe passes see each site's tensor in forward;
+    `Controller.reinstall()` binds the plan in force again."""
+    for layer in controller.layers:
+        owner = getattr(controller.module(layer, controller.sites(layer)[0]), "_act_recompute", None) \
+            if controller.sites(layer) else None
+        if owner is not None:
+            owner.bind({}, lambda site, name: None)
     for layer in controller.layers:
         for site in controller.sites(layer):
             controller.module(layer, site).set_act_codec(site, codecs.get((layer, site)))

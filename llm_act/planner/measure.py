@@ -53,6 +53,16 @@ PRODUCER_INPUTS: dict[str, tuple[str, ...]] = {
     "mlp.fc2_input": ("mlp.act_input",),
 }
 _MEASURE_SEED = 20240611
+#: sites the planner may choose "recompute" for one by one (`LayerRecompute.bind` rebuilds
+#: each from its producer's inputs). Not offered: `attn.q/k/v` (recomputed only with the
+#: whole block), `attn.out`, `attn.softmax`, `attn.dropout_mask` (the core attention is
+#: recomputed as one region: plan "recompute" or a JSON plan asks for it), and the hidden
+#: dropout masks ("recompute" there is the `regen` codec, which is offered).
+RECOMPUTABLE: frozenset[str] = frozenset(
+    {"attn.qkv_input", "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input"})
+#: sites the core attention stores from its own inputs (captured by a forward pre-hook:
+#: a lossless codec there is stored raw, so a capture codec never sees the tensor)
+QKV_SITES = ("attn.q", "attn.k", "attn.v")
 
 
 @dataclass
@@ -105,6 +115,8 @@ class MeasuredProfile:
     other_bytes: int
     """bytes the keep-everything forward holds outside the planned sites"""
     device: str = "cpu"
+    no_recompute: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    """layer -> sites of `RECOMPUTABLE` that its configuration cannot recompute alone"""
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -122,6 +134,11 @@ class MeasuredProfile:
                         for s in self.layer_sites(layer))
             out.setdefault(key, []).append(layer)
         return list(out.values())
+
+    def recomputable(self, layer: int, site: str) -> bool:
+        """Whether the planner may offer "recompute" at `site` of `layer` (`RECOMPUTABLE`,
+        minus what the layer's configuration rules out)."""
+        return site in RECOMPUTABLE and site not in self.no_recompute.get(layer, ())
 
     # ---- statistics the controller tracks ----------------------------------------------
     def outlier_rates(self) -> dict[str, float]:
@@ -205,7 +222,8 @@ class MeasuredProfile:
                     )
                     for name in names
                 )
-                fwd = stats[0].forward_ms if recompute and site != "ln1.input" else None
+                fwd = (stats[0].forward_ms if recompute and all(self.recomputable(layer, site) for layer in group)
+                       else None)
                 inputs = tuple(d for d in PRODUCER_INPUTS.get(site, ()) if d in sites)
                 default_c = 0.0 if site in MASK_SITES else 1.0
                 profiles.append(SiteProfile(site, _mean_up([s.keep_bytes for s in stats]), fwd,
@@ -348,6 +366,10 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
     groups_first = set()
     with probing.isolated(controller) as snap, torch.enable_grad():
         probing.install(controller, {})
+        # the profile describes the attention every non-keep plan runs (memory-efficient
+        # unless ActConfig.attention names another backend): no softmax is stored there
+        wanted = controller.config.attention
+        controller.set_attention_mode("auto" if wanted == "auto" else wanted)
         finder = _find_layers(controller)
         try:
             with SavedTensorLedger() as keep_ledger:
@@ -358,9 +380,11 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
         del out
         snap.restore()
         probes = {(layer, site): _Capture(captured, (layer, site))
-                  for layer in controller.layers for site in controller.planned_sites(layer)}
+                  for layer in controller.layers for site in controller.planned_sites(layer)
+                  if site not in QKV_SITES}
         probing.install(controller, probes)
         handles = _attention_hooks(controller, attn_call) if times_from is None else []
+        handles += _qkv_hooks(controller, captured)
         try:
             with SavedTensorLedger() as probe_ledger:
                 out = forward()
@@ -375,9 +399,11 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
     for key in sorted(captured, key=lambda k: (k[0], SITES.index(k[1]))):
         layer, site = key
         x = captured[key]
-        side = max(0, held.get(key, 0) - x.numel() * x.element_size())
+        # q/k/v: a codec encodes the view alone (the QKV buffer behind v is freed)
+        side = 0 if site in QKV_SITES else max(0, held.get(key, 0) - x.numel() * x.element_size())
         sites[key] = SiteStats(layer, site, tuple(x.shape), x.dtype, keep.get(key, 0), side)
-    profile = MeasuredProfile(sites, other, str(probing.device_of(controller)))
+    profile = MeasuredProfile(sites, other, str(probing.device_of(controller)),
+                              {layer: _no_recompute(controller, layer) for layer in controller.layers})
     for group in profile.groups():
         groups_first.add(group[0])
     activation = {layer: _activation_name(controller, layer) for layer in profile.layers}
@@ -438,6 +464,47 @@ def _find_layers(controller: Any):
 def _layer_of(controller: Any, layer: int):
     """The TransformerLayer holding `layer`'s modules (None when not found)."""
     return controller.layer_modules.get(layer)
+
+
+def _qkv_hooks(controller: Any, sink: dict) -> list:
+    """Forward pre-hooks that capture the core attention's q, k, v (after rotary; GQA K/V
+    un-expanded) into `sink[(layer, "attn.q")]` etc. for the layers that plan those sites."""
+    handles = []
+    for layer in controller.layers:
+        planned = [s for s in QKV_SITES if s in controller.planned_sites(layer)]
+        if not planned:
+            continue
+        core = controller.module(layer, planned[0])
+
+        def pre(module, args, kwargs, layer=layer, planned=planned):
+            qkv = list(args[:3]) + [kwargs.get(n) for n in ("query", "key", "value")[len(args[:3]):]]
+            for site, x in zip(QKV_SITES, qkv):
+                if site in planned and torch.is_tensor(x) and x.requires_grad:
+                    sink.setdefault((layer, site), x)
+
+        handles.append(core.register_forward_pre_hook(pre, with_kwargs=True))
+    return handles
+
+
+def _no_recompute(controller: Any, layer: int) -> tuple[str, ...]:
+    """Sites of `RECOMPUTABLE` the layer cannot recompute alone: none without a megatron
+    layer (no `LayerRecompute`); `mlp.fc2_input` when the MLP keeps only a mask of its
+    activation input (ReLU); `ln2.input` when megatron's fused bias-dropout-add would need
+    the hidden-dropout mask kept."""
+    sites = controller.sites(layer)
+    owner = getattr(controller.module(layer, sites[0]), "_act_recompute", None) if sites else None
+    if owner is None:
+        return tuple(sorted(RECOMPUTABLE))
+    out = []
+    try:
+        if owner._mlp_kind() == "mask":
+            out.append("mlp.fc2_input")
+    except Exception:
+        out.append("mlp.fc2_input")
+    tl = owner.layer
+    if getattr(tl.config, "bias_dropout_fusion", False) and float(getattr(tl, "hidden_dropout", 0) or 0) > 0:
+        out.append("ln2.input")
+    return tuple(out)
 
 
 def _attention_hooks(controller: Any, sink: dict[int, tuple]) -> list:

@@ -81,13 +81,6 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     require("megatron.core", "llm_act.patches.megatron.apply")
     from llm_act.patches.megatron import cpu_shim, unsupported
 
-    if config.attention in ("sdpa", "chunked"):
-        raise NotImplementedError(
-            f"attention={config.attention!r}: llm_act's memory-efficient attention is not "
-            "available yet (issue 4); attention stays stock megatron-core -- use "
-            "attention='auto' or 'stock'"
-        )
-
     cpu_shim.install()
     layers = transformer_layers(roots)
     if not layers:

@@ -35,7 +35,9 @@ def test_llm_act_train_prints_the_table_and_writes_the_plot(tmp_path):
     assert math.isclose(layers["layer 0"][0] + layers["layer 1"][0], layers["total"][0], rel_tol=0.2)
     first = tuple(map(float, _row(out, "first train loss")))
     final = tuple(map(float, _row(out, "final train loss")))
-    assert first[0] == first[1]  # same seed, same data, same initial weights
+    # same seed, data and initial weights; the compressed run's memory-efficient attention
+    # draws its attention-dropout masks in chunks (not stock's masks): close, not equal
+    assert abs(first[0] - first[1]) < 0.02
     for a, b in zip(first, final):
         assert math.isfinite(b) and b < a - 0.5
     assert abs(final[0] - final[1]) < 0.1

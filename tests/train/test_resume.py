@@ -86,3 +86,23 @@ def test_text_file_and_indexed_dataset_train_with_periodic_validation(tmp_path):
     assert any("vocab 700;" in line for line in lines if line.startswith("model:"))
     emb = out["trainer"].chunks[0].embedding.word_embeddings.weight
     assert emb.shape[0] == 768  # padded to a multiple of 128, as Megatron-LM does
+
+
+def test_auto_plan_measures_through_the_loops_probe(caplog):
+    """Plan "auto" in the loop (one stage): the Trainer hands the controller a probe, so the
+    tracking iterations 1, 2, 4 measure and plan (no "cannot measure" warning); the losses
+    fall, and the run is deterministic with the probe passes in it."""
+    import logging
+
+    extra = ["--act-compress", "--act-compress-plan", "auto",
+             "--train-iters", "4"]
+    with caplog.at_level(logging.INFO, logger="llm_act.controller"):
+        out = run(extra)
+    ctl = out["trainer"].controller
+    assert ctl._probe is not None
+    assert ctl.adapter.tracked == [1, 2, 4]
+    assert ctl.adapter.history and ctl.adapter.profile is not None and ctl.adapter.sensitivity
+    assert not any("cannot measure" in r.getMessage() for r in caplog.records)
+    assert all(x == x for x in out["losses"]) and out["losses"][-1] < out["losses"][0]
+    again = run(extra)
+    assert again["losses"] == out["losses"]

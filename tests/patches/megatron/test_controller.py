@@ -45,7 +45,7 @@ def test_keep_and_compress_plans():
     for site in SITES:
         want = DEFAULT_CODECS[site] if site in plans.IMPLEMENTED_SITES else "keep"
         assert comp[1][site] == want
-    assert comp[1]["attn.softmax"] == "keep" and comp[1]["mlp.act_input"] == "fewbit3"
+    assert comp[1]["attn.softmax"] == "int4_asym" and comp[1]["mlp.act_input"] == "fewbit3"
     # "auto" waits for the planner (issue 5): it is "compress" for now
     assert plans.resolve(ActConfig(plan="auto"), 3) == plans.resolve(ActConfig(plan="compress"), 3)
     # gated activations take a value codec at mlp.act_input under "compress"
@@ -66,12 +66,13 @@ def test_overrides_json_and_errors(tmp_path):
     plan = plans.resolve(ActConfig(plan=str(path), codecs={"ln2.input": "int4"}), 4)
     assert plan[0]["attn.out"] == "fp8_e4m3" and plan[0]["mlp.hidden_dropout_mask"] == "keep"
     assert plan[3]["mlp.hidden_dropout_mask"] == "bitmask" and plan[3]["ln2.input"] == "int4"
-    with pytest.raises(NotImplementedError, match="issue 4"):
-        plans.resolve(ActConfig(plan="recompute"), 2)
-    with pytest.raises(NotImplementedError, match="attn.softmax"):
-        plans.resolve(ActConfig(plan="keep", codecs={"attn.softmax": "int4_asym"}), 2)
-    with pytest.raises(NotImplementedError, match="recompute"):
-        plans.resolve(ActConfig(plan="keep", codecs={"mlp.fc1_input": "recompute"}), 2)
+    full = plans.resolve(ActConfig(plan="recompute"), 2)
+    assert full[1]["ln1.input"] == "keep" and full[1]["attn.q"] == "recompute"
+    assert all(c == "recompute" for s, c in full[0].items() if s != "ln1.input")
+    assert plans.resolve(ActConfig(plan="keep", codecs={"attn.softmax": "int4_asym"}), 2)[1]["attn.softmax"] == "int4_asym"
+    assert plans.resolve(ActConfig(plan="keep", codecs={"mlp.fc1_input": "recompute"}), 2)[0]["mlp.fc1_input"] == "recompute"
+    with pytest.raises(ValueError, match="ln1.input"):  # the checkpoint is never recomputed
+        plans.resolve(ActConfig(plan="keep", codecs={"ln1.input": "recompute"}), 2)
     with pytest.raises(ValueError, match="layers 2-3"):  # a JSON plan must cover every layer
         plans.plan_from({"version": 1, "blocks": [{"layers": [0, 1], "choice": {}}]}, 4)
     with pytest.raises(ValueError, match="dropout"):

@@ -8,8 +8,10 @@ on unchanged. Before DeepSpeed wraps the model it:
    and bad values raise ValueError naming the key);
 2. brings up DeepSpeed's process group (as `deepspeed.initialize` would first thing);
 3. patches the model: megatron-core models (anything holding `TransformerLayer`s) through
-   `llm_act.patches.megatron.apply`; other models through the generic hook path plus
-   per-block recompute on their repeated blocks (`generic.apply`);
+   `llm_act.patches.megatron.apply`, their whole-block recompute through
+   `deepspeed.checkpointing` when `"activation_checkpointing"` is configured
+   (`megatron_recompute`); other models through the generic hook path plus per-block
+   recompute on their repeated blocks (`generic.apply`);
 4. calls `deepspeed.initialize`, then attaches the controller to the engine
    (`engine.act_controller`, advanced by `engine.step()`, saved in checkpoints; see
    `engine.py`), after the ranks agreed on one plan.
@@ -22,7 +24,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from llm_act._imports import require
-from llm_act.codecs.registry import RECOMPUTE
 from llm_act.config import ActConfig
 from llm_act.patches.deepspeed import ds_config
 
@@ -37,10 +38,6 @@ def _is_megatron(model: Any) -> bool:
     return any(isinstance(m, TransformerLayer) for m in model.modules())
 
 
-def _recomputes(config: ActConfig) -> bool:
-    return config.plan == RECOMPUTE or any(v == RECOMPUTE for v in config.codecs.values())
-
-
 def _patch(model: Any, config: Optional[ActConfig], checkpointing: ds_config.Checkpointing,
            mpu: Any):
     """(controller, generic handle or None): apply our patches to `model` in place."""
@@ -49,15 +46,9 @@ def _patch(model: Any, config: Optional[ActConfig], checkpointing: ds_config.Che
     if config is None or not config.enabled:
         return Controller(config if config is not None else ActConfig(enabled=False)), None
     if _is_megatron(model):
-        if _recomputes(config) and checkpointing.stores_checkpoints:
-            raise ValueError(
-                "activation_checkpointing.partition_activations / cpu_checkpointing: megatron-core "
-                "layers recompute through llm_act's own regions, not deepspeed.checkpointing, so "
-                "these settings would be ignored; drop them or choose a plan without 'recompute'"
-            )
-        from llm_act.patches.megatron import apply
+        from llm_act.patches.deepspeed import megatron_recompute
 
-        return apply(model, config), None
+        return megatron_recompute.apply(model, config, checkpointing, mpu), None
     from llm_act.patches.deepspeed import generic
 
     handle = generic.apply(model, config, checkpointing, mpu=mpu)

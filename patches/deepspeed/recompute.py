@@ -15,6 +15,12 @@ What cannot work is refused with a ValueError naming the keys:
   flattened; both work as intended only on GPUs;
 - `contiguous_memory_optimization` preallocates `number_checkpoints` buffers: fewer than
   the recomputed blocks would overflow them, and it needs `partition_activations`.
+
+`checkpointed_forward` is the one wrapper both doors use: these generic blocks and
+megatron-core `TransformerLayer`s (`megatron_recompute`). DeepSpeed's `CheckpointFunction`
+replays the default CPU and device generators and its *own* RNG tracker; a model that draws
+dropout from another tracker (megatron's) passes `rng=(capture, replay)` so that tracker is
+replayed too and the recomputed block draws the masks of its forward.
 """
 from __future__ import annotations
 
@@ -90,10 +96,23 @@ def wrap_blocks(blocks: list[torch.nn.Module], codec: Optional[str], checkpointi
     for i, block in enumerate(blocks):
         if getattr(block.__dict__.get("forward"), _MARK, False):
             raise ValueError(f"blocks[{i}] ({type(block).__name__}) is already checkpointed")
-        block.forward = _ds_checkpointed(block.forward, i)
+        block.forward = checkpointed_forward(block.forward, i)
 
 
-def _ds_checkpointed(forward, layer: int):
+def is_checkpointed(forward: Any) -> bool:
+    """Whether `forward` is a `checkpointed_forward` wrapper."""
+    return bool(getattr(forward, _MARK, False))
+
+
+def checkpointed_forward(forward, layer: int, rng: Optional[tuple] = None):
+    """`forward` run under `deepspeed.checkpointing.checkpoint` when grad is on.
+
+    The first tensor argument (the block input, which DeepSpeed keeps outside autograd) is
+    counted in active ledgers at (`layer`, "ln1.input"). `rng`: `(capture, replay)` for RNG
+    state DeepSpeed does not replay itself: `capture()` is called when the forward runs,
+    and the recomputation runs inside `replay(captured)` (a context manager that restores
+    the states in force on exit).
+    """
     import deepspeed
 
     def checkpointed(*args: Any, **kwargs: Any):
@@ -102,7 +121,19 @@ def _ds_checkpointed(forward, layer: int):
         first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is not None:  # DeepSpeed holds it outside autograd: count it here
             _ledger.report(layer, "ln1.input", first, first.numel() * first.element_size())
-        return deepspeed.checkpointing.checkpoint(forward, *args, **kwargs)
+        if rng is None:
+            return deepspeed.checkpointing.checkpoint(forward, *args, **kwargs)
+        capture, replay = rng
+        captured: list = []
+
+        def run(*a: Any, **k: Any):
+            if not captured:  # the forward, under no_grad inside CheckpointFunction
+                captured.append(capture())
+                return forward(*a, **k)
+            with replay(captured[0]):  # the recomputation in backward
+                return forward(*a, **k)
+
+        return deepspeed.checkpointing.checkpoint(run, *args, **kwargs)
 
     setattr(checkpointed, _MARK, True)
     return checkpointed

@@ -32,26 +32,10 @@ from llm_act.sites import DEFAULT_CODECS, SITES
 #: the block's checkpoint: kept or encoded, never recomputed
 CHECKPOINT_SITE = "ln1.input"
 
-#: Sites the compressed megatron-core layers store (the attention internals through
-#: `ActCoreAttention`).
-IMPLEMENTED_SITES: frozenset[str] = frozenset(
-    {
-        "ln1.input",
-        "attn.qkv_input",
-        "attn.q",
-        "attn.k",
-        "attn.v",
-        "attn.softmax",
-        "attn.dropout_mask",
-        "attn.out",
-        "attn.hidden_dropout_mask",
-        "ln2.input",
-        "mlp.fc1_input",
-        "mlp.act_input",
-        "mlp.fc2_input",
-        "mlp.hidden_dropout_mask",
-    }
-)
+#: Sites the compressed megatron-core layers store: every site of a GPT block (the
+#: attention internals through `ActCoreAttention`). New site names start outside this set
+#: until a layer stores them.
+IMPLEMENTED_SITES: frozenset[str] = frozenset(SITES)
 
 LayerPlan = dict[str, str]
 Plan = dict[int, LayerPlan]

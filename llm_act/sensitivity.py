@@ -129,6 +129,9 @@ def sensitive_sites(controller: Any) -> list[str]:
                 continue
             if site == "mlp.act_input" and getattr(controller.module(layer, site), "act_activation", None) == "relu":
                 continue
+            if site == "attn.softmax" and getattr(controller.module(layer, site), "act_attention",
+                                                  "stock") not in ("stock", "unfused"):
+                continue  # the memory-efficient attention stores no probabilities
             out.append(site)
     return out
 

@@ -27,3 +27,18 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def megatron_one_rank():
+    """megatron-core's parallel state on one gloo rank (CPU shim installed), torch on one
+    thread: the test models are tiny, and one thread is several times faster on a busy
+    2-core machine."""
+    from llm_act import testing
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    testing.init_parallel(tp=1)
+    yield
+    testing.destroy_parallel()
+    torch.set_num_threads(threads)

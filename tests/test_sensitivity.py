@@ -25,14 +25,8 @@ from tests.patches.megatron import gpt_runs as R
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def parallel():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    T.init_parallel(tp=1)
-    yield
-    T.destroy_parallel()
-    torch.set_num_threads(threads)
+# megatron-core on one gloo rank, one torch thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 
 
 def _gpt(**kw):
@@ -72,9 +66,10 @@ def test_sensitivities_on_a_small_gpt_and_isolation():
     rng = torch.get_rng_state()
     s = measure_sensitivity(controller, fwd, model)
     print("c_i:", {k: f"{v:.3g}" for k, v in s.c.items()}, f"sampling noise {s.sampling_noise:.3g}")
-    # every value site is sensitive; the GELU derivative site too (in f' units)
-    assert set(s.c) == {"ln1.input", "attn.qkv_input", "attn.out", "ln2.input", "mlp.fc1_input",
-                        "mlp.act_input", "mlp.fc2_input"}
+    # every value site is sensitive, Q/K/V included; the GELU derivative site too (in f'
+    # units); not attn.softmax: the memory-efficient attention stores no probabilities
+    assert set(s.c) == {"ln1.input", "attn.qkv_input", "attn.q", "attn.k", "attn.v", "attn.out",
+                        "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input"}
     assert all(v > 0 for v in s.c.values()) and s.sampling_noise > 0
     # nothing of the run moved: RNG, .grad (same tensors, same values), codec generators
     assert torch.equal(torch.get_rng_state(), rng)

@@ -26,14 +26,8 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def parallel():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is several times faster on a busy CPU
-    T.init_parallel(tp=1)
-    yield
-    T.destroy_parallel()
-    torch.set_num_threads(threads)
+# megatron-core on one gloo rank, one torch thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 
 
 def _wrap_bf16(model):

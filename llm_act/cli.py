@@ -3,6 +3,8 @@
   llm-act demo            compress the activations of a real megatron-core GPT block on CPU
                           and print the bytes each site stores, stock vs compressed
   llm-act bench kernels   codec encode+decode bandwidth against the device's copy bandwidth
+  llm-act bench memory|convergence|planner|gpu|all [--quick]
+                          the benchmark suite; `all` regenerates docs/benchmarks.md
   llm-act plan            plan a preset model per pipeline stage from its shape (no GPU)
   llm-act train           train a small GPT on CPU, stock and compressed side by side
                           (saved-activation bytes per layer, losses, tokens/s; a plot)
@@ -37,6 +39,20 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--quick", action="store_true", help="8 MiB tensors, for a CPU smoke run")
     k.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     k.add_argument("--output", default=None, help="also write the table to this markdown file")
+    for suite, text in (("memory", "saved bytes per layer of every scheme (ledger, CPU)"),
+                        ("convergence", "validation loss of every scheme against stock (CPU)"),
+                        ("planner", "MILP solve time; predicted vs measured bytes"),
+                        ("gpu", "throughput vs micro-batch, peak memory (needs CUDA)"),
+                        ("all", "every suite; regenerates docs/benchmarks.md")):
+        sp = bsub.add_parser(suite, help=text, allow_abbrev=False)
+        sp.add_argument("--quick", action="store_true", help="small shapes / ~30 steps (CI)")
+        sp.add_argument("--output-dir", default="docs", help="plots (and benchmarks.md) go here")
+        if suite in ("convergence", "all"):
+            sp.add_argument("--convergence-json", default=None,
+                           help="reuse a convergence result saved by `bench convergence "
+                                "--save-json` instead of training again")
+        if suite == "convergence":
+            sp.add_argument("--save-json", default=None, help="also save the result as JSON")
     from llm_act.plan_cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
@@ -69,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.output, "w") as f:
                 f.write(text + "\n")
         return 0
+    if args.command == "bench":
+        from llm_act.bench.report import main as run_bench
+
+        return run_bench(args, argv)
     if args.command == "train":
         from llm_act.train.compare import main as run_train
 

@@ -1,0 +1,342 @@
+"""Memory per layer: every scheme on the same megatron-core GPT block, bytes from the ledger.
+
+One bf16 TransformerLayer (local spec, RoPE, bias on) is built with fixed weights for each
+scheme; its forward runs once inside a `SavedTensorLedger` (after a warm-up
+forward/backward, so megatron's global buffers exist) and the bytes left for backward are
+reported per s*b*h, with the ratio to stock. For stock and our "compress" plan the memory
+the process holds after forward (profiler: allocations minus frees, output excluded) is
+given beside the ledger, as the independent cross-check.
+
+The schemes (`SCHEMES`) are the papers' methods written as fixed plans on our sites, and
+megatron's own recompute modes; `planner_plans` adds our MILP at three budgets. A scheme is
+applied with `bind_layer`: `swap.convert_layer` plus `LayerRecompute.bind` (the same codec
+and recompute machinery the Controller drives), so the bench does not depend on which
+plans the Controller's front end accepts yet.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
+from llm_act.sites import DEFAULT_CODECS, MASK_SITES, SITES
+
+#: bits per element GACT's adaptive allocation averages (the paper's headline setting)
+GACT_BITS = 4
+#: the GACT scheme chooses among these per site (its per-tensor bit widths)
+GACT_CODECS = ("int1", "int2", "int4", "int8")
+#: sites llm_act can recompute alone (q/k/v only with the whole block; attn.out with the
+#: core-attention region, which the memory-efficient attention replaces)
+SITE_RECOMPUTABLE = ("attn.qkv_input", "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input")
+#: the planner's budgets, as fractions of the stock block's analytic bytes
+PLANNER_BUDGETS = {"loose": 0.35, "middle": 0.2, "tight": 0.12}
+#: plans are solved for a stack of this many identical blocks (the MILP's transient peak,
+#: one block's decoded tensors, is then a small share of the budget, as in a real model)
+STACK = 24
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The block measured: sequence, micro-batch, hidden, heads, dropout, dtype."""
+
+    s: int = 256
+    b: int = 2
+    h: int = 512
+    a: int = 8
+    dropout: float = 0.0
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def sbh(self) -> int:
+        return self.s * self.b * self.h
+
+    def describe(self) -> str:
+        return (f"s={self.s} b={self.b} h={self.h} a={self.a} "
+                f"{str(self.dtype).replace('torch.', '')} dropout {self.dropout}")
+
+
+@dataclass
+class Scheme:
+    """A fixed plan for one block: {site: choice}, the core-attention mode, a label."""
+
+    name: str
+    source: str
+    choice: dict[str, str]
+    attention: str = "stock"  # "stock" keeps megatron's unfused attention; "auto": ours
+    convert_attention: bool = False
+    note: str = ""
+    predicted: dict = field(default_factory=dict)
+
+
+def _every(name: str, masks: str = KEEP, skip=()) -> dict[str, str]:
+    return {s: (masks if s in MASK_SITES else name) for s in SITES if s not in skip}
+
+
+def compress_choice() -> dict[str, str]:
+    """Our "compress" plan with the attention sites included (design brief defaults)."""
+    return dict(DEFAULT_CODECS)
+
+
+def fixed_schemes() -> list[Scheme]:
+    """Stock, Megatron's recompute modes and each paper's scheme as a fixed plan (GACT's is
+    solved per shape in `gact_scheme`)."""
+    from llm_act.patches.megatron.recompute import full_plan, selective_plan
+
+    return [
+        Scheme("stock", "megatron-core", {}, note="every tensor as megatron-core saves it"),
+        Scheme("megatron selective", "Megatron-LM", selective_plan(),
+               note="core attention recomputed from kept q, k, v"),
+        Scheme("megatron full", "Megatron-LM", full_plan(),
+               note="whole block recomputed from its kept input"),
+        Scheme("ActNN int2", "ActNN", _every("int2", masks="bitmask"), convert_attention=True,
+               note="per-group (128) INT2 stochastic at every value site, 1-bit masks"),
+        Scheme("DIVISION dual2", "DIVISION", _every("dual2", skip=("attn.softmax",)),
+               convert_attention=True, attention="auto",
+               note="dual precision (pooled LFC + 2-bit HFC) at every value site"),
+        Scheme("Few-bit GELU 3-bit", "Few-Bit Backward", {"mlp.act_input": "fewbit3"},
+               note="3-bit GELU derivative at mlp.act_input, the rest stock"),
+        Scheme("compress (Adacc)", "Adacc / ours", compress_choice(), convert_attention=True,
+               attention="auto",
+               note="outlier INT4 + layer-specific codecs, memory-efficient attention"),
+    ]
+
+
+def analytic_shape(shape: Shape, attention: str):
+    from llm_act.planner.analytic import ModelShape
+
+    dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[shape.dtype]
+    return ModelShape(num_layers=1, hidden_size=shape.h, num_attention_heads=shape.a,
+                      seq_length=shape.s, micro_batch_size=shape.b, dtype=dt,
+                      dropout=shape.dropout, position_embedding="rope", attention=attention)
+
+
+def restricted_block(block, codecs: Optional[dict] = None, recompute: tuple = SITE_RECOMPUTABLE):
+    """`block` with each site's options limited (`codecs`: site -> allowed names, None =
+    all) and "recompute" offered only at `recompute` sites (what the bench can bind)."""
+    from llm_act.planner import BlockProfile, SiteProfile
+
+    sites = []
+    for st in block.sites:
+        allowed = None if codecs is None else codecs.get(st.name)
+        opts = tuple(o for o in st.codecs if allowed is None or o.name in allowed)
+        fwd = st.forward_ms if st.name in recompute else None
+        sites.append(SiteProfile(st.name, st.nbytes, fwd, st.inputs, opts, st.sensitivity))
+    return BlockProfile(tuple(sites), count=block.count, inflight=block.inflight)
+
+
+def gact_scheme(shape: Shape) -> Scheme:
+    """GACT: per-tensor bit widths minimising the summed noise (objective="variance") under
+    a budget of `GACT_BITS` bits per element on average (masks at 1 bit), on the analytic
+    profile of this block with megatron's stock attention (GACT compresses the softmax),
+    solved for a stack of `STACK` blocks (plus the MILP's transient peak)."""
+    from llm_act.planner import solve_plan
+    from llm_act.planner.analytic import block_profile
+
+    block = block_profile(analytic_shape(shape, "stock"), count=STACK)
+    allowed = {st.name: (("bitmask",) if st.name in MASK_SITES else GACT_CODECS) for st in block.sites}
+    block = restricted_block(block, allowed, recompute=())
+    per_block = 0
+    for st in block.sites:
+        numel = _numel(st, shape)
+        per_block += -(-numel // 8) if st.name in MASK_SITES else numel * GACT_BITS // 8
+    # STACK blocks at the average bit width, plus the transient of the block in backward
+    budget = STACK * per_block + sum(st.nbytes for st in block.sites)
+    plan = solve_plan([block], budget, objective="variance")
+    choice = dict(plan.choice[0])
+    return Scheme(f"GACT {GACT_BITS}-bit avg", "GACT", choice, convert_attention=True,
+                  note="bits per tensor by objective='variance' at a 4-bit average budget",
+                  predicted={"bytes": plan.activation_bytes, "budget": budget})
+
+
+def _numel(site, shape: Shape) -> int:
+    e = torch.empty((), dtype=shape.dtype).element_size()
+    return site.nbytes if site.name in MASK_SITES else site.nbytes // e
+
+
+def planner_schemes(shape: Shape) -> list[Scheme]:
+    """Our MILP (objective "time") on the analytic profile of the block with the
+    memory-efficient attention, for a stack of `STACK` blocks, at the budgets of
+    `PLANNER_BUDGETS` (fractions of the stock stack's analytic bytes) and the noise budget
+    of the "compress" plan (as `llm-act plan` does); recompute offered where the bench can
+    bind it. A budget below the smallest feasible one is raised to that (said in the note)."""
+    from llm_act.plan_cli import _reference_variance, min_budget
+    from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
+    from llm_act.planner.analytic import block_profile
+
+    stock_bytes = STACK * sum(st.nbytes for st in block_profile(analytic_shape(shape, "stock")).sites)
+    block = restricted_block(block_profile(analytic_shape(shape, "auto"), count=STACK))
+    noise = _reference_variance([block])
+    out = []
+    for label, frac in PLANNER_BUDGETS.items():
+        budget = int(frac * stock_bytes)
+        note = f"MILP, budget {frac:.0%} of stock ({STACK} blocks), noise <= compress"
+        try:
+            plan = solve_plan([block], budget, variance_budget=noise)
+        except (InfeasibleBudget, InfeasibleVariance):
+            budget = min_budget([block], 0, noise)
+            plan = solve_plan([block], budget, variance_budget=noise)
+            note += f"; raised to the least feasible {budget / stock_bytes:.1%}"
+        choice = dict(plan.choice[0])
+        # the memory-efficient attention stores no softmax and draws its dropout mask
+        # from the generator (the analytic profile has no such sites)
+        choice.setdefault("attn.dropout_mask", "regen")
+        out.append(Scheme(f"planner {label}", "ours", choice, convert_attention=True, attention="auto",
+                          note=note, predicted={"bytes": plan.activation_bytes, "budget": budget,
+                                                "overhead_ms": plan.overhead_ms, "stack": STACK}))
+    return out
+
+
+def all_schemes(shape: Shape) -> list[Scheme]:
+    schemes = fixed_schemes()
+    schemes.insert(4, gact_scheme(shape))
+    return schemes + planner_schemes(shape)
+
+
+# ---- building and binding ----------------------------------------------------------------
+
+
+def codec_factory(layer_index: int, seed: int = 1234) -> Callable[[str, str], object]:
+    """codec_of(site, name) for `LayerRecompute.bind`: one instance per (site, name), seeded
+    as the Controller seeds them."""
+    from llm_act.controller import codec_seed
+
+    cache: dict = {}
+
+    def codec_of(site: str, name: str):
+        key = (site, name)
+        if key not in cache:
+            kw = {"activation": "gelu"} if site == "mlp.act_input" else {}
+            cache[key] = make_codec(name, seed=codec_seed(seed, layer_index, site), **kw)
+        return cache[key]
+
+    return codec_of
+
+
+def bind_layer(layer: torch.nn.Module, index: int, scheme: Scheme, seed: int = 1234) -> None:
+    """Convert `layer` in place and bind `scheme` (stock: the layer is left untouched)."""
+    if scheme.name == "stock":
+        return
+    from llm_act.patches.megatron.swap import convert_layer
+
+    convert_layer(layer, index, attention=scheme.convert_attention)
+    if scheme.convert_attention:
+        layer.self_attention.core_attention.set_attention_mode(scheme.attention)
+    layer.act_recompute.bind(scheme.choice, codec_factory(index, seed))
+
+
+def build_layer(shape: Shape, seed: int = 0):
+    from llm_act import testing
+
+    cfg = testing.small_config(hidden_size=shape.h, num_attention_heads=shape.a, dtype=shape.dtype,
+                               dropout=shape.dropout, num_layers=1, add_bias_linear=True)
+    torch.manual_seed(seed)
+    return testing.transformer_layer(cfg, layer_number=1)
+
+
+def held_after_forward(forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes a forward leaves allocated (profiler), its output excluded; the smaller of two
+    runs (a first run may fill one-off caches, which are not activations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    held = []
+    for _ in range(2):
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = forward()
+        held.append(sum(ev.self_cpu_memory_usage for ev in prof.events()) - out.numel() * out.element_size())
+        del out
+    return min(held)
+
+
+def measure(shape: Shape, scheme: Scheme, process: bool = False) -> dict:
+    """{"total", "by_site", "held"} of one forward of the block under `scheme`."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from llm_act.ledger import SavedTensorLedger
+
+    layer = build_layer(shape)
+    bind_layer(layer, 0, scheme)
+    rope = RotaryEmbedding(kv_channels=shape.h // shape.a, rotary_percent=1.0, use_cpu_initialization=True)
+    emb = rope(shape.s)
+    x0 = torch.randn(shape.s, shape.b, shape.h, dtype=shape.dtype, requires_grad=True,
+                     generator=torch.Generator().manual_seed(1))
+
+    def forward():
+        return layer(x0 * 1, attention_mask=None, rotary_pos_emb=emb)[0]
+
+    forward().float().sum().backward()  # warm-up: global buffers exist, backward works
+    if not torch.isfinite(x0.grad).all():
+        raise RuntimeError(f"scheme {scheme.name!r}: non-finite input gradient")
+    with SavedTensorLedger() as led:
+        out = forward()
+    del out
+    result = {"total": led.total_bytes, "by_site": led.by_site(), "held": None}
+    if process:
+        result["held"] = held_after_forward(forward)
+    return result
+
+
+def run(shapes: list[Shape], process_for=("stock", "compress (Adacc)"),
+        log: Callable[[str], None] = lambda m: None) -> list[dict]:
+    """Every scheme on every shape; rows {scheme, source, note, shape, total, per_sbh, ratio,
+    held_per_sbh, by_site, predicted}."""
+    from llm_act import testing
+
+    testing.init_parallel(seed=1234)
+    rows = []
+    try:
+        for shape in shapes:
+            stock_total = None
+            for scheme in all_schemes(shape):
+                r = measure(shape, scheme, process=scheme.name in process_for)
+                if scheme.name == "stock":
+                    stock_total = r["total"]
+                rows.append({
+                    "scheme": scheme.name, "source": scheme.source, "note": scheme.note,
+                    "shape": shape, "total": r["total"], "per_sbh": r["total"] / shape.sbh,
+                    "ratio": r["total"] / stock_total,
+                    "held_per_sbh": None if r["held"] is None else r["held"] / shape.sbh,
+                    "by_site": r["by_site"], "choice": scheme.choice, "predicted": scheme.predicted,
+                })
+                log(f"  {shape.describe()}: {scheme.name:<22} {r['total'] / shape.sbh:8.3f} B/sbh")
+    finally:
+        testing.destroy_parallel()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """One markdown table: schemes down, the dropout settings across."""
+    drops = sorted({r["shape"].dropout for r in rows})
+    names = list(dict.fromkeys(r["scheme"] for r in rows))
+    by = {(r["scheme"], r["shape"].dropout): r for r in rows}
+    head = "| scheme | from | " + " | ".join(
+        f"dropout {d}: B/sbh | ratio | process B/sbh" for d in drops) + " |"
+    lines = [head, "|---|---|" + "---:|---:|---:|" * len(drops)]
+    for n in names:
+        cells = []
+        for d in drops:
+            r = by.get((n, d))
+            if r is None:
+                cells += ["", "", ""]
+                continue
+            held = "" if r["held_per_sbh"] is None else f"{r['held_per_sbh']:.3f}"
+            cells += [f"{r['per_sbh']:.3f}", f"{r['ratio']:.3f}", held]
+        src = next(r["source"] for r in rows if r["scheme"] == n)
+        lines.append(f"| {n} | {src} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plans_table(rows: list[dict]) -> str:
+    """The choice each scheme makes per site (first shape with dropout, else the first)."""
+    drop = max(r["shape"].dropout for r in rows)
+    picked = [r for r in rows if r["shape"].dropout == drop]
+    lines = ["| scheme | " + " | ".join(SITES) + " |", "|---|" + "---|" * len(SITES)]
+    for r in picked:
+        c = r["choice"]
+        lines.append(f"| {r['scheme']} | " + " | ".join(
+            ("full" if r["scheme"] == "megatron full" and c.get(s) == RECOMPUTE else c.get(s, KEEP))
+            for s in SITES) + " |")
+    return "\n".join(lines)

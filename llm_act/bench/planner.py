@@ -1,0 +1,115 @@
+"""Planner: MILP solve time against model depth, and predicted against measured bytes.
+
+Solve time: `solve_plan` on the analytic profile of a preset GPT (gpt-1.3b shape, one
+micro-batch) for 24/48/96/128 layers, at a budget of 20% of the stock activations and the
+noise budget of the "compress" plan (what `llm-act plan` solves). Identical layers form one
+block with `count` = depth, as measured profiles group them, so the variable count does not
+grow with depth; the table gives the variables and the wall time of the solve.
+
+Predicted against measured: for several plans of the bench's GPT block, the per-block bytes
+the analytic profile predicts (`evaluate_plan`, stored bytes without the transient peak)
+beside the bytes the ledger counts at that block's sites (outside-block tensors -- RoPE
+tables, the causal mask -- excluded from both).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional
+
+from llm_act.bench import memory as M
+
+DEPTHS = (24, 48, 96, 128)
+MODEL = "gpt-1.3b"
+BUDGET_FRACTION = 0.2
+#: the plans compared (scheme names of llm_act.bench.memory)
+COMPARED = ("stock", "megatron selective", "megatron full", "ActNN int2", "GACT 4-bit avg",
+            "compress (Adacc)", "planner loose", "planner middle", "planner tight")
+
+
+def solve_times(depths=DEPTHS, model: str = MODEL) -> list[dict]:
+    """[{layers, variables, seconds, activation_fraction, overhead_ms}] per depth."""
+    from llm_act.plan_cli import _reference_variance
+    from llm_act.planner import solve_plan
+    from llm_act.planner.analytic import block_profile, model_shape
+
+    base = M.restricted_block(block_profile(model_shape(model, micro_batch_size=1)))
+    per_block = sum(s.nbytes for s in base.sites)
+    rows = []
+    for n in depths:
+        blocks = [dataclasses.replace(base, count=n)]
+        noise = _reference_variance(blocks)
+        t0 = time.perf_counter()
+        plan = solve_plan(blocks, int(BUDGET_FRACTION * n * per_block), variance_budget=noise)
+        wall = time.perf_counter() - t0
+        rows.append({"layers": n, "variables": plan.num_variables, "seconds": wall,
+                     "activation_fraction": plan.activation_bytes / (n * per_block),
+                     "overhead_ms": plan.overhead_ms})
+    return rows
+
+
+def _analytic_block(shape: M.Shape, scheme: M.Scheme):
+    from llm_act.planner.analytic import block_profile
+
+    attention = scheme.attention if scheme.convert_attention else "stock"
+    return block_profile(M.analytic_shape(shape, attention))
+
+
+def predicted_block_bytes(shape: M.Shape, scheme: M.Scheme) -> int:
+    """Stored bytes of one block under `scheme` by the analytic profile (no peak)."""
+    from llm_act.planner import evaluate_plan
+
+    block = _analytic_block(shape, scheme)
+    names = {s.name for s in block.sites}
+    choice = {s: c for s, c in scheme.choice.items() if s in names}
+    plan = evaluate_plan([block], [choice])
+    return plan.activation_bytes - plan.peak_bytes
+
+
+def compare(shape: M.Shape, rows: Optional[list[dict]] = None,
+            names=COMPARED, log: Callable[[str], None] = lambda m: None) -> list[dict]:
+    """[{scheme, predicted, measured, error}] per block for `names`; `rows`: memory-bench rows
+    of this shape to reuse (measured here otherwise)."""
+    schemes = {s.name: s for s in M.all_schemes(shape)}
+    measured: dict[str, int] = {}
+    for r in rows or []:
+        if r["shape"] == shape:
+            measured[r["scheme"]] = sum(n for (layer, _), n in r["by_site"].items() if layer == 0)
+    missing = [n for n in names if n not in measured]
+    if missing:
+        from llm_act import testing
+
+        testing.init_parallel(seed=1234)
+        try:
+            for n in missing:
+                res = M.measure(shape, schemes[n])
+                measured[n] = sum(b for (layer, _), b in res["by_site"].items() if layer == 0)
+                log(f"  measured {n}")
+        finally:
+            testing.destroy_parallel()
+    out = []
+    for n in names:
+        pred = predicted_block_bytes(shape, schemes[n])
+        out.append({"scheme": n, "predicted": pred, "measured": measured[n],
+                    "error": pred / measured[n] - 1 if measured[n] else float("nan"),
+                    "sbh": shape.sbh})
+    return out
+
+
+def solve_table(rows: list[dict]) -> str:
+    lines = [f"| layers | MILP variables | solve s | activations / stock | added ms/iter (model) |",
+             "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['layers']} | {r['variables']} | {r['seconds']:.3f} | "
+                     f"{r['activation_fraction']:.3f} | {r['overhead_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def compare_table(rows: list[dict]) -> str:
+    lines = ["| plan | predicted B/sbh | measured B/sbh (ledger) | predicted / measured - 1 |",
+             "|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['scheme']} | {r['predicted'] / r['sbh']:.3f} | "
+                     f"{r['measured'] / r['sbh']:.3f} | {r['error']:+.1%} |")
+    return "\n".join(lines)
+

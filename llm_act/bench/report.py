@@ -1,0 +1,272 @@
+"""docs/benchmarks.md: every section with the machine, the versions and the command that
+made it, tables from the suites and plots beside them (matplotlib, Agg)."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from typing import Optional
+
+import torch
+
+from llm_act.bench.timing import machine_line
+
+GPU_PENDING = ("pending: no GPU in this run. A session with an H100/H200 runs "
+               "`llm-act bench gpu` in one device call; that machine lacks megatron-core, "
+               "deepspeed and pulp, so carry their wheels (e.g. `pip download "
+               "megatron-core==0.16.1 pulp==3.3.2 --no-deps -d wheels/` here, carry `wheels/`, "
+               "then `pip install --no-deps wheels/*.whl && pip install -e . --no-deps && "
+               "llm-act bench gpu`).")
+
+
+def versions() -> str:
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    for mod in ("megatron.core", "pulp", "triton", "deepspeed"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            parts.append(f"{mod.split('.')[0] if mod != 'megatron.core' else 'megatron-core'} "
+                         f"{getattr(m, '__version__', '?')}")
+        except Exception:
+            parts.append(f"{mod}: absent")
+    return ", ".join(parts)
+
+
+def provenance(command: str, wall_s: Optional[float] = None, device: Optional[torch.device] = None) -> str:
+    dev = device or torch.device("cpu")
+    took = "" if wall_s is None else f"; took {wall_s:.0f} s"
+    return (f"*Machine: {machine_line(dev)}. Versions: {versions()}. Command: `{command}`"
+            f"{took}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.*")
+
+
+def memory_plot(rows: list[dict], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    drops = sorted({r["shape"].dropout for r in rows})
+    names = list(dict.fromkeys(r["scheme"] for r in rows))
+    by = {(r["scheme"], r["shape"].dropout): r["per_sbh"] for r in rows}
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    w = 0.8 / len(drops)
+    for k, d in enumerate(drops):
+        ax.bar([i + k * w for i in range(len(names))], [by.get((n, d), 0) for n in names], w,
+               label=f"dropout {d}")
+    ax.set_xticks([i + w * (len(drops) - 1) / 2 for i in range(len(names))])
+    ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("bytes per s*b*h (ledger)")
+    ax.set_title(f"saved activations of one GPT block: {rows[0]['shape'].describe()}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def memory_section(rows: list[dict], command: str, wall_s: float, plot: Optional[str]) -> str:
+    from llm_act.bench import memory as M
+
+    shape = rows[0]["shape"]
+    lines = [
+        "## 1. Memory per layer (ledger)", "",
+        provenance(command, wall_s), "",
+        f"One megatron-core TransformerLayer ({shape.describe().rsplit(' dropout', 1)[0]}, local "
+        "spec, RoPE, bias on), the same weights and input for every scheme. Bytes held for "
+        "backward at the end of forward by the `SavedTensorLedger`, per s*b*h (RoPE tables "
+        "and the causal mask included, as in the ledger test), and the ratio to stock. "
+        "\"process\": bytes the process holds after forward (profiler), the independent check.",
+        "", M.table(rows), "",
+        "Choices per site (dropout 0.1):", "", M.plans_table(rows), "",
+        "Notes: " + "; ".join(f"**{r['scheme']}**: {r['note']}" for r in rows
+                              if r["shape"].dropout == shape.dropout),
+    ]
+    if plot:
+        lines += ["", f"![memory per scheme]({os.path.basename(plot)})"]
+    return "\n".join(lines)
+
+
+def convergence_section(result: dict, command: str, plot: Optional[str]) -> str:
+    from llm_act.bench import convergence as C
+
+    s = C.summary(result)
+    default = s["rel"].get(C.DEFAULT_PLAN)
+    lines = [
+        f"## 2. Convergence ({result['steps']} steps{', quick' if result.get('quick') else ''})", "",
+        provenance(command, result.get("wall_s")), "",
+        f"{result['model']}. {result['describe']}. Validation loss (nats/byte) on the same "
+        f"4 held-out batches; unigram entropy of the corpus: **{result['entropy']:.4f}** nats/byte. "
+        f"Stock ends at {s['stock_final']:.4f} "
+        f"({'below' if s['stock_final'] < result['entropy'] else 'NOT below'} the unigram entropy), "
+        f"seed-to-seed spread of stock {s['stock_spread']:.2%} "
+        f"({', '.join(f'{x:.4f}' for x in s['stock_finals'])}).", "",
+        C.table(result), "",
+    ]
+    if default is not None:
+        ok = abs(default) <= 0.005
+        lines.append(f"Default plan ({C.DEFAULT_PLAN}, what plan \"auto\" starts from) ends "
+                     f"{default:+.2%} from stock: {'within' if ok else 'outside'} the 0.5% target.")
+    if plot:
+        lines += ["", f"![validation loss]({os.path.basename(plot)})"]
+    return "\n".join(lines)
+
+
+def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: str, wall_s: float,
+                    shape_desc: str) -> str:
+    from llm_act.bench import planner as P
+
+    return "\n".join([
+        "## 3. Planner", "",
+        provenance(command, wall_s), "",
+        f"Solve time of `solve_plan` on the analytic profile of {P.MODEL} (micro-batch 1), "
+        f"budget {P.BUDGET_FRACTION:.0%} of stock activations, noise budget of the compress "
+        "plan. Identical layers share one block (count = depth), as measured profiles group "
+        "them.", "",
+        P.solve_table(solve_rows), "",
+        f"Predicted (analytic profile, `evaluate_plan`, no transient peak) against measured "
+        f"(ledger, the block's own sites) bytes per block, {shape_desc}:", "",
+        P.compare_table(compare_rows), "",
+        "The analytic profile is an idealised layout: it counts a norm's input without its "
+        "fp32 statistics, V as its own tensor (megatron's V is a view that keeps the whole "
+        "QKV buffer alive), the stock softmax once in the model dtype (megatron keeps an fp32 "
+        "softmax and a bf16 copy) and dropout masks at 1 byte (megatron on CPU keeps them in "
+        "the model dtype); the measured profile (`llm_act.planner.measure`) replaces it "
+        "during training.",
+    ])
+
+
+def gpu_section(result: Optional[dict], command: str, kernels_text: Optional[str] = None,
+                wall_s: Optional[float] = None) -> str:
+    from llm_act.bench import gpu as G
+
+    lines = ["## 4. GPU", ""]
+    if result is None:
+        return "\n".join(lines + [GPU_PENDING])
+    sh = result["shape"]
+    lines += [provenance(command, wall_s, torch.device("cuda")), "",
+              f"GPT {sh.layers} layers, hidden {sh.hidden}, {sh.heads} heads, seq {sh.seq}, bf16 "
+              f"(~{sh.params() / 1e6:.0f}M parameters); budget for ours "
+              f"{(result['budget'] or 0) / 2**30:.1f} GiB of activations.", "",
+              G.table(result), "", G.headline(result)]
+    if kernels_text:
+        lines += ["", "Codec bandwidth against copy bandwidth:", "", kernels_text]
+    return "\n".join(lines)
+
+
+def write(path: str, sections: list[str]) -> str:
+    head = ("# llm_act benchmarks\n\nGenerated by `llm-act bench all` (sections say which "
+            "command made them). Bytes come from the ledger, cross-checked by process memory; "
+            "times are ratios measured side by side in one run.\n")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(head + "\n" + "\n\n".join(sections) + "\n")
+    return path
+
+
+# ---- the suites behind `llm-act bench memory|convergence|planner|gpu|all` ----------------
+
+
+def run_memory(quick: bool, output_dir: str, command: str, log=print) -> tuple[list[dict], str]:
+    import time
+
+    from llm_act.bench import memory as M
+
+    t0 = time.perf_counter()
+    base = M.Shape(s=128, b=2, h=256, a=8) if quick else M.Shape()
+    shapes = [base] if quick else [base, M.Shape(dropout=0.1)]
+    if quick:
+        shapes.append(M.Shape(s=128, b=2, h=256, a=8, dropout=0.1))
+    rows = M.run(shapes, log=log)
+    plot = memory_plot(rows, os.path.join(output_dir, "memory_per_layer.png"))
+    text = memory_section(rows, command, time.perf_counter() - t0, plot)
+    log(text)
+    return rows, text
+
+
+def run_convergence(quick: bool, output_dir: str, command: str, log=print,
+                    result: Optional[dict] = None) -> tuple[dict, str]:
+    import time
+
+    from llm_act.bench import convergence as C
+
+    if result is None:
+        t0 = time.perf_counter()
+        result = C.run(steps=30, quick=True, seeds=(1234, 1235)) if quick else C.run(log=log)
+        result["wall_s"] = time.perf_counter() - t0
+        result["quick"] = quick
+    plot = C.plot(result, os.path.join(output_dir, "convergence.png"))
+    text = convergence_section(result, command, plot)
+    log(text)
+    return result, text
+
+
+def run_planner(quick: bool, command: str, memory_rows: Optional[list[dict]] = None,
+                log=print) -> tuple[dict, str]:
+    import time
+
+    from llm_act.bench import memory as M, planner as P
+
+    t0 = time.perf_counter()
+    solve = P.solve_times(P.DEPTHS[:2] if quick else P.DEPTHS)
+    shape = (M.Shape(s=128, b=2, h=256, a=8, dropout=0.1) if quick else M.Shape(dropout=0.1))
+    names = ("stock", "megatron full", "compress (Adacc)", "planner middle") if quick else P.COMPARED
+    comp = P.compare(shape, memory_rows, names=names, log=log)
+    text = planner_section(solve, comp, command, time.perf_counter() - t0, shape.describe())
+    log(text)
+    return {"solve": solve, "compare": comp, "shape": shape}, text
+
+
+def run_gpu(command: str, log=print) -> tuple[Optional[dict], str]:
+    import time
+
+    if not torch.cuda.is_available():
+        text = gpu_section(None, command)
+        log(text)
+        return None, text
+    from llm_act.bench import gpu as G, kernels
+
+    t0 = time.perf_counter()
+    result = G.run(log=log)
+    header, krows = kernels.run(size_mib=256.0, device="cuda")
+    text = gpu_section(result, command, header + "\n\n" + kernels.table(header, krows).split("\n", 2)[2],
+                       time.perf_counter() - t0)
+    log(text)
+    return result, text
+
+
+def main(args, argv=None) -> int:
+    """`llm-act bench <suite>` (not kernels): print the tables, write plots (and, for
+    `all`, benchmarks.md) under --output-dir."""
+    import json
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|CUDA_DEVICE_MAX).*")
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = "llm-act " + " ".join(words)
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    conv = None
+    if getattr(args, "convergence_json", None):
+        with open(args.convergence_json) as f:
+            conv = json.load(f)
+    if args.suite == "memory":
+        run_memory(args.quick, args.output_dir, command, say)
+    elif args.suite == "convergence":
+        result, _ = run_convergence(args.quick, args.output_dir, command, say, conv)
+        if args.save_json:
+            with open(args.save_json, "w") as f:
+                json.dump(result, f)
+    elif args.suite == "planner":
+        run_planner(args.quick, command, None, say)
+    elif args.suite == "gpu":
+        run_gpu(command, say)
+    elif args.suite == "all":
+        rows, mem = run_memory(args.quick, args.output_dir, command, say)
+        _, con = run_convergence(args.quick, args.output_dir, command, say, conv)
+        _, pla = run_planner(args.quick, command, rows, say)
+        _, gpu = run_gpu(command, say)
+        path = write(os.path.join(args.output_dir, "benchmarks.md"), [mem, con, pla, gpu])
+        say(f"wrote {path}")
+    else:
+        raise ValueError(f"suite: unknown benchmark suite {args.suite!r}")
+    return 0

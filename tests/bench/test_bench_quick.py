@@ -1,0 +1,126 @@
+"""`llm-act bench memory|planner|convergence --quick` run in-process, and their numbers agree
+with the ledger tests: stock bytes per s*b*h are the ledger test's analysis, the compress
+plan's sites hold exactly their codecs' `nbytes`, the process holds what the ledger counts,
+and the quick convergence run gives finite, decreasing losses."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("pulp")
+
+from llm_act.bench import convergence as C  # noqa: E402
+from llm_act.bench import memory as M  # noqa: E402
+from llm_act.bench import planner as P  # noqa: E402
+from llm_act.bench import report as R  # noqa: E402
+from llm_act.codecs import make_codec  # noqa: E402
+from tests.ledger.test_ledger import expected_per_sbh  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+
+
+@pytest.fixture(scope="module")
+def memory_rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("docs")
+    rows, text = R.run_memory(True, str(out), "llm-act bench memory --quick", log=lambda m: None)
+    assert (out / "memory_per_layer.png").stat().st_size > 0
+    assert "| stock |" in text and "Command: `llm-act bench memory --quick`" in text
+    return rows
+
+
+def _row(rows, name, dropout):
+    return next(r for r in rows if r["scheme"] == name and r["shape"].dropout == dropout)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_stock_bytes_are_the_ledger_tests_figure(memory_rows, dropout):
+    r = _row(memory_rows, "stock", dropout)
+    sh = r["shape"]
+    want = sum(expected_per_sbh(sh.dtype, dropout, sh.s, sh.b, sh.h, sh.a).values())
+    assert r["per_sbh"] == pytest.approx(want, rel=1e-9)
+    assert r["ratio"] == 1.0
+    assert r["held_per_sbh"] == pytest.approx(r["per_sbh"], rel=0.01)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_compress_sites_hold_their_codecs_nbytes(memory_rows, dropout):
+    r = _row(memory_rows, "compress (Adacc)", dropout)
+    sh = r["shape"]
+    sites = r["by_site"]
+    qkv = make_codec("int4_channel").nbytes_for((sh.s, sh.b, sh.a, sh.h // sh.a), sh.dtype)
+    assert sites[(0, "attn.q")] == sites[(0, "attn.k")] == sites[(0, "attn.v")] == qkv
+    act = make_codec("fewbit3", activation="gelu").nbytes_for((sh.s, sh.b, 4 * sh.h), sh.dtype)
+    assert sites[(0, "mlp.act_input")] == act
+    assert (0, "attn.softmax") not in sites
+    assert r["held_per_sbh"] == pytest.approx(r["per_sbh"], rel=0.01)
+    assert r["ratio"] < 0.2
+    # ActNN: every linear input at int2 (4 * h wide for fc2), nothing else beside it
+    a = _row(memory_rows, "ActNN int2", dropout)["by_site"]
+    assert a[(0, "mlp.fc2_input")] == make_codec("int2").nbytes_for((sh.s, sh.b, 4 * sh.h), sh.dtype)
+    # recompute: full keeps only the block input (2 bytes per element in bf16)
+    full = _row(memory_rows, "megatron full", dropout)["by_site"]
+    assert sum(n for (layer, _), n in full.items() if layer == 0) == 2 * sh.sbh
+
+
+def test_schemes_order_and_planner_budgets(memory_rows):
+    for d in (0.0, 0.1):
+        ratio = {r["scheme"]: r["ratio"] for r in memory_rows if r["shape"].dropout == d}
+        assert ratio["megatron full"] < ratio["megatron selective"] < 1.0
+        assert ratio["Few-bit GELU 3-bit"] < 1.0
+        assert ratio["planner tight"] <= ratio["planner loose"] < 1.0
+    table = M.table(memory_rows)
+    assert table.count("\n") == 1 + len({r["scheme"] for r in memory_rows})
+
+
+def test_planner_quick(memory_rows):
+    res, text = R.run_planner(True, "llm-act bench planner --quick", memory_rows, log=lambda m: None)
+    solve = res["solve"]
+    assert [r["layers"] for r in solve] == list(P.DEPTHS[:2])
+    assert solve[0]["variables"] == solve[1]["variables"] > 0  # identical layers share variables
+    assert all(0 < r["seconds"] < 60 and r["activation_fraction"] <= P.BUDGET_FRACTION + 1e-9 for r in solve)
+    comp = {r["scheme"]: r for r in res["compare"]}
+    mem = _row(memory_rows, "compress (Adacc)", 0.1)
+    assert comp["compress (Adacc)"]["measured"] == sum(
+        n for (layer, _), n in mem["by_site"].items() if layer == 0)
+    # the block input of full recompute is exact in both
+    assert comp["megatron full"]["predicted"] == comp["megatron full"]["measured"]
+    assert "| planner middle |" in text
+
+
+def test_convergence_quick(tmp_path):
+    result, text = R.run_convergence(True, str(tmp_path), "llm-act bench convergence --quick",
+                                     log=lambda m: None)
+    runs = result["runs"]
+    assert set(C.SCHEMES) <= set(runs) and sum(k.startswith("stock") for k in runs) == 2
+    for name, r in runs.items():
+        assert C.finite_decreasing(r), name
+        assert len(r["valid"]) == len(r["steps"]) and r["steps"][-1] == 30
+    assert 0 < result["entropy"] < math.log(256)
+    assert (tmp_path / "convergence.png").stat().st_size > 0
+    assert "unigram entropy" in text
+
+
+def test_gpu_section_without_cuda_says_pending():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the section is measured, not pending")
+    _, text = R.run_gpu("llm-act bench gpu", log=lambda m: None)
+    assert "pending: no GPU in this run" in text
+
+
+def test_gpu_bench_code_runs_on_cpu():
+    """The GPU suite's CPU-side pieces: plan choice per micro-batch and the table, on a tiny
+    GPT on CPU (numbers meaningless; peak memory absent)."""
+    from llm_act.bench import gpu as G
+
+    shape = G.GpuShape(layers=2, hidden=64, heads=4, seq=32, vocab=128)
+    assert G.ours_choice(shape, 1, 1) is None  # one byte fits nothing
+    res = G.run(shape, device="cpu", sizes=(1, 2), repeat=1)
+    fits = [r for r in res["rows"] if r["fits"]]
+    assert {r["scheme"] for r in fits} == set(G.SCHEMES)
+    assert all(r["tokens_per_s"] > 0 for r in fits)
+    assert G.largest(res["rows"], "ours") == 2
+    assert "| megatron full |" in G.table(res)

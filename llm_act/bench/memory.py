@@ -236,13 +236,14 @@ def build_layer(shape: Shape, seed: int = 0):
     return testing.transformer_layer(cfg, layer_number=1)
 
 
-def held_after_forward(forward: Callable[[], torch.Tensor]) -> int:
-    """Bytes a forward leaves allocated (profiler), its output excluded; the smaller of two
-    runs (a first run may fill one-off caches, which are not activations)."""
+def held_after_forward(forward: Callable[[], torch.Tensor], runs: int = 3) -> int:
+    """Bytes a forward leaves allocated (profiler: allocations minus frees), its output
+    excluded: the independent check of the ledger. The smallest of `runs` runs (an earlier
+    run may fill one-off caches, thread pools or scratch buffers, which are not activations)."""
     from torch.profiler import ProfilerActivity, profile
 
     held = []
-    for _ in range(2):
+    for _ in range(runs):
         gc.collect()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = forward()

@@ -25,6 +25,7 @@ import torch
 from llm_act import testing
 from llm_act.codecs import make_codec
 from llm_act.ledger import SavedTensorLedger
+from llm_act.bench.memory import held_after_forward
 from llm_act.sites import DEFAULT_CODECS
 from tests.patches.megatron.layer_pairs import GaussianChannel, rel_errors
 
@@ -94,22 +95,6 @@ def rope(s, h, a):
     return RotaryEmbedding(kv_channels=h // a, rotary_percent=1.0, use_cpu_initialization=True)(s)
 
 
-def held_after_forward(forward) -> int:
-    """Bytes a forward leaves allocated (profiler: allocations minus frees), its output
-    excluded. The smallest of three runs: an earlier run may fill one-off caches (thread
-    pools, scratch buffers), which are not activations."""
-    import gc
-
-    from torch.profiler import ProfilerActivity, profile
-
-    held = []
-    for _ in range(3):
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = forward()
-        held.append(sum(ev.self_cpu_memory_usage for ev in prof.events()) - out.numel() * out.element_size())
-        del out
-    return min(held)
 
 
 # ---- exactness -------------------------------------------------------------------------------

@@ -14,9 +14,8 @@ one form the Controller applies to the modules, whatever the user wrote:
 - a JSON plan path (or its dict) read by `llm_act.planner.load_plan_json`;
 - then `ActConfig.codecs` (site -> choice) overrides on top, for every layer.
 
-Sites that no compressed layer implements stay "keep" under "compress"/"auto"; a plan or
-override that asks for a codec there raises NotImplementedError naming the site.
-`IMPLEMENTED_SITES` is the single place that grows as layers arrive. Which combinations of
+Every site of a GPT block has a compressed layer that stores it (`IMPLEMENTED_SITES`).
+Choices are validated by `llm_act.codecs.registry.check_choices`; which combinations of
 "recompute" a layer can run is checked by `LayerRecompute.bind` when the plan is applied
 (before anything changes).
 """
@@ -25,16 +24,15 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
-from llm_act.codecs.registry import KEEP, MASK_CODECS, RECOMPUTE, check_choice
+from llm_act.codecs.registry import KEEP, MASK_CODECS, RECOMPUTE, check_choices
 from llm_act.config import ActConfig
 from llm_act.sites import DEFAULT_CODECS, SITES
 
 #: the block's checkpoint: kept or encoded, never recomputed
 CHECKPOINT_SITE = "ln1.input"
 
-#: Sites the compressed megatron-core layers store: every site of a GPT block (the
-#: attention internals through `ActCoreAttention`). New site names start outside this set
-#: until a layer stores them.
+#: Sites the compressed megatron-core layers store and the planner chooses for: every site
+#: of a GPT block (the attention internals through `ActCoreAttention`).
 IMPLEMENTED_SITES: frozenset[str] = frozenset(SITES)
 
 LayerPlan = dict[str, str]
@@ -135,23 +133,9 @@ def with_overrides(plan: Plan, codecs: Mapping[str, str]) -> Plan:
 
 def _full(choice: Mapping[str, str], where: str, fill: bool = True) -> LayerPlan:
     """Validate a {site: choice} mapping; with `fill`, missing sites become "keep"."""
-    if not isinstance(choice, Mapping):
-        raise ValueError(f"{where}: expected a mapping site -> choice, got {choice!r}")
+    check_choices(choice, where)
     out = keep_layer() if fill else {}
-    for site, name in choice.items():
-        if not isinstance(name, str):
-            raise ValueError(f"{where}[{site!r}]: expected a choice name, got {name!r}")
-        try:
-            check_choice(site, name)
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
-        if name not in (KEEP, RECOMPUTE) and site not in IMPLEMENTED_SITES:
-            raise NotImplementedError(
-                f"{where}: site {site!r} cannot be compressed: no compressed layer stores it "
-                f"-- choose 'keep' or 'recompute' there. "
-                f"Compressible now: {', '.join(s for s in SITES if s in IMPLEMENTED_SITES)}"
-            )
-        out[site] = name
+    out.update(choice)
     return out
 
 

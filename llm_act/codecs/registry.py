@@ -1,7 +1,7 @@
 """Codec names used by plans, flags and JSON, and the factory behind them."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from llm_act.codecs.base import Codec
 from llm_act.sites import MASK_SITES, check_site
@@ -125,3 +125,17 @@ def check_choice(site: str, name: str) -> str:
             "'ln1.input' is the block's checkpoint: keep or compress it, it cannot be recomputed"
         )
     return name
+
+
+def check_choices(choice: Mapping[str, str], where: str) -> None:
+    """Validate a {site: choice name} mapping (one block of a plan, or per-site overrides);
+    errors name `where` and the bad entry."""
+    if not isinstance(choice, Mapping):
+        raise ValueError(f"{where}: expected a mapping site -> choice name, got {choice!r}")
+    for site, name in choice.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{where}[{site!r}]: expected a choice name, got {name!r}")
+        try:
+            check_choice(site, name)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None

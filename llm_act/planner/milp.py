@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from llm_act._imports import require
-from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE, check_choice
+from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE, check_choices
 from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
 
 OBJECTIVES = ("time", "variance")
@@ -465,15 +465,7 @@ def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> li
             raise ValueError(
                 f"{where} layers: expected [first, last] with 0 <= first <= last < {num_layers}, got {span!r}"
             )
-        if not isinstance(choice, dict):
-            raise ValueError(f"{where} choice: expected an object site -> name, got {choice!r}")
-        for site, name in choice.items():
-            if not isinstance(name, str):
-                raise ValueError(f"{where} choice[{site!r}]: expected a name, got {name!r}")
-            try:
-                check_choice(site, name)
-            except ValueError as err:
-                raise ValueError(f"{where} choice: {err}") from None
+        check_choices(choice, f"{where} choice")
         for layer in range(span[0], span[1] + 1):
             if owner[layer] is not None:
                 raise ValueError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 
@@ -70,8 +70,10 @@ def train_one(scheme: M.Scheme, steps: int, eval_every: int, seed: int, quick: b
 
 
 def run(steps: int = 300, quick: bool = False, seeds=(1234, 1235, 1236), schemes=SCHEMES,
-        log: Callable[[str], None] = lambda m: None) -> dict:
-    """Stock per seed and every scheme (first seed); returns curves and the corpus entropy."""
+        paired=(DEFAULT_PLAN,), log: Callable[[str], None] = lambda m: None) -> dict:
+    """Stock per seed, every scheme at the first seed and the `paired` schemes at every seed
+    (same initial weights and batches as stock at that seed, so the per-seed differences
+    are paired); returns curves and the corpus entropy."""
     from llm_act.train import parallel
     from llm_act.train.data import embedded_corpus
     from llm_act.train.loop import quiet_megatron_warnings
@@ -91,6 +93,11 @@ def run(steps: int = 300, quick: bool = False, seeds=(1234, 1235, 1236), schemes
         for name in schemes:
             runs[name] = train_one(by_name[name], steps, eval_every, seeds[0], quick, data)
             log(f"  {name}: valid {runs[name]['valid'][-1]:.4f}")
+        for name in (n for n in paired if n in schemes):
+            for seed in seeds[1:]:
+                key = f"{name} seed {seed}"
+                runs[key] = train_one(by_name[name], steps, eval_every, seed, quick, data)
+                log(f"  {key}: valid {runs[key]['valid'][-1]:.4f}")
     finally:
         parallel.teardown()
     return {"runs": runs, "entropy": unigram_entropy(data.train), "steps": steps,
@@ -99,14 +106,34 @@ def run(steps: int = 300, quick: bool = False, seeds=(1234, 1235, 1236), schemes
                      f"{args0.micro_batch_size}, bf16, dropout 0.1, RoPE, AdamW lr 2e-3 cosine"}
 
 
+def _seeded(name: str, seeds) -> tuple[str, int]:
+    """("compress (Adacc)", 1235) from "compress (Adacc) seed 1235"; a bare scheme name is
+    the first seed's run."""
+    for seed in seeds:
+        if name.endswith(f" seed {seed}"):
+            return name[: -len(f" seed {seed}")], seed
+    return name, seeds[0]
+
+
 def summary(result: dict) -> dict:
-    runs = result["runs"]
-    stock = [v for k, v in runs.items() if k.startswith("stock")]
-    finals = [r["valid"][-1] for r in stock]
+    """Final losses against stock: `rel` against stock at the first seed for every run,
+    `paired[scheme]` the per-seed differences (scheme at seed s against stock at seed s)
+    for schemes trained at several seeds, and their mean."""
+    runs, seeds = result["runs"], tuple(result["seeds"])
+    stock = {seed: runs[f"stock seed {seed}"]["valid"][-1] for seed in seeds if f"stock seed {seed}" in runs}
+    finals = list(stock.values())
     ref = finals[0]
     spread = (max(finals) - min(finals)) / ref if len(finals) > 1 else float("nan")
-    return {"stock_final": ref, "stock_spread": spread, "stock_finals": finals,
-            "rel": {k: v["valid"][-1] / ref - 1 for k, v in runs.items() if not k.startswith("stock")}}
+    rel, per_seed = {}, {}
+    for k, v in runs.items():
+        if k.startswith("stock"):
+            continue
+        name, seed = _seeded(k, seeds)
+        rel[k] = v["valid"][-1] / ref - 1
+        if seed in stock:
+            per_seed.setdefault(name, {})[seed] = v["valid"][-1] / stock[seed] - 1
+    paired = {n: {"per_seed": d, "mean": sum(d.values()) / len(d)} for n, d in per_seed.items() if len(d) > 1}
+    return {"stock_final": ref, "stock_spread": spread, "stock_finals": finals, "rel": rel, "paired": paired}
 
 
 def table(result: dict) -> str:
@@ -122,6 +149,9 @@ def table(result: dict) -> str:
         rel = "" if name.startswith("stock") else f"{s['rel'][name]:+.2%}"
         if name.startswith("stock") and name != f"stock seed {result['seeds'][0]}":
             rel = f"{r['valid'][-1] / s['stock_final'] - 1:+.2%}"
+        base, seed = _seeded(name, tuple(result["seeds"]))
+        if not name.startswith("stock") and seed != result["seeds"][0]:
+            rel += f" ({s['paired'][base]['per_seed'][seed]:+.2%} vs stock seed {seed})"
         lines.append(f"| {name} | " + " | ".join(f"{r['valid'][c]:.4f}" for c in cols) + f" | {rel} |")
     return "\n".join(lines)
 
@@ -135,6 +165,8 @@ def plot(result: dict, path: str) -> str:
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, r in result["runs"].items():
         style = dict(color="black", alpha=0.5, linewidth=1) if name.startswith("stock") else {}
+        if not name.startswith("stock") and _seeded(name, tuple(result["seeds"]))[1] != result["seeds"][0]:
+            style = dict(linestyle="--", linewidth=0.8, alpha=0.6)
         ax.plot(r["steps"], r["valid"], label=name, **style)
     ax.axhline(result["entropy"], color="gray", linestyle=":", label="unigram entropy")
     ax.set_xlabel("step")

@@ -24,11 +24,19 @@ decode yields f'(x), not x), hence the row
 
 Memory rows are written in MiB (a power-of-two scale, so byte counts stay exact in
 floating point) and every plan the solver returns is re-checked in integer bytes.
+
+Equal blocks share variables, so a uniform model is one small MILP whatever its depth.
+Blocks that differ (per-layer sensitivities, pipeline stages) make a multiple-choice
+knapsack whose LP bound is a few percent loose: the solver finds a good plan in well under
+a second but can search for minutes to prove it optimal. `time_limit` caps the search;
+the best plan found by then is used (verified like any other) and `Plan.optimal` says
+that optimality was not proven.
 """
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import time
@@ -40,11 +48,15 @@ from llm_act._imports import require
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE, check_choices
 from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
 
+log = logging.getLogger(__name__)
+
 OBJECTIVES = ("time", "variance")
 _MIB = float(2**20)
 _GIB = float(2**30)
 _TIE = 1e-6  # the tie-break term never weighs more than this fraction of a primary step
 _VAR_RTOL = 1e-6  # relative tolerance of the variance budget
+#: seconds `solve_plan` lets the solver search before it takes the best plan found so far
+TIME_LIMIT_S = 10.0
 
 
 class InfeasibleBudget(ValueError):
@@ -94,6 +106,8 @@ class Plan:
     """the transient: the largest block's decoded and recomputed tensors."""
     num_variables: int = 0
     objective: str = "time"
+    optimal: bool = True
+    """False when the solver stopped at `time_limit` with a feasible plan not proven optimal."""
 
     def to_dict(self, first_layer: int = 0) -> dict[str, Any]:
         """The JSON plan; block i covers the next `blocks[i].count` layers from
@@ -182,22 +196,23 @@ def _solver_name() -> str:
     return "PULP_CBC_CMD"
 
 
-def _solve(prob) -> bool:
-    """Solve in place; True when an optimal solution was found, False when infeasible."""
+def _solve(prob, deadline: float) -> str:
+    """Solve in place until `deadline` (perf_counter seconds): "optimal"; "feasible" (the
+    time limit stopped the proof); "infeasible"; "timeout" (no plan found in time)."""
     pulp = require("pulp", "the activation planner")
     name = _solver_name()
+    seconds = max(1.0, deadline - time.perf_counter())  # the solvers take whole seconds or more
     with warnings.catch_warnings():
         # pulp 3.x announces the bundled CBC's removal in 4.0; it is still the fallback
         warnings.simplefilter("ignore", DeprecationWarning)
-        if name == "HiGHS":
-            solver = pulp.HiGHS(msg=False)
-        else:
-            solver = getattr(pulp, name)(msg=False, gapRel=0.0)
+        solver = getattr(pulp, name)(msg=False, gapRel=0.0, timeLimit=seconds)
         status = prob.solve(solver)
     if status == pulp.LpStatusOptimal:
-        return True
+        return "feasible" if prob.sol_status == pulp.LpSolutionIntegerFeasible else "optimal"
     if status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
-        return False
+        return "infeasible"
+    if status == pulp.LpStatusNotSolved and time.perf_counter() >= deadline - 0.5:
+        return "timeout"
     raise RuntimeError(f"the MILP solver ({name}) ended with status {pulp.LpStatus[status]!r}")
 
 
@@ -320,26 +335,95 @@ def _check_blocks(blocks) -> tuple[BlockProfile, ...]:
     return blocks
 
 
-def _run(classes, objective, mem_limit, var_limit) -> tuple[Optional[list[list[int]]], int]:
-    """Solve and verify the answer in exact arithmetic (integer bytes; noise within a
-    relative 1e-6). A plan that passed a row only within the solver's tolerance is cut
-    away once by moving that row's bound in by less than one byte (resp. 1e-6)."""
+@dataclass
+class _Limit:
+    """The time `solve_plan` allows, shared by the solver calls of one solve."""
+
+    seconds: float
+    deadline: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.deadline = time.perf_counter() + self.seconds
+
+
+def _run(classes, objective, mem_limit, var_limit, limit: _Limit
+         ) -> tuple[Optional[list[list[int]]], int, str]:
+    """(picks or None, variable count, `_solve`'s status). The answer is verified in exact
+    arithmetic (integer bytes; noise within a relative 1e-6): a plan that passed a row only
+    within the solver's tolerance is cut away once by moving that row's bound in by less
+    than one byte (resp. 1e-6)."""
     model = _Model(classes, objective, mem_limit, var_limit)
     nvars = len(model.prob.variables())
     for _ in range(2):
-        if not _solve(model.prob):
-            return None, nvars
+        status = _solve(model.prob, limit.deadline)
+        if status in ("infeasible", "timeout"):
+            return None, nvars, status
         picks = model.picks()
         stored, peak, _ms, noise = _evaluate(classes, picks)
         over_mem = mem_limit is not None and stored + peak > mem_limit
         over_var = var_limit is not None and noise > var_limit * (1 + _VAR_RTOL)
         if not over_mem and not over_var:
-            return picks, nvars
+            return picks, nvars, status
         if over_mem:
             model.set_rhs(model.mem_row, (mem_limit - 0.5) / _MIB)
         if over_var and model.var_row is not None:
             model.set_rhs(model.var_row, 1.0 - _VAR_RTOL)
-    return None, nvars
+    return None, nvars, "infeasible"
+
+
+def _merged(classes: list[_Class]) -> tuple[list[_Class], list[int]]:
+    """Classes that differ only in noise (per-layer sensitivities) merged into one with the
+    count-weighted mean noise, and the merged index of every class. A plan of the merged
+    problem, given to all its members, has exactly the same bytes, time and summed noise in
+    the original one: a feasible answer found in a fraction of the time."""
+    index: dict[tuple, int] = {}
+    merged: list[_Class] = []
+    member: list[int] = []
+    for cls in classes:
+        key = (cls.inflight, tuple((s.name, s.inputs, tuple((o.name, o.stored, o.cost_ms) for o in opts))
+                                   for s, opts in zip(cls.sites, cls.options)))
+        if key not in index:
+            index[key] = len(merged)
+            merged.append(_Class(cls.sites, cls.inflight, 0,
+                                 [[_Option(o.name, o.stored, o.cost_ms, 0.0) for o in opts] for opts in cls.options]))
+        m = merged[index[key]]
+        for mine, theirs in zip(m.options, cls.options):
+            for o, t in zip(mine, theirs):
+                o.noise += cls.count * t.noise
+        m.count += cls.count
+        member.append(index[key])
+    for m in merged:
+        for opts in m.options:
+            for o in opts:
+                o.noise /= m.count
+    return merged, member
+
+
+def _search(classes, objective, mem_limit, var_limit, limit: _Limit
+            ) -> tuple[Optional[list[list[int]]], int, bool]:
+    """(picks or None when infeasible, variable count, proven optimal): the full MILP
+    within the time limit, and, when classes differ only in noise, the merged MILP first
+    as a fallback (taken when the full search found nothing better in time)."""
+    merged, member = _merged(classes)
+    fallback = None
+    if len(merged) < len(classes):
+        picks, _, status = _run(merged, objective, mem_limit, var_limit, limit)
+        if picks is not None:
+            fallback = [picks[m] for m in member]
+    picks, nvars, status = _run(classes, objective, mem_limit, var_limit, limit)
+    if status in ("optimal", "infeasible"):
+        return picks, nvars, status == "optimal"
+    if fallback is not None:
+        def score(p):  # the objective's own figure, exact
+            stored, peak, ms, noise = _evaluate(classes, p)
+            return {"time": ms, "variance": noise}.get(objective, stored + peak)
+
+        if picks is None or score(fallback) < score(picks):
+            picks = fallback
+    if picks is None:
+        raise RuntimeError(f"the MILP solver found no plan within time_limit={limit.seconds:g} s "
+                           f"({len(classes)} distinct blocks); give solve_plan a larger time_limit")
+    return picks, nvars, False
 
 
 def solve_plan(
@@ -348,6 +432,7 @@ def solve_plan(
     static_bytes: int = 0,
     variance_budget: Optional[float] = None,
     objective: str = "time",
+    time_limit: float = TIME_LIMIT_S,
 ) -> Plan:
     """The cheapest plan for one device whose activations fit `budget_bytes - static_bytes`
     (and whose summed noise stays within `variance_budget`, when given).
@@ -355,8 +440,14 @@ def solve_plan(
     objective="time" minimises the added step time; "variance" minimises the summed noise
     under the memory budget (GACT's allocation). Raises InfeasibleBudget when no plan fits
     the memory, InfeasibleVariance when none that fits meets the variance budget.
+    `time_limit` (seconds) bounds the search: past it the best plan found is returned with
+    `optimal=False` (it still fits both budgets exactly).
     """
     start = time.perf_counter()
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) \
+            or not time_limit > 0 or math.isinf(time_limit):
+        raise ValueError(f"time_limit: expected a finite number of seconds > 0, got {time_limit!r}")
+    limit = _Limit(float(time_limit))
     blocks = _check_blocks(blocks)
     budget, static = _limits(budget_bytes, static_bytes)
     if objective not in OBJECTIVES:
@@ -370,20 +461,26 @@ def solve_plan(
         variance_budget = float(variance_budget)
     classes, owner = _classes(blocks)
     mem_limit = budget - static
-    picks, nvars = (None, 0) if mem_limit < 0 else _run(classes, objective, mem_limit, variance_budget)
+    picks, nvars, optimal = (None, 0, True) if mem_limit < 0 else _search(
+        classes, objective, mem_limit, variance_budget, limit)
     if picks is None:
-        least, _ = _run(classes, "memory", None, None)
+        # the smallest footprint and the least noise are easy problems: their own limit
+        least = _search(classes, "memory", None, None, _Limit(limit.seconds))[0]
         min_act = sum(_evaluate(classes, least)[:2])
         if mem_limit < min_act:
             raise InfeasibleBudget(budget, static, min_act + static)
         if variance_budget is None:
             raise RuntimeError("the MILP solver found no plan although one fits the memory budget")
-        quiet, _ = _run(classes, "variance", mem_limit, None)
+        quiet = _search(classes, "variance", mem_limit, None, _Limit(limit.seconds))[0]
         raise InfeasibleVariance(variance_budget, _evaluate(classes, quiet)[3])
     plan = _plan(blocks, classes, owner, picks)
     plan.num_variables = nvars
     plan.objective = objective
+    plan.optimal = optimal
     plan.solve_seconds = time.perf_counter() - start
+    if not optimal:
+        log.warning("llm_act: the planner stopped at time_limit=%g s with a plan that fits but is not "
+                    "proven optimal (%d distinct blocks)", limit.seconds, len(classes))
     return plan
 
 

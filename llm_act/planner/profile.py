@@ -7,6 +7,8 @@ Lists given for tuple fields are turned into tuples.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import numbers
 from dataclasses import dataclass
@@ -151,6 +153,13 @@ class BlockProfile:
             if v < 1:
                 raise ValueError(f"BlockProfile.{f}: must be >= 1, got {v}")
             object.__setattr__(self, f, int(v))
+
+    def scaled(self, factor: float) -> "BlockProfile":
+        """This block with every site's sensitivity times `factor`: a layer whose
+        compression noise matters more (> 1) or less (< 1) to the gradient."""
+        factor = _non_negative(factor, "factor")
+        return dataclasses.replace(self, sites=tuple(
+            dataclasses.replace(s, sensitivity=s.sensitivity * factor) for s in self.sites))
 
 
 def _check_acyclic(sites: dict[str, SiteProfile]) -> None:

@@ -82,6 +82,10 @@ def test_planner_quick(memory_rows):
     assert [r["layers"] for r in solve] == list(P.DEPTHS[:2])
     assert solve[0]["variables"] == solve[1]["variables"] > 0  # identical layers share variables
     assert all(0 < r["seconds"] < 60 and r["activation_fraction"] <= P.BUDGET_FRACTION + 1e-9 for r in solve)
+    (distinct,) = res["distinct"]  # per-layer sensitivities: 24 blocks, a 2 s limit
+    assert distinct["layers"] == 24 and distinct["variables"] > 20 * solve[0]["variables"]
+    assert distinct["seconds"] < 2.0 + 20 and distinct["overhead_ms"] <= distinct["uniform_ms"] * (1 + 1e-9)
+    assert "| layers (distinct) |" in text
     comp = {r["scheme"]: r for r in res["compare"]}
     mem = _row(memory_rows, "compress (Adacc)", 0.1)
     assert comp["compress (Adacc)"]["measured"] == sum(
@@ -96,12 +100,20 @@ def test_convergence_quick(tmp_path):
                                      log=lambda m: None)
     runs = result["runs"]
     assert set(C.SCHEMES) <= set(runs) and sum(k.startswith("stock") for k in runs) == 2
+    assert len(runs) == 2 + len(C.SCHEMES) + 1
     for name, r in runs.items():
         assert C.finite_decreasing(r), name
         assert len(r["valid"]) == len(r["steps"]) and r["steps"][-1] == 30
     assert 0 < result["entropy"] < math.log(256)
     assert (tmp_path / "convergence.png").stat().st_size > 0
     assert "unigram entropy" in text
+    # the default plan also trains at the second seed, paired with stock at that seed
+    pair = C.summary(result)["paired"][C.DEFAULT_PLAN]
+    stock = {s: runs[f"stock seed {s}"]["valid"][-1] for s in result["seeds"]}
+    ours = {1234: runs[C.DEFAULT_PLAN]["valid"][-1], 1235: runs[f"{C.DEFAULT_PLAN} seed 1235"]["valid"][-1]}
+    assert pair["per_seed"] == pytest.approx({s: ours[s] / stock[s] - 1 for s in ours})
+    assert pair["mean"] == pytest.approx(sum(pair["per_seed"].values()) / 2)
+    assert "paired with stock over 2 seeds" in text
 
 
 def test_gpu_section_without_cuda_says_pending():

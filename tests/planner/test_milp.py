@@ -320,6 +320,39 @@ def test_pipeline_stages_plan_separately_and_fast():
     assert overheads == sorted(overheads, reverse=True) and overheads[0] > overheads[-1]
 
 
+def test_distinct_layers_stop_at_the_time_limit_with_a_plan_no_worse_than_uniform():
+    """Per-layer sensitivities make every layer its own block: proving optimality can take
+    minutes, so the search stops at `time_limit` with a plan that still fits both budgets
+    exactly and is never worse than the best uniform plan (every layer choosing alike)."""
+    layers, rng = 24, random.Random(3)
+    base = gpt_block(h=2048, s=2048, b=1, a=16)
+    factors = [0.5 + rng.random() for _ in range(layers)]
+    blocks = [base.scaled(f) for f in factors]
+    assert [s.sensitivity for s in blocks[0].sites] == [s.sensitivity * factors[0] for s in base.sites]
+    with pytest.raises(ValueError, match="factor"):
+        base.scaled(-1.0)
+    per_block = sum(s.nbytes for s in base.sites)
+    budget = int(0.2 * layers * per_block) + per_block
+    uniform_noise = solve_plan([BlockProfile(base.sites, count=layers)], budget).variance
+    noise = uniform_noise * sum(factors) / layers * 0.8  # a binding noise budget
+    uniform = solve_plan([BlockProfile(base.sites, count=layers).scaled(sum(factors) / layers)],
+                         budget, variance_budget=noise)
+    t0 = time.perf_counter()
+    plan = solve_plan(blocks, budget, variance_budget=noise, time_limit=2.0)
+    wall = time.perf_counter() - t0
+    print(f"\n{layers} distinct layers: {wall:.2f} s, optimal={plan.optimal}, "
+          f"{plan.overhead_ms:.3f} ms against {uniform.overhead_ms:.3f} ms uniform")
+    assert wall < 2.0 + 15  # the limit, plus building the models and the uniform fallback
+    got_mem, got_ms, got_noise = figures(blocks, plan.choice)
+    assert got_mem == plan.activation_bytes <= budget
+    assert got_noise <= noise * (1 + 1e-6)
+    assert got_ms <= uniform.overhead_ms * (1 + 1e-9)
+    assert isinstance(plan.optimal, bool)
+    # the small instances above are solved to proven optimality
+    small = solve_plan([gpt_block()], 10 * 2**30)
+    assert small.optimal
+
+
 # ---- JSON plans ---------------------------------------------------------------------------
 def test_json_round_trip_merges_runs(tmp_path):
     a = gpt_block(h=256, s=128, b=2, a=4, count=6)
@@ -424,6 +457,9 @@ def test_bad_solve_arguments():
         solve_plan([blk], -5)
     with pytest.raises(ValueError, match="blocks"):
         solve_plan([], 100)
+    for bad in (0, -1.0, float("inf"), True, "10"):
+        with pytest.raises(ValueError, match="time_limit"):
+            solve_plan([blk], 100, time_limit=bad)
     with pytest.raises(TypeError, match="BlockProfile"):
         solve_plan([blk.sites[0]], 100)
     with pytest.raises(InfeasibleBudget) as err:

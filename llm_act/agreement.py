@@ -60,6 +60,23 @@ def groups() -> Optional[Groups]:
     return Groups(stage=None, world=None, src=0)
 
 
+def data_parallel_rank() -> int:
+    """This rank's index among the data-parallel replicas: megatron's DP rank when its
+    parallel state is up, else the torch.distributed rank (a job without model
+    parallelism: DDP, ZeRO), 0 when running alone."""
+    dist = _dist()
+    if dist is None:
+        return 0
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return int(ps.get_data_parallel_rank())
+    except ImportError:  # megatron-core absent
+        pass
+    return int(dist.get_rank())
+
+
 def gather(obj: Any, group: Any = None) -> list[Any]:
     """`obj` of every rank of `group` (a list in rank order)."""
     dist = _dist()

@@ -35,11 +35,28 @@ from llm_act.sites import SITES
 
 #: distance between the codec seeds of consecutive layers (more than the number of sites)
 SEED_STRIDE = 1000
+#: distance between the codec seeds of data-parallel replicas (more than any layer count's)
+DP_SEED_STRIDE = 10_000_000
 
 
-def codec_seed(base: int, layer: int, site: str) -> int:
-    """The seed of the codec at (layer, site): stable across runs, ranks and plan switches."""
-    return int(base) + SEED_STRIDE * int(layer) + SITES.index(site)
+def replica_seed(base: int, dp_rank: Optional[int] = None) -> int:
+    """`base` moved to this data-parallel replica's own range (`dp_rank` default: this
+    process's, from `agreement.data_parallel_rank`). Replicas see different data, and with
+    different stochastic-rounding draws their compression noise is independent, so it
+    averages out in the gradient all-reduce instead of adding up coherently. TP ranks of a
+    replica share it: they store the same replicated tensors (the norms' inputs) and each
+    computes the replicated parameters' gradients from them, which must agree."""
+    if dp_rank is None:
+        from llm_act.agreement import data_parallel_rank
+
+        dp_rank = data_parallel_rank()
+    return int(base) + DP_SEED_STRIDE * int(dp_rank)
+
+
+def codec_seed(base: int, layer: int, site: str, dp_rank: Optional[int] = None) -> int:
+    """The seed of the codec at (layer, site): stable across runs, restarts and plan
+    switches; per data-parallel replica (`replica_seed`)."""
+    return replica_seed(base, dp_rank) + SEED_STRIDE * int(layer) + SITES.index(site)
 
 
 class Controller:

@@ -51,6 +51,7 @@ def checkpoint_blocks(blocks: Iterable[torch.nn.Module], codec: Optional[str] = 
     The ledger counts each block input at (`first_layer` + i, "ln1.input"). Under
     `torch.no_grad()` a block runs as it is. Returns a handle whose `remove()` undoes it.
     """
+    from llm_act.controller import codec_seed
     from llm_act.hooks import SavedTensorCompression
 
     blocks = list(blocks)
@@ -69,7 +70,8 @@ def checkpoint_blocks(blocks: Iterable[torch.nn.Module], codec: Optional[str] = 
             # the block input is an activation even when it does not require grad (the
             # model's input), and is encoded whatever its size
             hooks = SavedTensorCompression(block, codec, require_grad=False, min_numel=1,
-                                           seed=seed + layer, layer=layer, site="ln1.input")
+                                           seed=codec_seed(seed, layer, "ln1.input"), layer=layer,
+                                           site="ln1.input")
         handle.hooks.append(hooks)
         block.forward = _wrap(block.forward, hooks, layer, preserve_rng_state)
     return handle

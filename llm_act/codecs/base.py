@@ -11,7 +11,9 @@ Conventions shared by all codecs:
 - Non-finite inputs (NaN, +-Inf) decode to NaN at exactly the same positions, so a NaN
   in an activation stays a NaN in the gradient and the loss scaler still sees overflow.
 - Stochastic rounding draws from the codec's own generator (one per device, seeded from
-  `seed`), never from torch's global one, so compression changes no dropout mask.
+  `seed` alone), never from torch's global one, so compression changes no dropout mask.
+  Who builds codecs picks the seed (`llm_act.controller.codec_seed`): equal on the
+  tensor-parallel ranks of a replica, different across data-parallel replicas.
 - Integer and complex tensors raise `TypeError` naming the codec and the dtype.
 """
 from __future__ import annotations
@@ -112,7 +114,7 @@ class Codec:
         gen = self._generators.get(key)
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed + (device.index or 0))
+            gen.manual_seed(self.seed)  # not the device index: TP ranks on cuda:0..7 must agree
             self._generators[key] = gen
         return gen
 

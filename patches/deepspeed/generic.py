@@ -32,7 +32,7 @@ import torch
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
 from llm_act.config import ActConfig
-from llm_act.controller import Controller
+from llm_act.controller import SEED_STRIDE, Controller, replica_seed
 from llm_act.hooks import SavedTensorCompression
 from llm_act.sites import MASK_SITES
 
@@ -225,7 +225,7 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
                             num_layers=len(blocks))
     hooks = []
     for i, (block, bs) in enumerate(zip(blocks, sites)):
-        h = _BlockHooks(block, bs, seed=config.seed + 1000 * i)
+        h = _BlockHooks(block, bs, seed=replica_seed(config.seed) + SEED_STRIDE * i)
         _track_sites(block, h)
         hooks.append(h)
     handle = GenericModel(controller, blocks, sites, hooks, recompute,

@@ -55,3 +55,11 @@ def test_default_codecs_are_allowed_at_their_sites():
 def test_unknown_codec_names_the_choices():
     with pytest.raises(ValueError, match="int3.*known codecs"):
         make_codec("int3")
+
+
+def test_codec_generators_are_seeded_from_the_seed_alone():
+    """Not from the device index: tensor-parallel ranks on cuda:0..7 building a codec with
+    one seed must draw the same stochastic rounding (see test_replica_seeds_dist)."""
+    codec = make_codec("int2", seed=77)
+    want = torch.rand(8, generator=torch.Generator().manual_seed(77))
+    assert torch.equal(torch.rand(8, generator=codec.generator(torch.device("cpu"))), want)

@@ -95,9 +95,15 @@ def test_planner_quick(memory_rows):
     assert "| planner middle |" in text
 
 
-def test_convergence_quick(tmp_path):
-    result, text = R.run_convergence(True, str(tmp_path), "llm-act bench convergence --quick",
-                                     log=lambda m: None)
+@pytest.fixture(scope="module")
+def quick_convergence(tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv")
+    result, text = R.run_convergence(True, str(out), "llm-act bench convergence --quick", log=lambda m: None)
+    return result, text, out
+
+
+def test_convergence_quick(quick_convergence):
+    result, text, tmp_path = quick_convergence
     runs = result["runs"]
     assert set(C.SCHEMES) <= set(runs) and sum(k.startswith("stock") for k in runs) == 2
     assert len(runs) == 2 + len(C.SCHEMES) + 1
@@ -136,3 +142,24 @@ def test_gpu_bench_code_runs_on_cpu():
     assert all(r["tokens_per_s"] > 0 for r in fits)
     assert G.largest(res["rows"], "ours") == 2
     assert "| megatron full |" in G.table(res)
+
+
+def test_bench_all_quick_writes_every_section(quick_convergence, tmp_path, capsys):
+    """`llm-act bench all --quick` (the quick convergence reused from its JSON, as
+    `--convergence-json` does) writes benchmarks.md with the four sections and the plots."""
+    import json
+
+    from llm_act.cli import main
+
+    saved = tmp_path / "conv.json"
+    saved.write_text(json.dumps(quick_convergence[0]))
+    assert main(["bench", "all", "--quick", "--output-dir", str(tmp_path),
+                 "--convergence-json", str(saved)]) == 0
+    doc = (tmp_path / "benchmarks.md").read_text()
+    for title in ("## 1. Memory per layer", "## 2. Convergence (30 steps, quick)", "## 3. Planner", "## 4. GPU"):
+        assert title in doc, title
+    assert "Command: `llm-act bench all --quick --output-dir" in doc
+    assert "| layers (distinct) |" in doc and "paired with stock over 2 seeds" in doc
+    for png in ("memory_per_layer.png", "convergence.png"):
+        assert (tmp_path / png).stat().st_size > 0
+    assert "wrote " in capsys.readouterr().out

@@ -138,9 +138,8 @@ class Controller:
         return tuple(s for s in SITES if s in stored)
 
     def planned_sites(self, layer: int) -> tuple[str, ...]:
-        """The sites of `layer` the planner chooses for (`plans.IMPLEMENTED_SITES`; the
-        others keep what the plan in force gives them)."""
-        return tuple(s for s in self.sites(layer) if s in plans.IMPLEMENTED_SITES)
+        """The sites of `layer` the planner chooses for: every site a module stores."""
+        return self.sites(layer)
 
     def all_modules(self) -> list[Any]:
         """Every module the controller drives, each once."""

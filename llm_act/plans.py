@@ -14,7 +14,7 @@ one form the Controller applies to the modules, whatever the user wrote:
 - a JSON plan path (or its dict) read by `llm_act.planner.load_plan_json`;
 - then `ActConfig.codecs` (site -> choice) overrides on top, for every layer.
 
-Every site of a GPT block has a compressed layer that stores it (`IMPLEMENTED_SITES`).
+Every site of a GPT block (`llm_act.sites.SITES`) has a compressed layer that stores it.
 Choices are validated by `llm_act.codecs.registry.check_choices`; which combinations of
 "recompute" a layer can run is checked by `LayerRecompute.bind` when the plan is applied
 (before anything changes).
@@ -30,10 +30,6 @@ from llm_act.sites import DEFAULT_CODECS, SITES
 
 #: the block's checkpoint: kept or encoded, never recomputed
 CHECKPOINT_SITE = "ln1.input"
-
-#: Sites the compressed megatron-core layers store and the planner chooses for: every site
-#: of a GPT block (the attention internals through `ActCoreAttention`).
-IMPLEMENTED_SITES: frozenset[str] = frozenset(SITES)
 
 LayerPlan = dict[str, str]
 Plan = dict[int, LayerPlan]
@@ -63,9 +59,9 @@ VALUE_ACT_CODEC = "outlier_int4"
 
 
 def compress_layer(fewbit: bool = True) -> LayerPlan:
-    """The "compress" choice of one layer: default codecs at the implemented sites
-    (`fewbit=False`: a value codec at `mlp.act_input` instead of the few-bit default)."""
-    choice = {site: DEFAULT_CODECS[site] if site in IMPLEMENTED_SITES else KEEP for site in SITES}
+    """The "compress" choice of one layer: the default codec at every site (`fewbit=False`:
+    a value codec at `mlp.act_input` instead of the few-bit default)."""
+    choice = {site: DEFAULT_CODECS[site] for site in SITES}
     if not fewbit:
         choice["mlp.act_input"] = VALUE_ACT_CODEC
     return choice

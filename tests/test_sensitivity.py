@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from llm_act import ActConfig
-from llm_act import testing as T
 from llm_act.patches.megatron import apply
 from llm_act.planner.measure import measure_profile
 from llm_act.sensitivity import CompressionNoiseWarning, check_noise, measure_sensitivity, sensitive_sites

@@ -106,7 +106,6 @@ def chunked_forward(q, k, v, causal: bool, p: float, scale: float,
     lse = torch.empty(b, g, r, s, dtype=acc, device=q.device)
     inv_keep = 1.0 / (1.0 - p)
     tile_idx = 0
-    row = None
     for qs, qe, ks, ke, needs_mask in _tiles(s, s_k, cq, ck, causal):
         cqn = qe - qs
         if ks == 0:  # a new query chunk

@@ -177,10 +177,9 @@ class GenericModel:
 def generic_sites() -> tuple[str, ...]:
     """The sites a generic block offers the controller: those plans may compress, masks
     excepted (the hooks bit-pack saved masks losslessly anyway)."""
-    from llm_act.plans import IMPLEMENTED_SITES
     from llm_act.sites import SITES
 
-    return tuple(s for s in SITES if s in IMPLEMENTED_SITES and s not in MASK_SITES)
+    return tuple(s for s in SITES if s not in MASK_SITES)
 
 
 def _check_not_checkpointing(model: torch.nn.Module) -> None:

@@ -15,7 +15,6 @@ from llm_act.planner import InfeasibleBudget, evaluate_plan, solve_plan
 from llm_act.planner.analytic import (
     MODELS,
     DeviceModel,
-    ModelShape,
     block_profile,
     codec_variance,
     model_shape,

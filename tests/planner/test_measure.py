@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import testing as T
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.megatron import apply
 from llm_act.planner import evaluate_plan, solve_plan

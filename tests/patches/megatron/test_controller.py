@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from llm_act import ActConfig, plans
-from llm_act import testing as T
 from llm_act.controller import Controller, codec_seed
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.megatron import apply
@@ -37,8 +36,7 @@ def test_keep_and_compress_plans():
     comp = plans.resolve(ActConfig(plan="compress"), 3, layers=[1, 2])
     assert set(comp) == {1, 2}
     for site in SITES:
-        want = DEFAULT_CODECS[site] if site in plans.IMPLEMENTED_SITES else "keep"
-        assert comp[1][site] == want
+        assert comp[1][site] == DEFAULT_CODECS[site]
     assert comp[1]["attn.softmax"] == "int4_asym" and comp[1]["mlp.act_input"] == "fewbit3"
     # "auto" waits for the planner (issue 5): it is "compress" for now
     assert plans.resolve(ActConfig(plan="auto"), 3) == plans.resolve(ActConfig(plan="compress"), 3)

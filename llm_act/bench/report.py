@@ -11,12 +11,11 @@ import torch
 
 from llm_act.bench.timing import machine_line
 
-GPU_PENDING = ("pending: no GPU in this run. A session with an H100/H200 runs "
-               "`llm-act bench gpu` in one device call; that machine lacks megatron-core, "
-               "deepspeed and pulp, so carry their wheels (e.g. `pip download "
-               "megatron-core==0.16.1 pulp==3.3.2 --no-deps -d wheels/` here, carry `wheels/`, "
-               "then `pip install --no-deps wheels/*.whl && pip install -e . --no-deps && "
-               "llm-act bench gpu`).")
+GPU_PENDING = ("pending: no GPU in this run. A session with an H100/H200 runs the GPU side in "
+               "one device call: `bash tools/fetch_gpu_wheels.sh` here (cp312 wheels of "
+               "megatron-core, pulp and highspy, which that machine lacks, into .whl/), then "
+               "`bash tools/gpu_suite.sh` there carrying .whl: the gpu tests, `llm-act bench "
+               "kernels` and `llm-act bench gpu`.")
 
 
 def versions() -> str:

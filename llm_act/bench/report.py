@@ -30,11 +30,19 @@ def versions() -> str:
     return ", ".join(parts)
 
 
-def provenance(command: str, wall_s: Optional[float] = None, device: Optional[torch.device] = None) -> str:
+def now_utc() -> str:
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+
+
+def provenance(command: str, wall_s: Optional[float] = None, device: Optional[torch.device] = None,
+               when: Optional[str] = None, reused_by: Optional[str] = None) -> str:
+    """The machine, versions, command, wall time and date of a section (`when`/`reused_by`:
+    a result made earlier by `command` and read back by `reused_by`)."""
     dev = device or torch.device("cpu")
     took = "" if wall_s is None else f"; took {wall_s:.0f} s"
+    again = "" if not reused_by or reused_by == command else f" (read back by `{reused_by}`)"
     return (f"*Machine: {machine_line(dev)}. Versions: {versions()}. Command: `{command}`"
-            f"{took}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.*")
+            f"{took}; {when or now_utc()}{again}.*")
 
 
 def memory_plot(rows: list[dict], path: str) -> str:
@@ -92,7 +100,8 @@ def convergence_section(result: dict, command: str, plot: Optional[str]) -> str:
     default = s["rel"].get(C.DEFAULT_PLAN)
     lines = [
         f"## 2. Convergence ({result['steps']} steps{', quick' if result.get('quick') else ''})", "",
-        provenance(command, result.get("wall_s")), "",
+        provenance(result.get("command", command), result.get("wall_s"), when=result.get("when"),
+                   reused_by=command), "",
         f"{result['model']}. {result['describe']}. Validation loss (nats/byte) on the same "
         f"4 held-out batches; unigram entropy of the corpus: **{result['entropy']:.4f}** nats/byte. "
         f"Stock ends at {s['stock_final']:.4f} "
@@ -208,6 +217,7 @@ def run_convergence(quick: bool, output_dir: str, command: str, log=print,
         result = C.run(steps=30, quick=True, seeds=(1234, 1235)) if quick else C.run(log=log)
         result["wall_s"] = time.perf_counter() - t0
         result["quick"] = quick
+        result["command"], result["when"] = command, now_utc()
     plot = C.plot(result, os.path.join(output_dir, "convergence.png"))
     text = convergence_section(result, command, plot)
     log(text)

@@ -313,6 +313,8 @@ class _Site:
     forward_ms: Optional[float]
     inputs: tuple[str, ...] = ()
     extra: int = 0
+    keep_bytes: Optional[int] = None
+    """what keeping the site holds, when more than the tensor (a view keeping its base)"""
 
 
 def _collective_bytes(shape: ModelShape, full_bytes: int, kind: str) -> float:
@@ -352,7 +354,10 @@ def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
               ("attn.qkv_input",)),
         _Site("attn.k", (s, b, g, d), dt, proj(g) + (mem(2 * tokens * g * d * e) if rope else 0.0),
               ("attn.qkv_input",)),
-        _Site("attn.v", (s, b, g, d), dt, proj(g), ("attn.qkv_input",)),
+        # with RoPE, Q and K are new tensors and V is the last view of the fused QKV output:
+        # keeping V keeps that whole buffer (a codec or recompute stores V's share only)
+        _Site("attn.v", (s, b, g, d), dt, proj(g), ("attn.qkv_input",),
+              keep_bytes=tokens * (a + 2 * g) * d * e if rope else None),
     ]
     scores = b * a * s * s
     # the memory-efficient kernel draws its attention-dropout mask from the RNG inside the
@@ -409,7 +414,8 @@ def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
         itemsize = torch.empty((), dtype=st.dtype).element_size()
         default_c = 0.0 if st.name in MASK_SITES else 1.0
         profiles.append(SiteProfile(
-            st.name, math.prod(st.dims) * itemsize + st.extra, st.forward_ms, st.inputs,
+            st.name, st.keep_bytes if st.keep_bytes is not None else math.prod(st.dims) * itemsize + st.extra,
+            st.forward_ms, st.inputs,
             _options(st.name, st.dims, st.dtype, st.extra, shape, device, outlier_frac),
             sens.pop(st.name, default_c),
         ))

@@ -163,3 +163,22 @@ def test_bench_all_quick_writes_every_section(quick_convergence, tmp_path, capsy
     for png in ("memory_per_layer.png", "convergence.png"):
         assert (tmp_path / png).stat().st_size > 0
     assert "wrote " in capsys.readouterr().out
+
+
+def test_keeping_v_is_predicted_as_the_whole_qkv_buffer():
+    """With RoPE, V is the last view of the fused QKV output: a plan that compresses Q and K
+    but keeps V holds the whole buffer, and the analytic profile must say so (it once counted
+    V alone and under-predicted such a plan by 4 bytes per s*b*h)."""
+    from llm_act import testing
+
+    shape = M.Shape(s=128, b=2, h=256, a=8, dropout=0.0)
+    scheme = M.Scheme("q, k int4", "", {"attn.q": "int4_channel", "attn.k": "int4_channel"},
+                      attention="auto", convert_attention=True)
+    testing.init_parallel(seed=1234)
+    try:
+        res = M.measure(shape, scheme)
+    finally:
+        testing.destroy_parallel()
+    measured = sum(n for (layer, _), n in res["by_site"].items() if layer == 0)
+    assert res["by_site"][(0, "attn.v")] == 6 * shape.sbh  # Q, K and V of the fused buffer
+    assert P.predicted_block_bytes(shape, scheme) == pytest.approx(measured, rel=0.01)

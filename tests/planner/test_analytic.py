@@ -98,7 +98,13 @@ def test_gqa_and_swiglu():
     got = _bytes(block_profile(llama))
     tokens = 2048
     assert got["attn.q"] == 2 * tokens * (32 // 2) * 128
-    assert got["attn.k"] == got["attn.v"] == 2 * tokens * (8 // 2) * 128  # un-expanded K/V
+    assert got["attn.k"] == 2 * tokens * (8 // 2) * 128  # un-expanded K/V
+    # RoPE makes Q and K new tensors; V stays a view of the fused QKV output, so keeping V
+    # holds that whole buffer, while its codecs store V's share alone
+    assert got["attn.v"] == 2 * tokens * (32 // 2 + 2 * (8 // 2)) * 128
+    v = next(s for s in block_profile(llama).sites if s.name == "attn.v")
+    int8 = next(o for o in v.codecs if o.name == "int8")
+    assert int8.nbytes < got["attn.k"]  # 8.5 bits of V's own elements
     assert got["mlp.act_input"] == 2 * tokens * 2 * 14336 // 2  # both halves of fc1
     assert got["mlp.fc2_input"] == 2 * tokens * 14336 // 2
     assert not any(name.endswith("dropout_mask") for name in got)

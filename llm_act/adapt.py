@@ -257,12 +257,12 @@ class Adapter:
         """Planned sites of `layer` the profile did not see stored (the memory-efficient
         attention stores no `attn.softmax` and regenerates its dropout mask from the RNG
         state, whatever the choice): "keep", so a plan says what really happens there."""
-        return {s: KEEP for s in self.controller.planned_sites(layer) if (layer, s) not in profile.sites}
+        return {s: KEEP for s in self.controller.sites(layer) if (layer, s) not in profile.sites}
 
     def pins(self, layer: Optional[int] = None) -> dict[str, str]:
         """`ActConfig.codecs`: sites the user fixed; the planner chooses around them."""
         c = self.controller
-        sites = c.planned_sites(layer) if layer is not None else None
+        sites = c.sites(layer) if layer is not None else None
         return {s: n for s, n in self.config.codecs.items() if sites is None or s in sites}
 
     def problem(self, profile: Any) -> tuple[list, int]:

@@ -43,18 +43,23 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+def _megatron_state():
+    """megatron-core's `parallel_state` when it is installed and initialised, else None."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        return ps if ps.model_parallel_is_initialized() else None
+    except Exception:  # megatron-core absent
+        return None
+
+
 def groups() -> Optional[Groups]:
     """The groups of this job, or None when running alone."""
     dist = _dist()
     if dist is None or dist.get_world_size() == 1:
         return None
-    try:
-        from megatron.core import parallel_state as ps
-
-        initialised = ps.model_parallel_is_initialized()
-    except Exception:  # megatron-core absent
-        initialised = False
-    if initialised:
+    ps = _megatron_state()
+    if ps is not None:
         stage = ps.get_tensor_and_data_parallel_group()
         return Groups(stage=stage, world=None, src=dist.get_global_rank(stage, 0))
     return Groups(stage=None, world=None, src=0)
@@ -67,14 +72,8 @@ def data_parallel_rank() -> int:
     dist = _dist()
     if dist is None:
         return 0
-    try:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            return int(ps.get_data_parallel_rank())
-    except ImportError:  # megatron-core absent
-        pass
-    return int(dist.get_rank())
+    ps = _megatron_state()
+    return int(ps.get_data_parallel_rank() if ps is not None else dist.get_rank())
 
 
 def gather(obj: Any, group: Any = None) -> list[Any]:

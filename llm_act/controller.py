@@ -133,13 +133,10 @@ class Controller:
         return self.adapter.history
 
     def sites(self, layer: int) -> tuple[str, ...]:
-        """The sites of `layer` that compressed modules store, in `SITES` order."""
+        """The sites of `layer` that compressed modules store, in `SITES` order (the
+        planner chooses for every one of them)."""
         stored = self._modules.get(layer, {})
         return tuple(s for s in SITES if s in stored)
-
-    def planned_sites(self, layer: int) -> tuple[str, ...]:
-        """The sites of `layer` the planner chooses for: every site a module stores."""
-        return self.sites(layer)
 
     def all_modules(self) -> list[Any]:
         """Every module the controller drives, each once."""

@@ -124,7 +124,7 @@ def sensitive_sites(controller: Any) -> list[str]:
     stores its activation as an exact 1-bit mask)."""
     out = []
     for layer in controller.layers:
-        for site in controller.planned_sites(layer):
+        for site in controller.sites(layer):
             if site in MASK_SITES or site in out:
                 continue
             if site == "mlp.act_input" and getattr(controller.module(layer, site), "act_activation", None) == "relu":
@@ -156,7 +156,7 @@ def measure_sensitivity(controller: Any, forward: Callable[[], Any], params: Any
                 record: list[float] = []
                 probes = {
                     (layer, site): _probe(controller, layer, site, seed * 1_000_003 + 7919 * SITES.index(site) + 104_729 * draw + layer, record)
-                    for layer in controller.layers if site in controller.planned_sites(layer)
+                    for layer in controller.layers if site in controller.sites(layer)
                 }
                 snap.restore()
                 probing.install(controller, probes)

@@ -27,14 +27,21 @@ COMPARED = ("stock", "megatron selective", "megatron full", "ActNN int2", "GACT 
             "compress (Adacc)", "planner loose", "planner middle", "planner tight")
 
 
+def _base_block(model: str):
+    """(one block of `model`'s analytic profile at micro-batch 1, with the options the
+    bench can bind; its stock bytes)."""
+    from llm_act.planner.analytic import block_profile, model_shape
+
+    base = M.restricted_block(block_profile(model_shape(model, micro_batch_size=1)))
+    return base, sum(s.nbytes for s in base.sites)
+
+
 def solve_times(depths=DEPTHS, model: str = MODEL) -> list[dict]:
     """[{layers, variables, seconds, activation_fraction, overhead_ms}] per depth."""
     from llm_act.plan_cli import _reference_variance
     from llm_act.planner import solve_plan
-    from llm_act.planner.analytic import block_profile, model_shape
 
-    base = M.restricted_block(block_profile(model_shape(model, micro_batch_size=1)))
-    per_block = sum(s.nbytes for s in base.sites)
+    base, per_block = _base_block(model)
     rows = []
     for n in depths:
         blocks = [dataclasses.replace(base, count=n)]
@@ -59,10 +66,8 @@ def distinct_solve_times(depths=DEPTHS, model: str = MODEL, time_limit: float = 
 
     from llm_act.planner import BlockProfile, solve_plan
     from llm_act.plan_cli import _reference_variance
-    from llm_act.planner.analytic import block_profile, model_shape
 
-    base = M.restricted_block(block_profile(model_shape(model, micro_batch_size=1)))
-    per_block = sum(s.nbytes for s in base.sites)
+    base, per_block = _base_block(model)
     rng = random.Random(seed)
     rows = []
     for n in depths:

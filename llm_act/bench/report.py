@@ -152,8 +152,8 @@ def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: s
         "The analytic profile is an idealised layout: it counts a norm's input without its "
         "fp32 statistics, with learned positions Q, K and V as three tensors (megatron's are "
         "views of one QKV buffer that stays whole while any of them is kept; with RoPE, as here, "
-        "only V is a view, and keeping it is counted as the whole buffer), the stock softmax once in the model dtype (megatron keeps an fp32 "
-        "softmax and a bf16 copy) and dropout masks at 1 byte (megatron on CPU keeps them in "
+        "only V is a view, and keeping it is counted as the whole buffer), the stock softmax "
+        "once in the model dtype (megatron keeps an fp32 softmax and a bf16 copy) and dropout masks at 1 byte (megatron on CPU keeps them in "
         "the model dtype); the measured profile (`llm_act.planner.measure`) replaces it "
         "during training.",
     ])

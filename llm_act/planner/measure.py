@@ -380,7 +380,7 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
         del out
         snap.restore()
         probes = {(layer, site): _Capture(captured, (layer, site))
-                  for layer in controller.layers for site in controller.planned_sites(layer)
+                  for layer in controller.layers for site in controller.sites(layer)
                   if site not in QKV_SITES}
         probing.install(controller, probes)
         handles = _attention_hooks(controller, attn_call) if times_from is None else []
@@ -471,7 +471,7 @@ def _qkv_hooks(controller: Any, sink: dict) -> list:
     un-expanded) into `sink[(layer, "attn.q")]` etc. for the layers that plan those sites."""
     handles = []
     for layer in controller.layers:
-        planned = [s for s in QKV_SITES if s in controller.planned_sites(layer)]
+        planned = [s for s in QKV_SITES if s in controller.sites(layer)]
         if not planned:
             continue
         core = controller.module(layer, planned[0])

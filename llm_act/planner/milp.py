@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -73,6 +74,11 @@ class InfeasibleBudget(ValueError):
             f"smallest budget any plan fits is {min_budget_bytes} bytes "
             f"({min_budget_bytes / _GIB:.3f} GiB)"
         )
+
+
+class SolverError(RuntimeError):
+    """The MILP solvers could not decide a problem (neither a plan nor a proof that none
+    exists). Not the user's doing: the adaptive planner keeps the plan in force."""
 
 
 class InfeasibleVariance(ValueError):
@@ -186,34 +192,83 @@ def _evaluate(classes: list[_Class], picks: list[list[int]]) -> tuple[int, int, 
 
 
 @functools.lru_cache(maxsize=1)
-def _solver_name() -> str:
-    """HiGHS when highspy is installed, else a CBC on PATH, else the CBC bundled with pulp."""
+def _solver_names() -> tuple[str, ...]:
+    """The solvers to try, best first: HiGHS when highspy is installed, then a CBC on PATH
+    or the CBC bundled with pulp < 4. More than one, so that a solver that fails on a
+    problem (not "infeasible": a numerical "solve error") leaves another to decide it."""
     pulp = require("pulp", "the activation planner")
     available = pulp.listSolvers(onlyAvailable=True)
-    for name in ("HiGHS", "COIN_CMD"):
-        if name in available:
-            return name
-    return "PULP_CBC_CMD"
+    names = tuple(n for n in ("HiGHS", "COIN_CMD", "PULP_CBC_CMD") if n in available)
+    if not names:
+        raise SolverError("no MILP solver is available: install highspy (pip install highspy) "
+                          "or put a CBC on PATH")
+    if names[0] == "HiGHS":
+        _quiet_highs_banner()
+    return names
 
 
-def _solve(prob, deadline: float) -> str:
-    """Solve in place until `deadline` (perf_counter seconds): "optimal"; "feasible" (the
-    time limit stopped the proof); "infeasible"; "timeout" (no plan found in time)."""
-    pulp = require("pulp", "the activation planner")
-    name = _solver_name()
-    seconds = max(1.0, deadline - time.perf_counter())  # the solvers take whole seconds or more
-    with warnings.catch_warnings():
-        # pulp 3.x announces the bundled CBC's removal in 4.0; it is still the fallback
-        warnings.simplefilter("ignore", DeprecationWarning)
-        solver = getattr(pulp, name)(msg=False, gapRel=0.0, timeLimit=seconds)
-        status = prob.solve(solver)
+def _quiet_highs_banner() -> None:
+    """HiGHS prints its copyright banner to the process's stdout when the first solver object
+    is built, whatever `msg` says; build that first one with stdout pointed at /dev/null so
+    the banner never reaches a training log."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+#: per solver, the options of a second try after a "solve error" (presolve is where HiGHS
+#: 1.16 fails on knapsack rows a byte below their edge)
+_RETRY_OPTIONS = {"HiGHS": {"presolve": "off"}, "COIN_CMD": {"presolve": False},
+                  "PULP_CBC_CMD": {"presolve": False}}
+
+
+def _status(pulp, prob, status: int, deadline: float) -> Optional[str]:
+    """`_solve`'s name for a pulp outcome, None when the solver decided nothing (an error)."""
     if status == pulp.LpStatusOptimal:
         return "feasible" if prob.sol_status == pulp.LpSolutionIntegerFeasible else "optimal"
     if status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
         return "infeasible"
     if status == pulp.LpStatusNotSolved and time.perf_counter() >= deadline - 0.5:
         return "timeout"
-    raise RuntimeError(f"the MILP solver ({name}) ended with status {pulp.LpStatus[status]!r}")
+    return None
+
+
+def _solve(prob, deadline: float) -> str:
+    """Solve in place until `deadline` (perf_counter seconds): "optimal"; "feasible" (the
+    time limit stopped the proof); "infeasible"; "timeout" (no plan found in time); or
+    "error" when every solver, each tried as is and then without presolve, ended without
+    deciding (HiGHS's "solve error" on a budget a byte below its edge). Callers treat
+    "error" as "no plan found": `solve_plan` then decides feasibility from the least-memory
+    problem, so a solver's hiccup is classified, never passed on as a crash."""
+    pulp = require("pulp", "the activation planner")
+    for name in _solver_names():
+        for options in ({}, _RETRY_OPTIONS.get(name, {})):
+            seconds = max(1.0, deadline - time.perf_counter())  # the solvers take whole seconds
+            with warnings.catch_warnings():
+                # pulp 3.x announces the bundled CBC's removal in 4.0; it is still the fallback
+                warnings.simplefilter("ignore", DeprecationWarning)
+                solver = getattr(pulp, name)(msg=False, gapRel=0.0, timeLimit=seconds, **options)
+                try:
+                    status = prob.solve(solver)
+                except pulp.PulpSolverError as err:
+                    log.debug("llm_act: the MILP solver %s failed: %s", name, err)
+                    continue
+            outcome = _status(pulp, prob, status, deadline)
+            if outcome is not None:
+                return outcome
+            log.debug("llm_act: the MILP solver %s%s ended with status %r", name,
+                      f" {options}" if options else "", pulp.LpStatus[status])
+            if time.perf_counter() >= deadline:
+                return "timeout"
+    return "error"
 
 
 def _variable(prob, name: str, cat: str, low: float = 0):
@@ -356,7 +411,7 @@ def _run(classes, objective, mem_limit, var_limit, limit: _Limit
     nvars = len(model.prob.variables())
     for _ in range(2):
         status = _solve(model.prob, limit.deadline)
-        if status in ("infeasible", "timeout"):
+        if status in ("infeasible", "timeout", "error"):
             return None, nvars, status
         picks = model.picks()
         stored, peak, _ms, noise = _evaluate(classes, picks)
@@ -420,9 +475,12 @@ def _search(classes, objective, mem_limit, var_limit, limit: _Limit
 
         if picks is None or score(fallback) < score(picks):
             picks = fallback
+    if picks is None and status == "timeout":
+        raise SolverError(f"the MILP solver found no plan within time_limit={limit.seconds:g} s "
+                          f"({len(classes)} distinct blocks); give solve_plan a larger time_limit")
     if picks is None:
-        raise RuntimeError(f"the MILP solver found no plan within time_limit={limit.seconds:g} s "
-                           f"({len(classes)} distinct blocks); give solve_plan a larger time_limit")
+        raise SolverError(f"the MILP solvers ({', '.join(_solver_names())}) ended without deciding "
+                          f"the problem ({len(classes)} distinct blocks), also without presolve")
     return picks, nvars, False
 
 
@@ -461,16 +519,22 @@ def solve_plan(
         variance_budget = float(variance_budget)
     classes, owner = _classes(blocks)
     mem_limit = budget - static
-    picks, nvars, optimal = (None, 0, True) if mem_limit < 0 else _search(
-        classes, objective, mem_limit, variance_budget, limit)
+    undecided: Optional[SolverError] = None
+    try:
+        picks, nvars, optimal = (None, 0, True) if mem_limit < 0 else _search(
+            classes, objective, mem_limit, variance_budget, limit)
+    except SolverError as err:  # decided below: a budget under the edge is the user's error
+        picks, nvars, optimal, undecided = None, 0, False, err
     if picks is None:
         # the smallest footprint and the least noise are easy problems: their own limit
         least = _search(classes, "memory", None, None, _Limit(limit.seconds))[0]
         min_act = sum(_evaluate(classes, least)[:2])
         if mem_limit < min_act:
             raise InfeasibleBudget(budget, static, min_act + static)
+        if undecided is not None:
+            raise undecided
         if variance_budget is None:
-            raise RuntimeError("the MILP solver found no plan although one fits the memory budget")
+            raise SolverError("the MILP solver found no plan although one fits the memory budget")
         quiet = _search(classes, "variance", mem_limit, None, _Limit(limit.seconds))[0]
         raise InfeasibleVariance(variance_budget, _evaluate(classes, quiet)[3])
     plan = _plan(blocks, classes, owner, picks)

@@ -482,3 +482,66 @@ def test_evaluate_plan_agrees_with_the_independent_evaluator():
         mem, ms, noise = figures(blocks, choice)
         assert plan.activation_bytes == mem
         assert _close(plan.overhead_ms, ms) and _close(plan.variance, noise)
+
+
+# ---- solver outcomes that decide nothing ---------------------------------------------------
+def _first_calls_undecided(monkeypatch, n):
+    """Make the first `n` solver calls end undecided ("error"), as HiGHS 1.16's presolve does
+    on a budget a byte below its edge; later calls solve for real."""
+    from llm_act.planner import milp
+
+    real, calls = milp._solve, []
+
+    def solve(prob, deadline):
+        calls.append(1)
+        return "error" if len(calls) <= n else real(prob, deadline)
+
+    monkeypatch.setattr(milp, "_solve", solve)
+    return calls
+
+
+def test_an_undecided_solve_below_the_edge_is_an_infeasible_budget(monkeypatch):
+    blocks = [gpt_block(count=4)]
+    with pytest.raises(InfeasibleBudget) as err:
+        solve_plan(blocks, 1, static_bytes=0)
+    edge = err.value.min_budget_bytes
+    _first_calls_undecided(monkeypatch, 1)
+    with pytest.raises(InfeasibleBudget) as again:
+        solve_plan(blocks, edge - 1)
+    assert again.value.min_budget_bytes == edge
+
+
+def test_an_undecided_solve_above_the_edge_is_a_solver_error(monkeypatch):
+    from llm_act.planner import SolverError
+
+    blocks = [gpt_block(count=4)]
+    with pytest.raises(InfeasibleBudget) as err:
+        solve_plan(blocks, 1)
+    edge = err.value.min_budget_bytes
+    _first_calls_undecided(monkeypatch, 1)
+    with pytest.raises(SolverError, match="without deciding") as failed:
+        solve_plan(blocks, 2 * edge, variance_budget=1e9)
+    assert isinstance(failed.value, RuntimeError) and not isinstance(failed.value, ValueError)
+
+
+def test_a_solve_error_is_retried_without_presolve(monkeypatch):
+    """The real retry path: HiGHS (or CBC) ending in a solve error on its first try is asked
+    again without presolve, and that answer is used."""
+    import pulp
+    from llm_act.planner import milp
+
+    seen = []
+    real = pulp.LpProblem.solve
+
+    def solve(prob, solver=None, **kw):
+        seen.append(dict(getattr(solver, "optionsDict", None) or {}))
+        status = real(prob, solver, **kw)
+        if len(seen) == 1:  # the first try "fails"
+            prob.sol_status = pulp.LpSolutionNoSolutionFound
+            return pulp.LpStatusNotSolved
+        return status
+
+    monkeypatch.setattr(pulp.LpProblem, "solve", solve)
+    plan = solve_plan([gpt_block(count=2)], 10**12)
+    assert plan.optimal and len(seen) == 2
+    assert seen[0] == {} and seen[1] == milp._RETRY_OPTIONS[milp._solver_names()[0]]

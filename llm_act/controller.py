@@ -25,6 +25,7 @@ loss (per sample or per token, for the sampling-noise estimate).
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from llm_act import plans
@@ -32,6 +33,8 @@ from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.config import ActConfig
 from llm_act.sites import SITES
+
+log = logging.getLogger(__name__)
 
 #: distance between the codec seeds of consecutive layers (more than the number of sites)
 SEED_STRIDE = 1000
@@ -170,10 +173,20 @@ class Controller:
         per-layer choices, or {layer: {site: choice}}); it is validated now and applied at the
         next step boundary -- or at once while nothing drives iterations yet (no step() run,
         no optimizer attached), since no iteration can then be in flight. `ActConfig.codecs`
-        overrides are not re-applied: the plan is taken as given."""
+        overrides are not re-applied: the plan is taken as given.
+
+        Collective under torch.distributed: every rank of this pipeline stage (its TP and DP
+        ranks) must call it with the same plan, since mismatched plans hang the collectives
+        inside recomputation; a difference raises `agreement.Disagreement` on every rank,
+        naming it, and a rank that never calls it ends the others' wait after
+        `LLM_ACT_COLLECTIVE_TIMEOUT` seconds (`agreement.CollectiveError`)."""
         if not self.enabled:
             return
-        self._pending = plans.plan_from(plan, self.num_layers, self._modules, self._no_fewbit())
+        from llm_act import agreement
+
+        wanted = plans.plan_from(plan, self.num_layers, self._modules, self._no_fewbit())
+        agreement.agree_plan(wanted, agreement.groups())
+        self._pending = wanted
         if not self._in_step and not self._driven:
             # nobody drives iterations yet: there is no iteration to protect
             self._apply_pending()
@@ -333,10 +346,12 @@ class Controller:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Iteration, plan (in force and pending) and every codec's generator state."""
+        """Iteration, the `ActConfig` it ran under, plan (in force and pending), the adaptive
+        planner's state and every codec's generator state."""
         return {
             "version": 1,
             "iteration": self.iteration,
+            "config": self.config.to_dict(),
             "plan": _plan_to_state(self._plan),
             "pending": None if self._pending is None else _plan_to_state(self._pending),
             "adapt": self.adapter.state_dict(),
@@ -346,34 +361,85 @@ class Controller:
             },
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what `state_dict()` saved; the saved plan takes effect now (between
-        iterations), so the next forward encodes exactly as the saved run would have."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> list[str]:
+        """Restore what `state_dict()` saved where it agrees with this controller's config:
+        the settings given now (the `--act-compress-*` flags) win over the checkpoint's.
+
+        - the iteration always comes back (it is the training clock);
+        - the plan in force, the pending plan and the adaptive planner's state come back
+          only when every `ActConfig` field but `seed` equals the saved one; otherwise (or
+          when the checkpoint predates saved configs) the plan of the current config stays;
+        - a codec's random stream comes back only when its seed is the one this controller
+          gives it (same `seed`, same data-parallel rank), so replicas stay independent.
+
+        Changes take effect now, between iterations. Returns the lines it logs (logger
+        "llm_act.controller", INFO): what was restored and what was replaced."""
         if self._in_step:
             raise RuntimeError("load_state_dict: not allowed inside controller.step()")
         if not isinstance(state, Mapping) or state.get("version") != 1:
             raise ValueError("state: expected a Controller.state_dict() (version 1)")
         self.iteration = int(state["iteration"])
-        if not self.enabled:
-            return
+        notes = [f"act controller: restored iteration {self.iteration}"]
+        if self.enabled:
+            notes.append(self._load_codecs(state.get("codecs", {})))
+            notes.append(self._load_plan(state))
+        for note in notes:
+            log.info(note)
+        return notes
+
+    def _load_codecs(self, saved: Mapping[str, Any]) -> str:
+        """Restore the saved codec generators whose seed is this run's (see load_state_dict)."""
+        restored, foreign = 0, 0
+        for key, codec_state in saved.items():
+            layer, site, name = key.split("/")
+            if site not in self._modules.get(int(layer), {}):
+                continue  # another pipeline stage's layer
+            if codec_state.get("seed") != codec_seed(self.config.seed, int(layer), site):
+                foreign += 1
+                continue
+            self._get_codec(int(layer), site, name).load_state_dict(codec_state)
+            restored += 1
+        note = f"act codecs: restored the random streams of {restored} codecs"
+        if foreign:
+            note += (f"; {foreign} replaced by fresh streams (seeded for another seed or data-parallel "
+                     f"rank than this run's seed {self.config.seed})")
+        return note
+
+    def _load_plan(self, state: Mapping[str, Any]) -> str:
+        """Restore the saved plans and planner state if the config is unchanged (see
+        load_state_dict); the line saying which plan is in force."""
+        saved = state.get("config")
+        if saved is None:
+            return (f"act plan: the checkpoint holds no act config (saved by an older llm_act), so "
+                    f"its plan may not match this run's flags -> the plan of the current flags "
+                    f"({self.config.plan!r})")
+        changes = _config_changes(saved, self.config.to_dict())
+        if changes:
+            return (f"act plan: {'; '.join(changes)} -> the plan of the current flags; the "
+                    "checkpoint's plan and adaptive-planner state are not restored")
         if state.get("adapt") is not None:
             self.adapter.load_state_dict(state["adapt"])
-        for key, codec_state in state.get("codecs", {}).items():
-            layer, site, name = key.split("/")
-            if int(layer) in self._modules:
-                self._get_codec(int(layer), site, name).load_state_dict(codec_state)
-        saved = _plan_from_state(state["plan"])
-        self._apply(plans.plan_from(saved, self.num_layers, self._modules))
+        self._apply(plans.plan_from(_plan_from_state(state["plan"]), self.num_layers, self._modules))
         pending = state.get("pending")
         self._pending = (
             None if pending is None
             else plans.plan_from(_plan_from_state(pending), self.num_layers, self._modules)
         )
+        return (f"act plan: restored the checkpoint's plan in force (act config unchanged, plan "
+                f"{self.config.plan!r}, {len(self.adapter.history)} adaptive changes so far)")
 
     def __repr__(self) -> str:
         if not self.enabled:
             return f"Controller(disabled, iteration={self.iteration})"
         return f"Controller(iteration={self.iteration}, layers={list(self.layers)},\n{plans.describe(self._plan)})"
+
+
+def _config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """"field: checkpoint X, now Y" for every ActConfig field but `seed` (the codecs'
+    business) that differs between a saved config dict and the current one."""
+    return [f"{key}: checkpoint {saved.get(key)!r}, now {now.get(key)!r}"
+            for key in sorted(set(saved) | set(now))
+            if key != "seed" and saved.get(key) != now.get(key)]
 
 
 def _plan_to_state(plan: plans.Plan) -> dict[str, dict[str, str]]:

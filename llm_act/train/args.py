@@ -79,6 +79,12 @@ def build_parser(prog: str = "pretrain_gpt.py", add_help: bool = True) -> argpar
     io.add_argument("--save-interval", type=int, default=None)
     io.add_argument("--no-load-optim", action="store_true")
     io.add_argument("--no-load-rng", action="store_true")
+    io.add_argument("--override-opt_param-scheduler", action="store_true",
+                    help="on --load, use this run's --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/"
+                         "--lr-decay-style/--weight-decay instead of the checkpoint's schedule")
+    io.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                    help="on --load, keep the checkpoint's schedule (without either flag a "
+                         "schedule that differs from the checkpoint's is an error)")
     io.add_argument("--eval-interval", type=int, default=1000)
     io.add_argument("--eval-iters", type=int, default=2)
     io.add_argument("--log-interval", type=int, default=10)
@@ -147,6 +153,10 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace, world_size: int)
         if args.num_attention_heads % args.num_query_groups or args.num_query_groups % tp:
             p.error(f"--num-query-groups {args.num_query_groups}: must divide --num-attention-heads "
                     f"and be divisible by --tensor-model-parallel-size")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        p.error("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give at "
+                "most one (use this run's schedule, or the checkpoint's)")
+    args.lr_decay_iters_default = args.lr_decay_iters is None  # named so in resume errors
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters >= args.lr_decay_iters:

@@ -8,6 +8,10 @@ rank 0 after every rank has saved). megatron-core's `dist_checkpointing` needs C
 this format is used on every device; a checkpoint resumes only with the same parallel
 layout and model shape (checked, with a ValueError naming what differs); turning
 `--act-compress` on or off between runs is allowed (the parameters are the same).
+As in Megatron-LM, an lr/weight-decay schedule flag that differs from the checkpoint's is
+refused unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler says
+which wins (`optim.check_schedule`); the `--act-compress-*` flags given now win over the
+saved controller state (`Controller.load_state_dict` says what it restored).
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from llm_act.agreement import timed
 
 TRACKER = "latest_checkpointed_iteration.txt"
 VERSION = 1
@@ -45,13 +51,13 @@ def save(root: str, iteration: int, state: dict[str, Any]) -> str:
     torch.save({"version": VERSION, "iteration": iteration, **state}, path + ".tmp")
     os.replace(path + ".tmp", path)
     if dist.is_initialized():
-        dist.barrier()
+        timed(lambda: dist.barrier(async_op=True), f"the barrier after saving iteration {iteration}")
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:
             f.write(f"{iteration}\n")
         os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
     if dist.is_initialized():
-        dist.barrier()
+        timed(lambda: dist.barrier(async_op=True), f"the barrier after naming iteration {iteration}")
     return path
 
 

@@ -33,15 +33,66 @@ def no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 
 def scheduler(optimizer: Any, args: argparse.Namespace):
     """megatron-core's OptimizerParamScheduler (linear warmup, then cosine/linear/constant
-    decay to --min-lr), stepped once per iteration."""
+    decay to --min-lr), stepped once per iteration.
+
+    On resume `check_schedule` refuses a schedule that differs from the checkpoint's
+    unless a flag says which one wins, so megatron-core's own check (an assert naming
+    internal fields) is left with nothing to catch: it takes the new values under
+    --override-opt_param-scheduler and the checkpoint's otherwise."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    override = bool(getattr(args, "override_opt_param_scheduler", False))
+    values = scheduler_values(args)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant",
+        optimizer, init_lr=0.0, **values, end_wd=values["start_wd"], wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+        override_opt_param_scheduler=override, use_checkpoint_opt_param_scheduler=not override,
     )
+
+
+#: (scheduler state key, the flag that sets it) for every value `check_schedule` compares;
+#: weight decay is constant here (start == end), so wd_incr_steps (--train-iters) never
+#: changes it and is not compared
+SCHEDULE_FLAGS = (
+    ("max_lr", "--lr"), ("min_lr", "--min-lr"), ("lr_warmup_steps", "--lr-warmup-iters"),
+    ("lr_decay_steps", "--lr-decay-iters"), ("lr_decay_style", "--lr-decay-style"),
+    ("start_wd", "--weight-decay"),
+)
+
+
+def check_schedule(saved: dict[str, Any], args: argparse.Namespace, root: str) -> list[str]:
+    """Megatron-LM's resume rule for the LR/WD schedule in `saved` (a scheduler state):
+    a value that differs from this run's flags is a ValueError naming both values and the
+    two flags that settle it, unless one of them is given. Returns the log lines saying
+    which schedule is used (empty when nothing differs)."""
+    now = scheduler_values(args)
+    diff = []
+    for key, flag in SCHEDULE_FLAGS:
+        if saved.get(key) != now[key]:
+            name = flag
+            if key == "lr_decay_steps" and getattr(args, "lr_decay_iters_default", False):
+                name = "--lr-decay-iters (default: --train-iters)"
+            diff.append(f"{name} {saved.get(key)!r} in the checkpoint, {now[key]!r} now")
+    if not diff:
+        return []
+    if getattr(args, "override_opt_param_scheduler", False):
+        return ["--override-opt_param-scheduler: using this run's schedule, not the checkpoint's: "
+                + "; ".join(diff)]
+    if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+        return ["--use-checkpoint-opt_param-scheduler: using the checkpoint's schedule, not this "
+                "run's flags: " + "; ".join(diff)]
+    raise ValueError(
+        f"--load {root}: the lr/weight-decay schedule differs from the checkpoint's: "
+        + "; ".join(diff) + "; pass --override-opt_param-scheduler to use the new values or "
+        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
+def scheduler_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The schedule this run's flags set: OptimizerParamScheduler's arguments, named as in
+    its state (the `SCHEDULE_FLAGS` keys)."""
+    return {"max_lr": float(args.lr), "min_lr": args.min_lr, "lr_warmup_steps": args.lr_warmup_iters,
+            "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style,
+            "start_wd": args.weight_decay}
 
 
 class CpuOptimizer:

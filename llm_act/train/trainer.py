@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from llm_act.agreement import timed
 from llm_act.train import checkpoint, model as model_lib, optim, rng
 from llm_act.train.data import Batch, Samples, TokenData, micro_batch
 
@@ -125,7 +126,8 @@ class Trainer:
             return None
         pair = torch.stack([d["lm loss"].float().cpu() for d in losses]).sum(0)
         if self.args.data_parallel_size > 1:
-            dist.all_reduce(pair, group=self.dp_group)
+            timed(lambda: dist.all_reduce(pair, group=self.dp_group, async_op=True),
+                  "all_reduce of the loss", self.dp_group)
         return float(pair[0] / pair[1])
 
     def train_step(self, measure: bool = False) -> StepStats:
@@ -170,7 +172,8 @@ class Trainer:
             return None
         pair = torch.stack(pairs).sum(0)
         if a.data_parallel_size > 1:
-            dist.all_reduce(pair, group=self.dp_group)
+            timed(lambda: dist.all_reduce(pair, group=self.dp_group, async_op=True),
+                  "all_reduce of the validation loss", self.dp_group)
         return float(pair[0] / pair[1])
 
     # ---- checkpoints -----------------------------------------------------------------
@@ -186,8 +189,13 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any], root: str = "checkpoint",
-                        load_optim: bool = True, load_rng: bool = True) -> None:
+                        load_optim: bool = True, load_rng: bool = True) -> list[str]:
+        """Resume from `state` (`checkpoint.load`); returns the lines that say what of it was
+        used and what this run's flags replaced. Every check (layout, schedule) runs before
+        anything is changed, and each rank decides from the same flags and its own file, so a
+        refused checkpoint raises the same ValueError on every rank (no collective here)."""
         checkpoint.check_compatible(state["args"], self.args, root)
+        notes = optim.check_schedule(state["scheduler"], self.args, root) if load_optim else []
         for c, sd in zip(self.chunks, state["model"]):
             c.load_state_dict(sd)
         if load_optim:
@@ -204,5 +212,11 @@ class Trainer:
         self.consumed_samples = int(state["consumed_train_samples"])
         if load_rng:
             rng.set_state(state["rng"])
-        if self.controller is not None and state.get("act_controller") is not None:
-            self.controller.load_state_dict(state["act_controller"])
+        if self.controller is not None:
+            if state.get("act_controller") is not None:
+                notes += self.controller.load_state_dict(state["act_controller"])
+            else:  # saved without --act-compress: the plan of the flags, from this iteration
+                self.controller.iteration = self.iteration
+                notes.append(f"act controller: the checkpoint has none (saved without --act-compress); "
+                             f"starting at iteration {self.iteration} with the plan of this run's flags")
+        return notes

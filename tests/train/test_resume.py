@@ -9,14 +9,16 @@ import torch
 from llm_act.train import loop, parallel
 from llm_act.train.args import parse_args
 
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-         "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--eval-iters", "1",
-         "--log-interval", "1", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+#: the tiny model and batch (--lr-decay-iters left to its default, --train-iters)
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "3e-3", "--lr-warmup-iters", "1", "--eval-iters", "1",
+        "--log-interval", "1", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+SMALL = TINY + ["--lr-decay-iters", "6"]
 
 
-def run(argv, lines=None):
-    args = parse_args(SMALL + argv)
+def run(argv, lines=None, base=SMALL):
+    args = parse_args(base + argv)
     parallel.init(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: bit-identical sums in every run
@@ -42,8 +44,11 @@ def test_save_and_resume_gives_the_uninterrupted_losses(tmp_path, extra):
     assert resumed["losses"] == full["losses"][3:]  # exactly, not approximately
     assert resumed["valid_loss"] == full["valid_loss"]
     assert full["losses"][-1] < full["losses"][0]
-    if "--act-compress" in extra:
+    if "--act-compress" in extra:  # same flags: plan and codec streams restored, and said so
         assert resumed["trainer"].controller.iteration == 6
+        assert any(line.startswith(" > act plan: restored the checkpoint's plan") for line in lines)
+        restored = [line for line in lines if line.startswith(" > act codecs: restored the random streams")]
+        assert len(restored) == 1 and "replaced" not in restored[0] and " of 0 codecs" not in restored[0]
 
 
 def test_resume_with_another_model_shape_is_refused(tmp_path):
@@ -106,3 +111,31 @@ def test_auto_plan_measures_through_the_loops_probe(caplog):
     assert all(x == x for x in out["losses"]) and out["losses"][-1] < out["losses"][0]
     again = run(extra)
     assert again["losses"] == out["losses"]
+
+
+def test_resume_with_another_plan_takes_the_flags_plan_and_says_so(tmp_path):
+    """--act-compress-* flags given now win over the checkpointed controller: the plan of
+    the new flags is in force (and is what trains), the iteration still comes back."""
+    from llm_act import plans
+
+    ckpt = str(tmp_path / "ckpt")
+    run(["--train-iters", "2", "--save", ckpt, "--act-compress", "--act-compress-plan", "compress"])
+    lines = []
+    out = run(["--train-iters", "3", "--load", ckpt, "--act-compress", "--act-compress-plan", "keep"], lines)
+    ctl = out["trainer"].controller
+    assert plans.is_keep(ctl.plan) and ctl.iteration == 3
+    assert " > act plan: plan: checkpoint 'compress', now 'keep' -> the plan of the current flags; " \
+           "the checkpoint's plan and adaptive-planner state are not restored" in lines
+    assert " > act controller: restored iteration 2" in lines
+    assert any(line.startswith(" iteration        3/") and "plan: keep" in line for line in lines)
+
+
+def test_resume_with_act_compress_turned_on_starts_the_controller_at_the_iteration(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run(["--train-iters", "2", "--save", ckpt])
+    lines = []
+    out = run(["--train-iters", "3", "--load", ckpt, "--act-compress", "--act-compress-plan", "compress"],
+              lines)
+    assert out["trainer"].controller.iteration == 3
+    assert any("the checkpoint has none (saved without --act-compress); starting at iteration 2" in line
+               for line in lines)

@@ -6,7 +6,7 @@ iteration (design brief, "Distributed rules").
 - So the statistics each rank measured are reduced first -- over the ranks of the same
   pipeline stage (its TP and DP ranks: they hold the same layers) for the profile, over
   every rank for the per-site-type sensitivities (site types are shared across stages) --
-  then one rank per stage solves and broadcasts its decision (`broadcast_object_list`).
+  then one rank per stage solves and broadcasts its decision (`broadcast`).
   Each stage plans with its own layers and micro-batches in flight.
 - Reductions: stored bytes by max (a plan must fit the rank that stores most), times,
   errors, outlier rates and sensitivities by mean, budgets by min.
@@ -14,15 +14,55 @@ iteration (design brief, "Distributed rules").
 With megatron-core's parallel state initialised its groups are used (the stage group is
 `get_tensor_and_data_parallel_group()`); otherwise the whole `torch.distributed` world is
 one stage. Without torch.distributed (or with one rank) every function is the identity.
-Statistics travel as small Python objects (`all_gather_object`): a few hundred numbers per
-tracking point, so no tensor layout has to agree between ranks.
+Statistics travel as small pickled Python objects (a few hundred numbers per tracking point),
+so no tensor layout has to agree between ranks.
+
+Ranks that disagree fail fast instead of hanging:
+
+- `agree_setup` (called by `patches.megatron.apply` and the DeepSpeed `initialize`) compares
+  every rank's `ActConfig` and resolved plan and raises `Disagreement` on every rank with one
+  message naming the differing fields and each rank's value; `agree_plan` does the same for a
+  plan asked for with `Controller.set_plan`. A plan is compared only between ranks that hold
+  the same layer (pipeline stages hold different layers). A SHA-256 digest travels first;
+  the full values only when the digests differ.
+- Every collective issued here runs asynchronously and is waited for at most
+  `LLM_ACT_COLLECTIVE_TIMEOUT` seconds (default 300; `timed`, for other modules too): a
+  rank that never joins (it failed, stopped, or took another code path) ends in
+  `CollectiveError` naming the operation, the group and the likely cause, not in a hang
+  until the process group's own timeout (30 min for gloo). Payloads live on the current
+  CUDA device under NCCL (whose `work.wait(timeout)` blocks the host up to the deadline),
+  on the CPU otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import pickle
+import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
+
+#: environment variable: seconds any collective llm_act issues may wait for the other ranks
+TIMEOUT_ENV = "LLM_ACT_COLLECTIVE_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+#: the fix `agree_setup` names
+SETUP_FIX = ('give every rank the same --act-compress-* flags (DeepSpeed: the same '
+             '"activation_compression" section)')
+#: at most this many differing fields are listed in a `Disagreement`
+MAX_LISTED = 8
+
+
+class Disagreement(RuntimeError):
+    """Ranks of one job hold different llm_act settings or plans (raised on every rank)."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective llm_act issued did not complete: a rank did not join in time, or failed."""
 
 
 @dataclass
@@ -76,14 +116,85 @@ def data_parallel_rank() -> int:
     return int(ps.get_data_parallel_rank() if ps is not None else dist.get_rank())
 
 
-def gather(obj: Any, group: Any = None) -> list[Any]:
-    """`obj` of every rank of `group` (a list in rank order)."""
+def collective_timeout() -> float:
+    """Seconds a collective of ours waits for the other ranks (`LLM_ACT_COLLECTIVE_TIMEOUT`,
+    default 300): long enough for a slow rank's first iteration, short enough that a rank
+    that never comes does not hold the job until the process group's 30-minute timeout."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV}: expected a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _describe(group: Any) -> str:
     dist = _dist()
-    if dist is None:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    if group is None or group is dist.group.WORLD:
+        return f"the world group ({dist.get_world_size()} ranks)"
+    ranks = dist.get_process_group_ranks(group)
+    return f"the group of global ranks {_spans(ranks)}"
+
+
+def timed(start: Callable[[], Any], op: str, group: Any = None) -> None:
+    """Run a collective with a deadline: `start()` issues it with `async_op=True` and returns
+    its work, which is waited for at most `collective_timeout()` seconds; a timeout or a
+    failure raises `CollectiveError` naming `op` and `group`. E.g.
+    `timed(lambda: dist.all_reduce(t, group=g, async_op=True), "all_reduce of the loss", g)`."""
+    limit = collective_timeout()
+    begun = time.monotonic()
+    try:
+        start().wait(timeout=datetime.timedelta(seconds=limit))
+    except RuntimeError as err:  # gloo: "Operation timed out!"; NCCL: DistBackendError
+        dist = _dist()
+        raise CollectiveError(
+            f"llm_act: {op} over {_describe(group)} did not complete on rank {dist.get_rank()} "
+            f"(after {time.monotonic() - begun:.1f} s; timeout {limit:g} s, set by {TIMEOUT_ENV}): "
+            f"{err}. Likely cause: another rank of the group never reached this call -- it "
+            "failed or stopped (see its log), or it took another path: a different "
+            "--act-compress-* setup, or set_plan called on some ranks only"
+        ) from err
+
+
+def _device(group: Any) -> torch.device:
+    """Where payload tensors live: NCCL moves only CUDA tensors, gloo CPU ones."""
+    if _dist().get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather(t: torch.Tensor, group: Any, op: str) -> list[torch.Tensor]:
+    dist = _dist()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    timed(lambda: dist.all_gather(out, t, group=group, async_op=True), op, group)
     return out
+
+
+def _pack(obj: Any, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _unpack(t: torch.Tensor, size: int) -> Any:
+    return pickle.loads(t[:size].cpu().numpy().tobytes())
+
+
+def gather(obj: Any, group: Any = None, op: str = "all_gather of statistics") -> list[Any]:
+    """`obj` of every rank of `group` (a list in rank order); `op` names the operation in a
+    `CollectiveError`."""
+    dist = _dist()
+    if dist is None or dist.get_world_size(group) == 1:
+        return [obj]
+    device = _device(group)
+    payload = _pack(obj, device)
+    sizes = [int(n) for n in _all_gather(torch.tensor([payload.numel()], device=device), group,
+                                         f"{op} (sizes)")]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    return [_unpack(t, n) for t, n in zip(_all_gather(padded, group, op), sizes)]
 
 
 def reduce_dict(values: Mapping[Any, float], op: str, group: Any = None) -> dict[Any, float]:
@@ -100,14 +211,20 @@ def reduce_dict(values: Mapping[Any, float], op: str, group: Any = None) -> dict
     return out
 
 
-def broadcast(obj: Any, g: Optional[Groups]) -> Any:
+def broadcast(obj: Any, g: Optional[Groups], op: str = "broadcast of the plan") -> Any:
     """`obj` of the stage's source rank, on every rank of the stage."""
     dist = _dist()
-    if dist is None or g is None:
+    if dist is None or g is None or dist.get_world_size(g.stage) == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=g.src, group=g.stage)
-    return box[0]
+    device = _device(g.stage)
+    source = dist.get_rank() == g.src
+    payload = _pack(obj, device) if source else None
+    size = torch.tensor([payload.numel() if source else 0], device=device)
+    timed(lambda: dist.broadcast(size, src=g.src, group=g.stage, async_op=True), f"{op} (size)", g.stage)
+    if not source:
+        payload = torch.empty(int(size), dtype=torch.uint8, device=device)
+    timed(lambda: dist.broadcast(payload, src=g.src, group=g.stage, async_op=True), op, g.stage)
+    return _unpack(payload, int(size))
 
 
 def is_source(g: Optional[Groups]) -> bool:
@@ -148,6 +265,97 @@ def agree_profile(profile: Any, g: Optional[Groups]) -> Any:
             opt.encode_ms = means[(layer, site, name, "enc")]
             opt.decode_ms = means[(layer, site, name, "dec")]
     return profile
+
+
+# ---- agreement on settings and plans -------------------------------------------------------
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=repr)
+
+
+def _spans(numbers: list[int]) -> str:
+    """[0, 2, 3, 4] -> '0, 2-4'."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _per_rank(holders: list[tuple[int, Any]]) -> str:
+    """"rank 0 'compress', rank 1 'keep'"; ranks sharing a value are listed together."""
+    by_value: dict[str, list[int]] = {}
+    shown: dict[str, Any] = {}
+    for rank, value in holders:
+        key = _canonical(value)
+        by_value.setdefault(key, []).append(rank)
+        shown.setdefault(key, value)
+    return ", ".join(f"rank{'s' if len(r) > 1 else ''} {_spans(r)} {shown[k]!r}" for k, r in by_value.items())
+
+
+def _differences(parts: list[dict]) -> list[str]:
+    """One line per differing field; a key `(field, layer)` is compared only between the
+    ranks that hold it (that layer), and equal differences over several layers share a line."""
+    grouped: dict[tuple[str, str], list] = {}
+    for key in sorted({k for p in parts for k in p}, key=repr):
+        holders = [(rank, p[key]) for rank, p in enumerate(parts) if key in p]
+        if len({_canonical(v) for _, v in holders}) < 2:
+            continue
+        name, layer = key if isinstance(key, tuple) else (key, None)
+        grouped.setdefault((name, _per_rank(holders)), []).append(layer)
+    lines = []
+    for (name, values), layers in grouped.items():
+        where = "" if layers == [None] else f" (layer{'s' if len(layers) > 1 else ''} {_spans(layers)})"
+        lines.append(f"{name}{where}: {values}")
+    return lines
+
+
+def agree(items: Mapping[Any, Any], what: str, fix: str, group: Any = None) -> None:
+    """Raise `Disagreement` on every rank of `group` unless all hold equal `items`.
+
+    `items`: {field: value}, or {(field, layer): value} for what only the ranks holding
+    `layer` compare. Collective (every rank of `group` must call it). The message, the same
+    on every rank: "llm_act: ranks disagree on the <what>: <field>: rank 0 <value>, rank 1
+    <value>; ...; <fix>".
+    """
+    dist = _dist()
+    if dist is None or dist.get_world_size(group) == 1:
+        return
+    device = _device(group)
+    mine = hashlib.sha256(_canonical(sorted(items.items(), key=repr)).encode()).digest()
+    digest = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    digests = _all_gather(digest, group, f"all_gather of the {what} digest")
+    if all(torch.equal(d, digests[0]) for d in digests):
+        return
+    # different digests may still agree on every key two ranks share (pipeline stages)
+    lines = _differences(gather(dict(items), group, f"all_gather of the {what}"))
+    if not lines:
+        return
+    more = len(lines) - MAX_LISTED
+    listed = "; ".join(lines[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+    raise Disagreement(f"llm_act: ranks disagree on the {what}: {listed}; {fix}")
+
+
+def _plan_items(plan: Mapping[int, Mapping[str, str]]) -> dict[tuple[str, int], str]:
+    return {(f"plan at {site}", int(layer)): choice for layer, c in plan.items() for site, choice in c.items()}
+
+
+def agree_setup(controller: Any, fix: str = SETUP_FIX) -> None:
+    """Every rank of the job (the world: TP, PP and DP ranks) checks that it runs the same
+    `ActConfig` and -- only when those agree, since a differing setting explains a differing
+    plan -- the same plan at every layer it shares with another rank. Collective."""
+    agree(dataclasses.asdict(controller.config), "activation-compression setup", fix)
+    agree(_plan_items(controller.plan), "activation-compression setup", fix)  # {} when disabled
+
+
+def agree_plan(plan: Mapping[int, Mapping[str, str]], g: Optional[Groups] = None) -> None:
+    """The ranks of this pipeline stage (`g.stage`, the world without megatron's parallel
+    state) check that they asked for the same plan (`Controller.set_plan`). Collective."""
+    agree(_plan_items(plan), "plan asked for with set_plan",
+          "call set_plan with the same plan on every rank", g.stage if g is not None else None)
 
 
 def device_free_bytes() -> Optional[tuple[int, int]]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from llm_act.agreement import timed
 from llm_act.train import checkpoint, data as data_lib, parallel
 from llm_act.train.trainer import Trainer
 
@@ -37,7 +38,7 @@ def max_over_ranks(value: int) -> int:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return int(value)
     t = torch.tensor([int(value)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    timed(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), "all_reduce of the saved bytes")
     return int(t.item())
 
 
@@ -74,10 +75,12 @@ def train(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[
         if state is None:
             say(f"--load {args.load}: no checkpoint there yet, starting from scratch")
         else:
-            trainer.load_state_dict(state, args.load, load_optim=not args.no_load_optim,
-                                    load_rng=not args.no_load_rng)
+            notes = trainer.load_state_dict(state, args.load, load_optim=not args.no_load_optim,
+                                            load_rng=not args.no_load_rng)
             say(f"loaded checkpoint of iteration {trainer.iteration} from {args.load} "
                 f"({trainer.consumed_samples} samples consumed)")
+            for note in notes:
+                say(f" > {note}")
     tokens_per_iter = args.global_batch_size * args.seq_length
     losses: list[float] = []
     first_iter = trainer.iteration
@@ -120,19 +123,28 @@ def train(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[
         say(f"saved checkpoint of iteration {trainer.iteration} to {args.save}")
     timed = trainer.iteration - first_iter - 1
     tps = tokens_per_iter * timed / total_time if timed > 0 and total_time > 0 else float("nan")
+    adapter = trainer.controller.adapter if trainer.controller is not None else None
     summary = {
         "iterations": trainer.iteration, "losses": losses,
         "final_loss": losses[-1] if losses else None, "valid_loss": valid_loss,
         "tokens_per_s": tps, "saved_bytes": saved, "plan": plan_name(args),
         "sha256": data.sha256, "trainer": trainer,
+        "solver_failures": adapter.solver_failures if adapter is not None else 0,
     }
     if losses:
         say(f"summary: {trainer.iteration} iterations ({trainer.iteration - first_iter} run now), "
             f"lm loss {losses[0]:.4f} -> {losses[-1]:.4f}, validation loss "
-            f"{'n/a' if valid_loss is None else f'{valid_loss:.4f}'}, {tps:.1f} tokens/s, saved "
+            f"{'n/a' if valid_loss is None else f'{valid_loss:.4f}'}, {_rate(tps)}, saved "
             f"activations {_mib(saved)} MiB/micro-batch (largest rank), plan {plan_name(args)}, "
             f"corpus sha256 {data.sha256[:16]}")
+        if adapter is not None and adapter.active:
+            say(f"summary: {adapter.summary()}")
     return summary
+
+
+def _rate(tps: float) -> str:
+    """Tokens/s of the timed iterations; the first pays one-off costs and is not timed."""
+    return f"{tps:.1f} tokens/s" if math.isfinite(tps) else "tokens/s n/a (needs 2 or more iterations)"
 
 
 def _mib(n: Optional[int]) -> str:

@@ -1,11 +1,14 @@
 """What `initialize` adds to a DeepSpeed engine: the controller, its clock and its checkpoint.
 
 - `engine.act_controller`: the `llm_act.Controller` of the wrapped model.
-- `engine.step()`: on an optimizer step (a gradient-accumulation boundary) the ranks agree
-  on the plan (`plan_sync.agree`) and the step runs inside `controller.step()`, so the
-  controller advances one iteration per optimizer step and switches plans only there,
-  never between the micro-batches of one step. Inside a user's own `with
-  controller.step():` the engine leaves the counting to it.
+- `engine.step()`: on an optimizer step (a gradient-accumulation boundary) the step runs
+  inside `controller.step()`, so the controller advances one iteration per optimizer step
+  and switches plans only there, never between the micro-batches of one step. Inside a
+  user's own `with controller.step():` the engine leaves the counting to it. The ranks
+  need no exchange here: they agreed on the setup in `initialize`, every plan switch is
+  agreed where it is asked for (`Controller.set_plan`, the adaptive planner's broadcast),
+  and a rank that asks for a different plan stops every rank with an error naming it
+  instead of being overruled silently.
 - `engine.save_checkpoint(...)` adds the controller's state to `client_state` under the key
   `"llm_act"`; `engine.load_checkpoint(...)` takes it out again, restores the controller
   and returns the rest of `client_state` as DeepSpeed would.
@@ -15,23 +18,20 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from llm_act.patches.deepspeed import plan_sync
-
 #: the client_state key that holds llm_act's state in a DeepSpeed checkpoint
 STATE_KEY = "llm_act"
 
 
 def attach(engine: Any, controller: Any, extra_state: Optional[Callable[[], dict]] = None,
-           load_extra: Optional[Callable[[dict], None]] = None, group: Any = None) -> Any:
+           load_extra: Optional[Callable[[dict], None]] = None) -> Any:
     """Attach `controller` to `engine` (see the module docstring); returns the engine.
 
     `extra_state`/`load_extra`: more state to keep in checkpoints beside the controller's
-    (the generic path's hook codecs). `group`: the process group that must share one plan.
+    (the generic path's hook codecs).
     """
     if getattr(engine, "act_controller", None) is not None:
         raise ValueError("engine: already has an act_controller (initialize was applied twice)")
     engine.act_controller = controller
-    plan_sync.agree(controller, group)
 
     step = engine.step
 
@@ -39,7 +39,6 @@ def attach(engine: Any, controller: Any, extra_state: Optional[Callable[[], dict
     def act_step(*args: Any, **kwargs: Any):
         if not engine.is_gradient_accumulation_boundary() or getattr(controller, "_in_step", False):
             return step(*args, **kwargs)
-        plan_sync.agree(controller, group)
         with controller.step():
             return step(*args, **kwargs)
 

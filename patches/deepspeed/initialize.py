@@ -12,9 +12,13 @@ on unchanged. Before DeepSpeed wraps the model it:
    `deepspeed.checkpointing` when `"activation_checkpointing"` is configured
    (`megatron_recompute`); other models through the generic hook path plus per-block
    recompute on their repeated blocks (`generic.apply`);
-4. calls `deepspeed.initialize`, then attaches the controller to the engine
+4. checks that every rank (the DP/ZeRO ranks, and any model-parallel peers: the world)
+   holds the same section and the same resolved plan (`agreement.agree_setup`): ranks with
+   different plans would hang in ZeRO-3's gathers inside recomputation, so every rank
+   raises `agreement.Disagreement` naming the differing keys and each rank's value;
+5. calls `deepspeed.initialize`, then attaches the controller to the engine
    (`engine.act_controller`, advanced by `engine.step()`, saved in checkpoints; see
-   `engine.py`), after the ranks agreed on one plan.
+   `engine.py`).
 
 Without our section the model is untouched and `engine.act_controller` is a disabled
 controller that only counts optimizer steps.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from llm_act import agreement
 from llm_act._imports import require
 from llm_act.config import ActConfig
 from llm_act.patches.deepspeed import ds_config
@@ -91,6 +96,7 @@ def initialize(
                                distributed_port=distributed_port,
                                dist_init_required=dist_init_required)
     controller, handle = _patch(model, act, checkpointing, mpu)
+    agreement.agree_setup(controller)
     result = deepspeed.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler,
@@ -100,8 +106,6 @@ def initialize(
     engine = result[0]
     from llm_act.patches.deepspeed import engine as engine_lib
 
-    # one plan on every rank of the world (tensor-parallel peers included); the DeepSpeed
-    # engine has no pipeline stages, so all ranks hold the same layers
     engine_lib.attach(engine, controller,
                       extra_state=handle.extra_state if handle is not None else None,
                       load_extra=handle.load_extra if handle is not None else None)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from llm_act._imports import require
+from llm_act.agreement import timed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +165,7 @@ def _train(args: argparse.Namespace, ds: dict[str, Any], log: Callable[[str], No
             engine.step()
             total += loss.detach().float().item() / gas
         mean = torch.tensor([total], dtype=torch.float64)
-        torch.distributed.all_reduce(mean)
+        timed(lambda: torch.distributed.all_reduce(mean, async_op=True), "all_reduce of the loss")
         losses.append(mean.item() / world)
         saved.append(step_saved)
         say(f"step {step + 1:3d}  loss {losses[-1]:.4f}  saved {step_saved:,} B "
@@ -191,5 +192,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run(args)
-    torch.distributed.barrier()
+    timed(lambda: torch.distributed.barrier(async_op=True), "the closing barrier")
     return 0

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Union
 
 import torch
 
+from llm_act import agreement
 from llm_act._imports import require
 from llm_act.config import ActConfig
 from llm_act.controller import Controller
@@ -73,11 +74,19 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     is changed. Calling `apply` again on the same model raises: change plans through the
     Controller (`set_plan`) instead. A model built with `layer_spec(...)` already holds the
     compressed classes; `apply` then only binds them to a Controller.
+
+    Collective under torch.distributed: every rank of the job calls it, and the ranks agree
+    on their `ActConfig` and resolved plan (`agreement.agree_setup`; a pipeline stage's plan
+    is compared with the ranks holding the same layers). Ranks handed different settings
+    would hang in the first recomputed collective; instead every rank raises
+    `agreement.Disagreement` naming the differing fields and each rank's value.
     """
     config = as_config(config)
     roots = _roots(model)
     if not config.enabled:
-        return Controller(config)
+        controller = Controller(config)
+        agreement.agree_setup(controller)
+        return controller
     require("megatron.core", "llm_act.patches.megatron.apply")
     from llm_act.patches.megatron import cpu_shim, unsupported
 
@@ -118,5 +127,6 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     for layer in layers:
         unsupported.guard_compile(layer)
         layer._llm_act_controller = controller
+    agreement.agree_setup(controller)
     return controller
 

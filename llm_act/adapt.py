@@ -22,16 +22,25 @@ fixed at the first tracking: on a GPU the memory this process can use after the 
 iteration minus a 5% margin, on CPU static + the memory of the "compress" plan.
 `ActConfig.codecs` pins sites: the planner chooses the other sites around them.
 `adapt=False` solves once, at the first tracking, and keeps that plan.
+
+A budget no plan fits: a user-given `ActConfig.budget` is refused at the first tracking
+(`BudgetTooSmall`, a ValueError naming the smallest budget that works, on every rank), as
+`llm-act plan` refuses it; a derived budget, or a user budget that stops fitting later
+(outliers grew), gets the tightest plan and one warning. A re-planning step never ends a
+run: any other solver failure keeps the plan in force, warns once and is counted in
+`solver_failures` (checkpointed; `summary()` says it).
 """
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Optional
 
 import torch
 
 from llm_act import agreement, plans
 from llm_act.codecs.registry import KEEP, RECOMPUTE
+from llm_act.planner.milp import InfeasibleBudget
 
 log = logging.getLogger("llm_act.controller")
 
@@ -47,6 +56,36 @@ SENS_WINDOW = 3
 #: a sensitivity shift counts only for a site carrying at least this share of the plan's
 #: predicted noise (two-draw estimates of minor sites fluctuate without consequence)
 SENS_SHARE = 0.1
+
+
+class BudgetTooSmall(InfeasibleBudget):
+    """A user-given activation budget that no plan fits, refused at the first tracking;
+    the message names the setting and the smallest budget that works."""
+
+    def __init__(self, budget_bytes: int, static_bytes: int, min_budget_bytes: int):
+        super().__init__(budget_bytes, static_bytes, min_budget_bytes)
+        gb_up = math.ceil(min_budget_bytes / 1e6) / 1e3  # rounded up to the MB: passing it back works
+        self.args = (
+            f"the activation budget of {budget_bytes} bytes ({budget_bytes / 1e9:.3f} GB) is "
+            f"too small: with {static_bytes} bytes ({static_bytes / 2**30:.3f} GiB) of static memory "
+            f"(parameters, gradients, optimizer state, tensors no site owns) the smallest budget any plan fits is "
+            f"{min_budget_bytes} bytes = {min_budget_bytes / 1e9:.3f} GB = {min_budget_bytes / 2**30:.3f} GiB; "
+            f"raise --act-compress-budget (the 'budget' key of the DeepSpeed 'activation_compression' "
+            f"section, ActConfig.budget) to at least {gb_up:.3f}GB, or leave it unset",)
+
+
+class PlanOverBudget(ValueError):
+    """A fixed plan (not "auto") that holds more than the user-given budget, refused at the
+    first iteration: nothing would re-plan it to fit."""
+
+    def __init__(self, plan: str, budget_bytes: int, needed_bytes: int):
+        self.budget_bytes, self.needed_bytes = budget_bytes, needed_bytes
+        gb_up = math.ceil(needed_bytes / 1e6) / 1e3
+        super().__init__(
+            f"plan {plan!r} holds at least {needed_bytes} bytes ({needed_bytes / 1e9:.3f} GB, static "
+            f"memory included), more than the activation budget of {budget_bytes} bytes "
+            f"({budget_bytes / 1e9:.3f} GB): raise --act-compress-budget (ActConfig.budget) to at least "
+            f"{gb_up:.3f}GB, or use plan 'auto', which chooses per site to fit the budget")
 
 
 def _recompute_available() -> bool:
@@ -67,6 +106,13 @@ def _inflight() -> int:
     except Exception:  # megatron-core absent
         pass
     return 1
+
+
+def device_memory_bytes() -> Optional[int]:
+    """Total memory of the current GPU; None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
 def _median(values: list[float]) -> float:
@@ -119,7 +165,15 @@ class Adapter:
         self.profile = None  # the last MeasuredProfile (not checkpointed)
         self.solution = None  # the last planner answer (not checkpointed)
         self.noise_ratio: Optional[float] = None
+        self.solver_failures = 0
+        """tracking points whose solve failed (the plan in force was kept)"""
         self._warned_no_probe = False
+        self._warned: set[str] = set()
+        """kinds of warning given already (each is said once per run)"""
+        self._started = False
+        """the checks of the first iteration of this run are done"""
+        self._run_tracks = 0
+        """tracking points of this run (a resumed run refuses a new budget as a fresh one does)"""
 
     @property
     def config(self):
@@ -133,6 +187,9 @@ class Adapter:
     def after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
         """Called after every iteration; tracks when one is due."""
         it = self.controller.iteration
+        if not self._started:
+            self._started = True
+            self._check_user_budget(probe)
         if not self.active or it < self.next_track:
             return
         if self.track_count > 0 and not self.config.adapt:
@@ -140,11 +197,48 @@ class Adapter:
         if probe is None:
             if not self._warned_no_probe:
                 log.warning("llm_act: plan 'auto' cannot measure without a probe: pass "
-                            "controller.step(probe=fn) or controller.set_probe(fn); the plan stays")
+                            "controller.step(probe=fn) or controller.set_probe(fn); the plan stays%s",
+                            "" if self.config.budget is None else " and the budget is not checked")
                 self._warned_no_probe = True
             self.next_track = it + 1
             return
         self.track(probe)
+
+    def _check_user_budget(self, probe: Optional[Callable[[], Any]]) -> None:
+        """After the first iteration of a run, a user-given budget: a warning when it is more
+        than the GPU's total memory; for a fixed plan, `_check_fixed_budget`."""
+        budget = self.config.budget
+        if not self.controller.enabled or budget is None:
+            return
+        total = device_memory_bytes()
+        if total is not None and budget > total:
+            log.warning("llm_act: the activation budget of %.3f GB (--act-compress-budget) is more than the "
+                        "%.3f GB this GPU has; a plan made for it may run out of memory", budget / 1e9, total / 1e9)
+        if self.config.plan != "auto":
+            self._check_fixed_budget(probe)
+
+    def _check_fixed_budget(self, probe: Optional[Callable[[], Any]]) -> None:
+        """Once, after the first iteration of a run: a fixed plan with a user budget is
+        measured on this batch (no codec timing) and refused with `PlanOverBudget` when its
+        static memory + stored bytes exceed the budget. The measurement runs the
+        memory-efficient attention, so for a plan on stock attention it is a lower bound:
+        what it refuses surely does not fit."""
+        from llm_act.planner.measure import measure_profile
+
+        c = self.controller
+        if probe is None:
+            self._warn_once("no_probe_budget", "llm_act: the budget of plan %r is not checked without a "
+                            "probe (pass controller.step(probe=fn) or controller.set_probe(fn))",
+                            self.config.plan)
+            return
+        names = {n for choice in c.plan.values() for n in choice.values()} - {KEEP, RECOMPUTE}
+        g = agreement.groups()
+        profile = agreement.agree_profile(measure_profile(c, probe, times_from={}, codecs=sorted(names)), g)
+        need = self._static_bytes() + profile.other_bytes + _inflight() * profile.predicted_bytes(
+            c.plan, include_other=False)
+        need = int(agreement.reduce_dict({"n": need}, "max", g.stage if g else None)["n"])
+        if need > self.config.budget:
+            raise PlanOverBudget(self.config.plan, int(self.config.budget), need)
 
     def _schedule(self, it: int, reset: bool) -> None:
         if reset:
@@ -187,6 +281,13 @@ class Adapter:
         if agreement.is_source(g):
             decision = self._solve(profile, blocks, static, budget, reasons)
         decision = agreement.broadcast(decision, g)
+        if decision.get("refused") is not None:
+            raise BudgetTooSmall(*decision["refused"])
+        if decision.get("failure") is not None:
+            self.solver_failures += 1
+            self._warn_once("failure", "llm_act: iteration %d: the planner failed (%s); the plan in force "
+                            "stays (said once; every failure is counted in the run's summary)",
+                            it, decision["failure"])
         self.budget = decision["budget"]
         self.profile = profile
         old = c.plan
@@ -215,6 +316,7 @@ class Adapter:
                                            where=f" (iteration {it})")
         self.tracked.append(it)
         self.track_count += 1
+        self._run_tracks += 1
         if decision["reasons"]:
             self.resets.append((it, list(decision["reasons"])))
             log.info("llm_act: iteration %d: statistics shifted (%s); tracking interval back to 1",
@@ -292,8 +394,7 @@ class Adapter:
             return self.budget
         free = agreement.device_free_bytes()
         if free is not None:
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            budget = int(free[0] + free[1] - GPU_MARGIN * total)
+            budget = int(free[0] + free[1] - GPU_MARGIN * device_memory_bytes())
         else:
             from llm_act.planner import evaluate_plan
 
@@ -305,22 +406,54 @@ class Adapter:
             budget = static + evaluate_plan(blocks, choice).activation_bytes
         return budget
 
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(msg, *args)
+
     def _solve(self, profile: Any, blocks: list, static: int, budget: int,
                reasons: list[str]) -> dict[str, Any]:
-        from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
+        """The decision of the source rank, as plain data for the broadcast: a plan, or
+        None with why (`refused`: a user budget too small at the first tracking; `failure`:
+        the solver broke). Never raises: every rank must learn the outcome."""
+        from llm_act.planner import InfeasibleVariance, solve_plan
 
         out: dict[str, Any] = {"plan": None, "budget": budget, "reasons": reasons,
-                               "predicted_bytes": 0, "activation_bytes": 0, "overhead_ms": 0.0}
+                               "predicted_bytes": 0, "activation_bytes": 0, "overhead_ms": 0.0,
+                               "refused": None, "failure": None}
+        it = self.controller.iteration
+
+        def solve(b: int):
+            return solve_plan(blocks, b, static_bytes=static, variance_budget=self.config.variance_budget)
+
         try:
-            sol = solve_plan(blocks, budget, static_bytes=static,
-                             variance_budget=self.config.variance_budget)
-        except (InfeasibleBudget, InfeasibleVariance) as err:
-            log.warning("llm_act: iteration %d: no plan fits (%s); the plan stays", self.controller.iteration, err)
+            try:
+                sol = solve(budget)
+            except InfeasibleBudget as err:
+                if self.config.budget is not None and not self._run_tracks:
+                    out["refused"] = (int(err.budget_bytes), int(err.static_bytes), int(err.min_budget_bytes))
+                    return out
+                self._warn_once("tightest", "llm_act: iteration %d: no plan fits the %s budget of %d bytes "
+                                "(%.3f GiB); using the tightest plan, %d bytes (%.3f GiB) (said once)", it,
+                                "given" if self.config.budget is not None else "derived", budget,
+                                budget / 2**30, err.min_budget_bytes, err.min_budget_bytes / 2**30)
+                sol = solve(err.min_budget_bytes)
+        except InfeasibleVariance as err:
+            self._warn_once("variance", "llm_act: iteration %d: no plan meets the noise budget (%s); the "
+                            "plan stays (said once)", it, err)
+            return out
+        except Exception as err:  # a re-planning step must never end the run
+            out["failure"] = f"{type(err).__name__}: {err}"
             return out
         self.solution = sol
         out.update(plan=profile.plan_from_choice(sol.choice), predicted_bytes=sol.activation_bytes + static,
                    activation_bytes=sol.activation_bytes, overhead_ms=sol.overhead_ms)
         return out
+
+    def summary(self) -> str:
+        """One line for the end of a run: trackings, plan changes, solver failures."""
+        return (f"re-planning: {self.track_count} tracking points, {len(self.history)} plan changes, "
+                f"{self.solver_failures} solver failures (plan kept)")
 
     # ---- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -331,7 +464,7 @@ class Adapter:
             "last": {k: dict(v) for k, v in self.last.items()},
             "sensitivity": dict(self.sensitivity), "c_recent": [dict(m) for m in self.c_recent],
             "sampling_noise": self.sampling_noise,
-            "budget": self.budget, "times": self.times,
+            "budget": self.budget, "times": self.times, "solver_failures": self.solver_failures,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -347,6 +480,7 @@ class Adapter:
         self.sampling_noise = state["sampling_noise"]
         self.budget = state["budget"]
         self.times = state["times"]
+        self.solver_failures = int(state.get("solver_failures", 0))
 
 
 def interval_sequence(n: int, interval_max: int) -> list[int]:

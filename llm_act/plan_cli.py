@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -323,7 +324,9 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
     results = plan_stages(shape, args.budget, zero_stage=args.zero_stage, dp=args.dp,
                           device=device, variance_budget=variance)
     if args.budget > device.memory_bytes:
-        print(f"note: --budget exceeds the {device.memory_bytes / 1e9:g} GB of the {device.name} device model")
+        print(f"warning: --budget {args.budget / 1e9:.3f} GB is more than the {device.memory_bytes / 1e9:g} GB "
+              f"of the {device.name} device model (--device {args.device}); a plan made for it will not fit "
+              f"that device", file=sys.stderr)
     failed = [r for r in results if r.plan is None]
     for res in results:
         print()

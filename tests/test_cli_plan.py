@@ -61,6 +61,16 @@ def test_impossible_budget_prints_the_minimum_and_exits_2(capsys):
     assert code == 2
 
 
+def test_a_budget_above_the_device_memory_is_warned(capsys):
+    code = main([*GPT7B, "--budget", "100GB"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "warning: --budget 100.000 GB is more than the 80 GB of the H100-like" in err
+    code = main([*GPT7B, "--budget", "100GB", "--device", "cpu"])  # a 256 GB device model
+    assert code == 0 and "warning" not in capsys.readouterr().err
+    code = main([*GPT7B, "--budget", "80GB"])  # all of it is not more than it
+    assert code == 0 and "warning" not in capsys.readouterr().err
+
+
 def test_cost_is_monotone_in_the_budget(capsys):
     costs = []
     for gb in (16, 17, 18, 20, 24):

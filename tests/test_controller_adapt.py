@@ -192,3 +192,100 @@ def test_resume_continues_with_the_same_plans_tracking_and_encodes():
     for key in first_codecs:  # every codec's generator ended in the same state: identical encodes
         for dev, st in first_codecs[key].items():
             assert torch.equal(st, second_codecs[key][dev]), key
+
+
+def test_a_solver_failure_keeps_the_plan_warns_once_and_is_counted(caplog, monkeypatch):
+    model, controller, opt, gen = _setup(sensitivity=False)
+    _train(model, controller, opt, gen, 1)  # iteration 1: the first plan
+    first = controller.plan
+    assert controller.adapter.solver_failures == 0 and len(controller.history) == 1
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("HiGHS: Not Solved")
+
+    monkeypatch.setattr("llm_act.planner.solve_plan", broken)
+    with caplog.at_level(logging.WARNING, logger="llm_act.controller"):
+        steps = _train(model, controller, opt, gen, 7)  # iterations 2-8: tracked at 2, 4, 8
+    a = controller.adapter
+    assert a.tracked == [1, 2, 4, 8] and a.solver_failures == 3
+    assert all(plan == first for _, plan, _ in steps) and controller.plan == first
+    assert all(torch.isfinite(torch.tensor(loss)) for _, _, loss in steps)
+    warned = [r.getMessage() for r in caplog.records if "planner failed" in r.getMessage()]
+    assert len(warned) == 1 and "iteration 2" in warned[0] and "Not Solved" in warned[0]
+    assert a.state_dict()["solver_failures"] == 3 and "3 solver failures" in a.summary()
+    fresh = _setup(sensitivity=False)[1].adapter
+    fresh.load_state_dict(a.state_dict())
+    assert fresh.solver_failures == 3
+
+
+def test_a_user_budget_no_plan_fits_is_refused_at_the_first_iteration():
+    from llm_act.adapt import BudgetTooSmall
+
+    model, controller, opt, gen = _setup(budget="1MB", sensitivity=False)
+    with pytest.raises(BudgetTooSmall) as caught:
+        _train(model, controller, opt, gen, 1)
+    err = caught.value
+    assert isinstance(err, ValueError) and err.budget_bytes == 10**6 and err.min_budget_bytes > 10**6
+    text = str(err)
+    assert "--act-compress-budget" in text and f"{err.min_budget_bytes} bytes" in text and "\n" not in text
+    # the smallest budget it names works: the next run trains under it
+    model, controller, opt, gen = _setup(budget=err.min_budget_bytes, sensitivity=False)
+    _train(model, controller, opt, gen, 2)
+    assert controller.history and controller.history[0]["predicted_bytes"] <= err.min_budget_bytes
+
+
+def test_a_derived_budget_no_plan_fits_gets_the_tightest_plan(caplog, monkeypatch):
+    from llm_act.adapt import Adapter
+
+    # a derived budget (the free memory of a crowded GPU, say) below what any plan needs
+    monkeypatch.setattr(Adapter, "_budget", lambda self, profile, static: static + 1)
+    model, controller, opt, gen = _setup(sensitivity=False)
+    with caplog.at_level(logging.WARNING, logger="llm_act.controller"):
+        _train(model, controller, opt, gen, 4)  # tracked at 1, 2, 4
+    a = controller.adapter
+    assert a.tracked == [1, 2, 4] and a.solver_failures == 0
+    warned = [r.getMessage() for r in caplog.records if "tightest plan" in r.getMessage()]
+    assert len(warned) == 1 and "derived budget" in warned[0]
+    # the plan in force is the one with the least memory: nothing fits one byte less
+    profile = a.profile
+    blocks, static = a.problem(profile)
+    least = evaluate_plan(blocks, profile.choice_for(controller.plan)).activation_bytes
+    assert a.solution.activation_bytes == least
+    from llm_act.planner import InfeasibleBudget, solve_plan
+
+    with pytest.raises(InfeasibleBudget):
+        solve_plan(blocks, static + least - 1, static_bytes=static)
+
+
+def test_a_fixed_plan_over_a_user_budget_is_refused_at_the_first_iteration():
+    from llm_act.adapt import PlanOverBudget
+
+    def run(budget, steps):
+        model = R.build(dropout=0.1, num_layers=2, seed=0)
+        controller = apply(model, ActConfig(plan="compress", budget=budget))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return controller, _train(model, controller, opt, torch.Generator().manual_seed(7), steps)
+
+    with pytest.raises(PlanOverBudget) as caught:
+        run("1MB", 1)
+    err = caught.value
+    assert isinstance(err, ValueError) and err.needed_bytes > 10**6
+    assert "plan 'compress'" in str(err) and "--act-compress-budget" in str(err) and "'auto'" in str(err)
+    # the figure it names is the static memory + what the plan stores: it fits exactly
+    controller, steps = run(err.needed_bytes, 2)
+    compress = plans.resolve(ActConfig(plan="compress"), 2)
+    assert controller.plan == compress and all(plan == compress for _, plan, _ in steps)
+
+
+@pytest.mark.gpu
+def test_a_budget_above_the_gpu_memory_is_warned(caplog):
+    from llm_act.adapt import device_memory_bytes
+
+    total = device_memory_bytes()
+    model = R.build(dropout=0.1, num_layers=2, seed=0)  # where the model lives does not matter here
+    controller = apply(model, ActConfig(plan="auto", budget=2 * total))
+    with caplog.at_level(logging.WARNING, logger="llm_act.controller"):
+        controller.adapter.after_iteration(None)  # the checks of a run's first iteration
+        controller.adapter.after_iteration(None)  # ... are made once
+    warned = [r.getMessage() for r in caplog.records if "this GPU has" in r.getMessage()]
+    assert len(warned) == 1 and f"{2 * total / 1e9:.3f} GB" in warned[0]

@@ -6,7 +6,13 @@ module derives one from the model's shape and a device model:
 - bytes: each site's tensor per tensor-parallel rank, as megatron-core stores it
   ([s, b, h] layout; heads, query groups and the FFN split over TP; the [s, b, h]
   tensors a norm or a dropout sees also split over TP along s under sequence
-  parallelism); a codec's bytes come from its own `nbytes_for`.
+  parallelism); a codec's bytes come from its own `nbytes_for`. What stock megatron-core
+  keeps beside a site's tensor is counted with it: a norm's fp32 statistics per row (with the
+  norm's output, `attn.qkv_input` / `mlp.fc1_input`: recomputing it drops them), and on
+  the unfused ("stock") attention the probabilities probs @ V reads beside the softmax output
+  (5as^2b in 16 bits with dropout, Korthikanti et al.). `DeviceModel` says what differs on
+  CPU: no fused softmax kernel (an fp32 softmax is stored) and dropout masks in the model
+  dtype. tests/planner/test_budget_analytic_ledger.py checks every site against the ledger.
 - times: the producer op's forward time (what recomputing the site costs) from its FLOPs
   at `DeviceModel.matmul_tflops`, or from the bytes it moves at `DeviceModel.hbm_gbs`, plus
   one launch latency per op and the TP collective it contains at `DeviceModel.link_gbs`;
@@ -63,7 +69,12 @@ class DeviceModel:
     """fixed cost of one kernel launch"""
     memory_bytes: int = 80 * 10**9
     rng_device: str = "cuda"
-    """where dropout masks are drawn: the size of a regenerable mask's generator state"""
+    """where dropout runs: the size of a regenerable mask's generator state, and the dtype of
+    a stored mask (CUDA's dropout keeps a bool mask, torch's CPU dropout one in the model dtype)"""
+    fused_softmax: bool = True
+    """megatron's fused scale-mask-softmax kernel (apex/TE on a GPU) stores the 16-bit
+    probabilities once; without it the torch path stores its fp32 softmax and the 16-bit
+    copy the probs @ V product reads"""
 
     def __post_init__(self) -> None:
         for f in ("matmul_tflops", "hbm_gbs", "link_gbs"):
@@ -73,6 +84,8 @@ class DeviceModel:
         if isinstance(self.launch_ms, bool) or not isinstance(self.launch_ms, numbers.Real) \
                 or not self.launch_ms >= 0:
             raise ValueError(f"DeviceModel.launch_ms: expected a number >= 0, got {self.launch_ms!r}")
+        if not isinstance(self.fused_softmax, bool):
+            raise ValueError(f"DeviceModel.fused_softmax: expected True or False, got {self.fused_softmax!r}")
         if self.rng_device not in ("cuda", "cpu"):
             raise ValueError(f"DeviceModel.rng_device: expected 'cuda' or 'cpu', got {self.rng_device!r}")
 
@@ -80,7 +93,7 @@ class DeviceModel:
     def cpu(cls) -> "DeviceModel":
         """A many-core server CPU: ~1 TFLOP/s bf16 matmul, 50 GB/s, gloo between ranks."""
         return cls(name="CPU-like", matmul_tflops=1.0, hbm_gbs=50.0, link_gbs=5.0,
-                   launch_ms=0.02, memory_bytes=256 * 10**9, rng_device="cpu")
+                   launch_ms=0.02, memory_bytes=256 * 10**9, rng_device="cpu", fused_softmax=False)
 
     def describe(self) -> str:
         return (f"{self.name}: {self.matmul_tflops:g} TFLOP/s matmul, {self.hbm_gbs:g} GB/s memory, "
@@ -335,6 +348,10 @@ def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
     n_hid = sl * b * h
     drop = shape.dropout > 0
     gemm, mem, link = device.gemm_ms, device.mem_ms, device.link_ms
+    mask_dt = torch.bool if device.rng_device == "cuda" else dt
+    # a norm keeps fp32 statistics per row for its backward (LayerNorm mean and rstd, RMSNorm
+    # rstd); booked with its output, whose recomputation re-runs the norm and drops them
+    norm_stats = (2 if shape.normalization == "LayerNorm" else 1) * 4 * sl * b
 
     def gather(nbytes):  # SP: the linear's input is all-gathered from the shards
         return link(_collective_bytes(shape, nbytes, "all_gather")) if shape.sequence_parallel and t > 1 else 0.0
@@ -349,7 +366,7 @@ def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
 
     sites = [
         _Site("ln1.input", hid, dt, None),
-        _Site("attn.qkv_input", hid, dt, norm_ms, ("ln1.input",)),
+        _Site("attn.qkv_input", hid, dt, norm_ms, ("ln1.input",), extra=norm_stats),
         _Site("attn.q", (s, b, a, d), dt, proj(a) + (mem(2 * tokens * a * d * e) if rope else 0.0),
               ("attn.qkv_input",)),
         _Site("attn.k", (s, b, g, d), dt, proj(g) + (mem(2 * tokens * g * d * e) if rope else 0.0),
@@ -368,32 +385,39 @@ def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
         sites.append(_Site("attn.out", (s, b, a * d), dt, gemm(4 * scores * d / 2),
                            ("attn.q", "attn.k", "attn.v"), extra=b * a * s * 4))
     else:
+        # stock megatron keeps the softmax output (fp32 on the unfused torch path) and the
+        # probabilities probs @ V reads: the dropped ones under dropout, else the 16-bit copy
+        # of an fp32 softmax (Korthikanti et al.: 5as^2b in 16 bits with dropout and the
+        # fused kernel). A codec stores the probabilities alone.
+        softmax_bytes = e if device.fused_softmax else 4
+        copy = drop or softmax_bytes != e  # probs @ V reads another tensor: dropped, or the 16-bit cast
+        kept = scores * (softmax_bytes + (e if copy else 0))
         sites.append(_Site("attn.softmax", (b, a, s, s), dt,
-                           gemm(2 * scores * d) + mem(3 * scores * e), ("attn.q", "attn.k")))
+                           gemm(2 * scores * d) + mem(3 * scores * e), ("attn.q", "attn.k"), keep_bytes=kept))
         out_inputs = ("attn.softmax", "attn.v")
         pv = gemm(2 * scores * d)
         if drop:
-            sites.append(_Site("attn.dropout_mask", (b, a, s, s), torch.bool, mem(scores)))
+            sites.append(_Site("attn.dropout_mask", (b, a, s, s), mask_dt, mem(scores)))
             out_inputs += ("attn.dropout_mask",)
             pv += mem((2 * e + 1) * scores)
         sites.append(_Site("attn.out", (s, b, a * d), dt, pv, out_inputs))
     ln2_inputs = ("ln1.input", "attn.out")
     bda = 3 * n_hid * e  # bias-dropout-add: read projection and residual, write the sum
     if drop:
-        sites.append(_Site("attn.hidden_dropout_mask", hid, torch.bool, mem(n_hid)))
+        sites.append(_Site("attn.hidden_dropout_mask", hid, mask_dt, mem(n_hid)))
         ln2_inputs += ("attn.hidden_dropout_mask",)
         bda += n_hid
     reduce_kind = "reduce_scatter" if shape.sequence_parallel else "all_reduce"
     reduce = link(_collective_bytes(shape, tokens * h * e, reduce_kind)) if t > 1 else 0.0
     sites += [
         _Site("ln2.input", hid, dt, gemm(2 * tokens * a * d * h) + reduce + mem(bda), ln2_inputs),
-        _Site("mlp.fc1_input", hid, dt, norm_ms, ("ln2.input",)),
+        _Site("mlp.fc1_input", hid, dt, norm_ms, ("ln2.input",), extra=norm_stats),
         _Site("mlp.act_input", (s, b, f1), dt, gemm(2 * tokens * h * f1) + gather(tokens * h * e),
               ("mlp.fc1_input",)),
         _Site("mlp.fc2_input", (s, b, f2), dt, mem(tokens * (f1 + f2) * e), ("mlp.act_input",)),
     ]
     if drop:
-        sites.append(_Site("mlp.hidden_dropout_mask", hid, torch.bool, mem(n_hid)))
+        sites.append(_Site("mlp.hidden_dropout_mask", hid, mask_dt, mem(n_hid)))
     return sites
 
 

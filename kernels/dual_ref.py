@@ -20,6 +20,12 @@ App. F) adapted to 1-D:
 
 Decode: upsample(lfc) + zero + code * |step|, in float32, clamped to the output dtype's
 finite range, NaN for the flagged code.
+
+Finite in, finite out: sums, residuals and ranges of values near the float32 maximum
+would overflow, so the block sum is taken of x / P (P = pool rounded up to a power of
+two) and the residual is h / 4 (stored zero and step are those of h / 4, whose range
+fits float32); the LFC is clamped to the bfloat16 range before rounding. Scaling by a
+power of two is exact for normal numbers, so nothing changes where nothing overflows.
 """
 from __future__ import annotations
 
@@ -54,14 +60,30 @@ def bf16_up(x: torch.Tensor) -> torch.Tensor:
     return t.view(torch.float32)
 
 
+BF16_MAX = torch.finfo(torch.bfloat16).max
+FMAX = torch.finfo(torch.float32).max
+H_SCALE = 0.25  # the residual is quantized as h * H_SCALE, so its range fits float32
+
+
+def pool_pow2(pool: int) -> int:
+    """`pool` rounded up to a power of two: block sums are taken of x / pool_pow2."""
+    return 1 << (pool - 1).bit_length()
+
+
+def decode_max(dtype: torch.dtype) -> float:
+    """Decoded values are clamped to +-this: the dtype's max, float32's for wider ones."""
+    return min(torch.finfo(dtype).max, FMAX)
+
+
 def upsample(lfc: torch.Tensor, pool: int, s: int) -> torch.Tensor:
     """[s, C] float32: token t gets lfc[t // pool]."""
     return lfc.float().repeat_interleave(pool, dim=0)[:s]
 
 
 def dual_stats_ref(x2: torch.Tensor, pool: int, bits: int):
-    """(lfc bf16 [nb, C], h float32 [s, C], finite bool [s, C], zero float32 [C],
-    step float32 [C] (>= 0), bad bool [C]): everything but the rounding."""
+    """(lfc bf16 [nb, C], h / 4 float32 [s, C], finite bool [s, C], zero float32 [C],
+    step float32 [C] (>= 0), bad bool [C]): everything but the rounding; zero and step
+    are those of h / 4."""
     s, C = x2.shape
     xf = x2.float()
     fin = torch.isfinite(xf)
@@ -70,9 +92,11 @@ def dual_stats_ref(x2: torch.Tensor, pool: int, bits: int):
     pad = nb * pool - s
     xp = torch.cat([xz, xz.new_zeros(pad, C)]).view(nb, pool, C)
     cnt = torch.cat([fin, fin.new_zeros(pad, C)]).view(nb, pool, C).sum(dim=1).float()
-    mean = torch.where(cnt > 0, xp.sum(dim=1) / cnt.clamp(min=1), torch.zeros_like(cnt))
-    lfc = mean.to(torch.bfloat16)
-    h = xf - upsample(lfc, pool, s)
+    p2 = pool_pow2(pool)
+    mean = (xp * (1.0 / p2)).sum(dim=1) / cnt.clamp(min=1) * float(p2)
+    mean = torch.where(cnt > 0, mean, torch.zeros_like(cnt))
+    lfc = mean.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16)
+    h = H_SCALE * xf - H_SCALE * upsample(lfc, pool, s)
     big = torch.finfo(torch.float32).max
     lo = torch.where(fin, h, torch.full_like(h, big)).amin(dim=0)
     hi = torch.where(fin, h, torch.full_like(h, -big)).amax(dim=0)
@@ -105,14 +129,15 @@ def dual_encode_ref(x2: torch.Tensor, pool: int, bits: int, noise: torch.Tensor)
 def dual_decode_ref(lfc: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor,
                     step: torch.Tensor, pool: int, bits: int, s: int, C: int,
                     dtype: torch.dtype) -> torch.Tensor:
-    """[s, C] tensor of `dtype`: upsample(lfc) + zero + code * |step| (NaN where flagged)."""
+    """[s, C] tensor of `dtype`: upsample(lfc) + zero + code * |step| (NaN where flagged),
+    computed as (upsample(lfc) / 4 + zero + code * |step|) * 4 with the stored h / 4 zero
+    and step."""
     rb = row_bytes(C, bits)
     q = unpack_bits(codes.reshape(-1), bits, s * rb * (8 // bits)).view(s, -1)[:, :C]
     stepf = step.float()
-    y = upsample(lfc, pool, s) + zero.float() + q.float() * stepf.abs()
-    if dtype != torch.float32 and dtype != torch.float64:
-        big = torch.finfo(dtype).max
-        y = y.clamp(-big, big)
+    y = H_SCALE * upsample(lfc, pool, s) + zero.float() + q.float() * stepf.abs()
+    lim = decode_max(dtype) * H_SCALE  # clamp before scaling back: no Inf on the way
+    y = y.clamp(-lim, lim) * (1.0 / H_SCALE)
     nan = torch.signbit(stepf) & (q == (1 << bits) - 1)
     y = torch.where(nan, torch.full_like(y, float("nan")), y)
     return y.to(dtype)

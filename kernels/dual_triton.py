@@ -6,7 +6,9 @@ pass 1 computes the LFC (stored) and the residual's per-channel min/max and non-
 flag, then zero/step; pass 2 recomputes the LFC of each tile (cheaper than re-reading it),
 rounds the residual stochastically and packs the codes. Decode is elementwise over
 [BLOCK_S, BLOCK_C] tiles. bfloat16 roundings are done with bit operations so the
-interpreter (which truncates float32 -> bfloat16) and GPUs agree.
+interpreter (which truncates float32 -> bfloat16) and GPUs agree, and the codec's own
+bfloat16 tensors (LFC, zero, step, a bfloat16 output) are read and written as int16 bit
+patterns (the interpreter's conversions mangle subnormals).
 
 Noise: `noise` [s, C] uniforms (bit-exact with the reference) or a `seed` tensor [1] on
 the device, from which the kernel draws `tl.rand` (no host sync, no noise tensor).
@@ -17,11 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_act.kernels.dual_ref import num_pool_blocks, row_bytes
-from llm_act.kernels.fp8_triton import bf16_rne
+from llm_act.kernels.dual_ref import decode_max, num_pool_blocks, row_bytes
+from llm_act.kernels.fp8_triton import bf16_bits, bf16_rne, bf16_value
 
 BLOCK_C = 64  # channels per program (a multiple of every 8 // bits)
 BLOCK_S = 32  # tokens per decode tile
+BF16_MAX: tl.constexpr = tl.constexpr(3.3895313892515355e38)  # dual_ref.BF16_MAX
+H_SCALE: tl.constexpr = tl.constexpr(0.25)  # dual_ref.H_SCALE
 
 
 @triton.jit
@@ -53,7 +57,10 @@ def _pool_tile(x_ptr, blk, cols, s, C, pool, POOL_P: tl.constexpr):
     fin = inb & (tl.abs(x) < float("inf"))
     xz = tl.where(fin, x, 0.0)
     cnt = tl.sum(fin.to(tl.float32), axis=0)
-    mean = tl.where(cnt > 0, tl.sum(xz, axis=0) / tl.maximum(cnt, 1.0), 0.0)
+    # sum of x / POOL_P: no overflow near the float32 max (exact scaling otherwise)
+    mean = tl.sum(xz * (1.0 / POOL_P), axis=0) / tl.maximum(cnt, 1.0) * POOL_P
+    mean = tl.where(cnt > 0, mean, 0.0)
+    mean = tl.minimum(tl.maximum(mean, -BF16_MAX), BF16_MAX)
     return x, fin, inb, bf16_rne(mean), rows, offs
 
 
@@ -79,8 +86,8 @@ def _dual_encode_kernel(
     bad = tl.zeros([BLOCK_C], tl.int32)
     for blk in range(0, nb):  # pass 1: LFC, residual range, non-finite flag
         x, fin, inb, lfc, rows, offs = _pool_tile(x_ptr, blk, cols, s, C, pool, POOL_P)
-        tl.store(lfc_ptr + blk * C + cols, lfc.to(tl.bfloat16), mask=cmask)
-        h = x - lfc[None, :]
+        tl.store(lfc_ptr + blk * C + cols, bf16_bits(lfc), mask=cmask)
+        h = H_SCALE * x - H_SCALE * lfc[None, :]
         lo = tl.minimum(lo, tl.min(tl.where(fin, h, float("inf")), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(fin, h, float("-inf")), axis=0))
         bad = tl.maximum(bad, tl.max((inb & ~fin).to(tl.int32), axis=0))
@@ -90,8 +97,8 @@ def _dual_encode_kernel(
     TOP: tl.constexpr = (1 << BITS) - 1
     levels = TOP - bad.to(tl.float32)
     step = _bf16_up((hi - lo) / levels)
-    tl.store(zero_ptr + cols, lo.to(tl.bfloat16), mask=cmask)
-    tl.store(step_ptr + cols, tl.where(bad > 0, -step, step).to(tl.bfloat16), mask=cmask)
+    tl.store(zero_ptr + cols, bf16_bits(lo), mask=cmask)
+    tl.store(step_ptr + cols, bf16_bits(tl.where(bad > 0, -step, step)), mask=cmask)
     inv_ok = step > 0
     safe = tl.where(inv_ok, step, 1.0)
     if USE_SEED:
@@ -101,7 +108,7 @@ def _dual_encode_kernel(
     bcols = pid * (BLOCK_C // PER) + tl.arange(0, BLOCK_C // PER)
     for blk in range(0, nb):  # pass 2: stochastic rounding and packing
         x, fin, inb, lfc, rows, offs = _pool_tile(x_ptr, blk, cols, s, C, pool, POOL_P)
-        h = tl.where(fin, x - lfc[None, :], lo[None, :])  # no NaN reaches the int cast
+        h = tl.where(fin, H_SCALE * x - H_SCALE * lfc[None, :], lo[None, :])  # no NaN reaches the int cast
         r = tl.where(inv_ok[None, :], (h - lo[None, :]) / safe[None, :], 0.0)
         if USE_SEED:
             u = tl.rand(seed, offs.to(tl.int32))
@@ -125,7 +132,7 @@ def _dual_decode_kernel(
     step_ptr,  # [C] bfloat16, negative = channel flagged
     out_ptr,  # [s, C] output dtype
     s, C, pool, RB, big,
-    BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, CLAMP: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
     """out = lfc[t // pool] + zero + code * |step|; NaN for the top code of flagged channels."""
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -135,19 +142,22 @@ def _dual_decode_kernel(
     byte = tl.load(codes_ptr + rows[:, None].to(tl.int64) * RB + (cols // PER)[None, :],
                    mask=m, other=0).to(tl.int32)
     q = (byte >> ((cols % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
-    lfc = tl.load(lfc_ptr + (rows // pool)[:, None].to(tl.int64) * C + cols[None, :],
-                  mask=m, other=0.0).to(tl.float32)
-    zero = tl.load(zero_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
-    step = tl.load(step_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
+    lfc = bf16_value(tl.load(lfc_ptr + (rows // pool)[:, None].to(tl.int64) * C + cols[None, :],
+                             mask=m, other=0))
+    zero = bf16_value(tl.load(zero_ptr + cols, mask=cols < C, other=0))
+    step = bf16_value(tl.load(step_ptr + cols, mask=cols < C, other=0))
     flagged = step.to(tl.int32, bitcast=True) < 0  # the sign bit, -0.0 included
-    y = lfc + zero[None, :] + q.to(tl.float32) * tl.abs(step)[None, :]
-    if CLAMP:
-        y = tl.minimum(tl.maximum(y, -big), big)
+    y = H_SCALE * lfc + zero[None, :] + q.to(tl.float32) * tl.abs(step)[None, :]
+    y = tl.minimum(tl.maximum(y, -big * H_SCALE), big * H_SCALE) * (1.0 / H_SCALE)
     y = tl.where(flagged[None, :] & (q == (1 << BITS) - 1), float("nan"), y)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        y = bf16_rne(y)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * C + cols[None, :],
-             y.to(out_ptr.dtype.element_ty), mask=m)
+    out_offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    if OUT_BF16:  # out_ptr is an int16 view
+        nan = y != y
+        bits = bf16_bits(tl.where(nan, 0.0, y))
+        tl.store(out_ptr + out_offs, tl.where(nan, 0x7FC0, bits.to(tl.int32)).to(tl.int16),
+                 mask=m)
+    else:
+        tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def dual_encode(x2: torch.Tensor, pool: int, bits: int, noise: torch.Tensor | None = None,
@@ -168,7 +178,8 @@ def dual_encode(x2: torch.Tensor, pool: int, bits: int, noise: torch.Tensor | No
         noise_arg = x2 if use_seed else noise.contiguous().float()
         seed_arg = seed if use_seed else zero
         _dual_encode_kernel[(triton.cdiv(C, BLOCK_C),)](
-            x2, noise_arg, seed_arg, lfc, codes, zero, step, s, C, pool, nb, rb,
+            x2, noise_arg, seed_arg, lfc.view(torch.int16), codes, zero.view(torch.int16),
+            step.view(torch.int16), s, C, pool, nb, rb,
             BITS=bits, POOL_P=triton.next_power_of_2(pool), BLOCK_C=BLOCK_C,
             USE_SEED=use_seed)
     return lfc, codes, zero, step
@@ -180,10 +191,11 @@ def dual_decode(lfc: torch.Tensor, codes: torch.Tensor, zero: torch.Tensor,
     """Same contract as `dual_ref.dual_decode_ref`."""
     out = torch.empty(s, C, dtype=dtype, device=codes.device)
     if s * C:
-        clamp = dtype not in (torch.float32, torch.float64)
-        big = torch.finfo(dtype).max if clamp else 0.0
+        big = decode_max(dtype)
+        bf16 = dtype == torch.bfloat16
         grid = (triton.cdiv(s, BLOCK_S), triton.cdiv(C, BLOCK_C))
         _dual_decode_kernel[grid](
-            lfc, codes, zero, step, out, s, C, pool, row_bytes(C, bits), big,
-            BITS=bits, BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, CLAMP=clamp)
+            lfc.view(torch.int16), codes, zero.view(torch.int16), step.view(torch.int16),
+            out.view(torch.int16) if bf16 else out, s, C, pool, row_bytes(C, bits), big,
+            BITS=bits, BLOCK_S=BLOCK_S, BLOCK_C=BLOCK_C, OUT_BF16=bf16)
     return out

@@ -5,7 +5,8 @@ last one may be short). Each block stores one float32 scale = amax / FMAX, amax 
 finite |x| (a block whose scale would be 0 stores 1.0), and one byte per element: the bit
 pattern of the float8 value nearest (round to nearest even) to clamp(x / scale, -FMAX,
 FMAX), computed in float32. Non-finite inputs store the format's NaN code 0x7F.
-Decode: float8 value * scale, in float32, cast to the output dtype.
+Decode: float8 value * scale, in float32, clamped to +-float32 max (FMAX * scale may
+round one ulp past an amax near it), cast to the output dtype.
 
 The reference uses torch's own float8 casts; the Triton kernel reproduces them with
 integer bit operations (`fp8_bits_ref` / `fp8_value_ref` below spell those out in torch
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from llm_act.kernels.int_quant_ref import clamp_finite
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def fp8_decode_ref(payload: torch.Tensor, scale: torch.Tensor, block: int, fmt: 
     f = get_format(fmt)
     n = payload.numel()
     v = payload.view(f.torch_dtype).float()
-    y = (_blocked(v, block) * scale[:, None]).reshape(-1)[:n]
+    y = clamp_finite((_blocked(v, block) * scale[:, None]).reshape(-1)[:n])
     return y.to(dtype)
 
 

@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_act.kernels.int_quant_triton import FMAX as FMAX32
+from llm_act.kernels.int_quant_triton import clamp_finite
+
 from llm_act.kernels.fp8_ref import NAN_CODE, get_format, num_blocks
 
 GROUPS = 8  # blocks per program
@@ -41,6 +44,20 @@ def bf16_rne(x):
     b = x.to(tl.uint32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
     return tl.where(x == x, r.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def bf16_bits(x):
+    """int16 bit pattern of `bf16_rne(x)` (float32 x, not NaN), to store through an int16
+    view of a bfloat16 tensor: the interpreter's float32 <-> bfloat16 conversions also
+    mangle subnormals, bit operations do not."""
+    return (bf16_rne(x).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def bf16_value(b):
+    """float32 value of int16 bfloat16 bit patterns (loaded through an int16 view)."""
+    return (b.to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -102,7 +119,8 @@ def _fp8_decode_kernel(
     EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, IS_E4M3: tl.constexpr,
     BLOCK_P: tl.constexpr, GROUPS: tl.constexpr,
 ):
-    """out = float8 value * block scale."""
+    """out = float8 value * block scale, clamped to +-float32 max (FMAX * scale may round
+    one ulp past an amax near it)."""
     pid = tl.program_id(0)
     g = pid * GROUPS + tl.arange(0, GROUPS)
     j = tl.arange(0, BLOCK_P)
@@ -110,7 +128,7 @@ def _fp8_decode_kernel(
     mask = (g[:, None] < nblocks) & (j[None, :] < block) & (offs < n)
     c = tl.load(code_ptr + offs, mask=mask, other=0).to(tl.int32)
     scale = tl.load(scale_ptr + g, mask=g < nblocks, other=1.0)
-    v = _fp8_value(c, EBITS, MBITS, BIAS, IS_E4M3) * scale[:, None]
+    v = clamp_finite(_fp8_value(c, EBITS, MBITS, BIAS, IS_E4M3) * scale[:, None], FMAX32)
     if out_ptr.dtype.element_ty == tl.bfloat16:
         v = bf16_rne(v)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)

@@ -4,12 +4,19 @@ ActNN sec. 4.1's quantizer with one scale (and zero point) per group of `group_s
 consecutive elements of the flattened tensor (the last group padded), or per slice along
 one axis (`*_axis_*`: x viewed as [rows, C], statistics of column c over all rows).
 
-- asymmetric: zero = min, scale = (max - min) / (2^b - 1), codes in [0, 2^b - 1];
+- asymmetric: zero = min, scale = (max - min) / (2^b - 1) (stored halved, see below),
+  codes in [0, 2^b - 1];
 - symmetric: scale = amax / (2^(b-1) - 1), q in [-(2^(b-1) - 1), 2^(b-1) - 1], stored as
   q + 2^(b-1), so stored code 0 is never used by a finite value.
 
 Rounding: nearest is floor(v + 0.5) (ties go up, the same in the kernels); stochastic is
 floor(v + u) with u ~ U[0, 1) passed in as `noise`, which is unbiased.
+
+Finite in, finite out: a range max - min can exceed the float32 maximum, so the asymmetric
+path works on x / 2 (exact for normal numbers, so results are unchanged wherever nothing
+overflows): the stored scale is the step of x / 2, (max/2 - min/2) / (2^b - 1), and decode
+is 2 (code * scale + zero / 2), clamped to +-float32 max like the symmetric decode (the
+clamp comes before the doubling, so no Inf is ever formed).
 
 Non-finite inputs decode to NaN without a host sync: symmetric groups store them as the
 spare code 0; an asymmetric group that holds one is flagged by the sign bit of its stored
@@ -24,6 +31,13 @@ import torch
 from llm_act.kernels.packing_ref import pack_bits, unpack_bits
 
 INT_BITS = (1, 2, 4, 8)
+FMAX = torch.finfo(torch.float32).max
+
+
+def clamp_finite(y: torch.Tensor, lim: float = FMAX) -> torch.Tensor:
+    """Clamp float32 `y` to +-`lim` (float32 max), NaN kept: a decoded value may round one
+    ulp past the largest finite input."""
+    return torch.where(y > lim, lim, torch.where(y < -lim, -lim, y))
 
 
 def check_bits(bits: int, symmetric: bool) -> None:
@@ -41,16 +55,17 @@ def num_groups(numel: int, group_size: int) -> int:
 def quant_params(lo, hi, amax, bad, bits: int, symmetric: bool):
     """Stored (scale, zero) from finite min/max/amax and the has-non-finite flag, float32.
 
-    Asymmetric flagged groups store -scale (sign bit set, also for a zero scale).
+    Asymmetric: the scale of x / 2 (see the module doc); flagged groups store -scale
+    (sign bit set, also for a zero scale).
     """
     if symmetric:
         scale = amax / float(2 ** (bits - 1) - 1)
         return scale, torch.empty(0, dtype=torch.float32, device=scale.device)
     full = float(2**bits - 1)
     bins = torch.where(bad, full - 1.0, full)
-    rng = hi - lo
-    scale = torch.where(bins > 0, rng / bins.clamp_min(1.0), torch.zeros_like(rng))
-    zero = torch.where(bins > 0, lo, lo + 0.5 * rng)
+    half_rng = 0.5 * hi - 0.5 * lo
+    scale = torch.where(bins > 0, half_rng / bins.clamp_min(1.0), torch.zeros_like(half_rng))
+    zero = torch.where(bins > 0, lo, 2.0 * (0.5 * lo + 0.5 * half_rng))
     return torch.where(bad, -scale, scale), zero
 
 
@@ -66,7 +81,7 @@ def quantize(xf, scale, zero, bits: int, symmetric: bool, noise=None) -> torch.T
         flagged = torch.signbit(scale)
         hi_code = torch.where(flagged, float(2**bits - 2), float(2**bits - 1))
         lo_code, bad_code = 0.0, float(2**bits - 1)
-        v = torch.where(mag > 0, (xf - zero) / torch.where(mag > 0, mag, 1.0),
+        v = torch.where(mag > 0, (0.5 * xf - 0.5 * zero) / torch.where(mag > 0, mag, 1.0),
                         torch.zeros_like(xf))
     q = torch.floor(v + (0.5 if noise is None else noise))
     q = q.clamp_min(lo_code)
@@ -80,10 +95,10 @@ def dequantize(codes, scale, zero, bits: int, symmetric: bool) -> torch.Tensor:
     """float32 values of uint8 `codes` given per-element stored scale/zero (broadcast)."""
     c = codes.to(torch.float32)
     if symmetric:
-        val = (c - float(2 ** (bits - 1))) * scale
+        val = clamp_finite((c - float(2 ** (bits - 1))) * scale)
         return torch.where(codes == 0, float("nan"), val)
     flagged = torch.signbit(scale)
-    val = c * scale.abs() + zero
+    val = 2.0 * clamp_finite(c * scale.abs() + 0.5 * zero, 0.5 * FMAX)  # no Inf on the way
     return torch.where(flagged & (codes == 2**bits - 1), float("nan"), val)
 
 

@@ -22,6 +22,14 @@ from llm_act.kernels.int_quant_ref import check_bits, num_groups, quant_params
 from llm_act.kernels.packing_ref import packed_numel
 
 _TILE = 4096  # elements per program
+FMAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # float32 max
+HALF_FMAX: tl.constexpr = tl.constexpr(1.7014117331926443e38)
+
+
+@triton.jit
+def clamp_finite(y, lim):
+    """Clamp float32 `y` to +-`lim`, NaN kept; matches `int_quant_ref.clamp_finite`."""
+    return tl.where(y > lim, lim, tl.where(y < -lim, -lim, y))
 
 
 @triton.jit
@@ -34,9 +42,9 @@ def _params(lo, hi, bad, BITS: tl.constexpr, SYM: tl.constexpr):
     else:
         full = 2**BITS - 1.0
         bins = tl.where(bad, full - 1.0, full)
-        rng = hi - lo
-        scale = tl.where(bins > 0, rng / tl.maximum(bins, 1.0), 0.0)
-        zero = tl.where(bins > 0, lo, lo + 0.5 * rng)
+        half_rng = 0.5 * hi - 0.5 * lo
+        scale = tl.where(bins > 0, half_rng / tl.maximum(bins, 1.0), 0.0)
+        zero = tl.where(bins > 0, lo, 2.0 * (0.5 * lo + 0.5 * half_rng))
         scale = tl.where(bad, -scale, scale)
     return scale, zero
 
@@ -55,11 +63,25 @@ def _codes(x, finite, scale, zero, u, BITS: tl.constexpr, SYM: tl.constexpr):
     else:
         flagged = scale.to(tl.int32, bitcast=True) < 0
         hi_code = tl.where(flagged, 2**BITS - 2.0, 2**BITS - 1.0)
-        v = tl.where(mag > 0, (x - zero) / safe, 0.0)
+        v = tl.where(mag > 0, (0.5 * x - 0.5 * zero) / safe, 0.0)
         q = tl.floor(v + u)
         q = tl.minimum(tl.maximum(q, 0.0), hi_code)
         q = tl.where(finite, q, 2**BITS - 1.0)
     return q.to(tl.int32)
+
+
+@triton.jit
+def _values(codes, scale, zero, BITS: tl.constexpr, SYM: tl.constexpr):
+    """float32 values of int32 codes given broadcast stored scale/zero; matches `dequantize`."""
+    c = codes.to(tl.float32)
+    if SYM:
+        val = clamp_finite((c - 2 ** (BITS - 1)) * scale, FMAX)
+        val = tl.where(codes == 0, float("nan"), val)
+    else:
+        flagged = scale.to(tl.int32, bitcast=True) < 0
+        val = 2.0 * clamp_finite(c * tl.abs(scale) + 0.5 * zero, HALF_FMAX)
+        val = tl.where(flagged & (codes == 2**BITS - 1), float("nan"), val)
+    return val
 
 
 @triton.jit
@@ -183,15 +205,11 @@ def _decode_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, n, DIV, MOD,
     valid = idx < n
     p = (idx // DIV) % MOD
     scale = tl.load(scale_ptr + p, mask=valid, other=0.0)
-    c = codes.to(tl.float32)
     if SYM:
-        val = (c - 2 ** (BITS - 1)) * scale
-        val = tl.where(codes == 0, float("nan"), val)
+        zero = scale * 0.0
     else:
         zero = tl.load(zero_ptr + p, mask=valid, other=0.0)
-        flagged = scale.to(tl.int32, bitcast=True) < 0
-        val = c * tl.abs(scale) + zero
-        val = tl.where(flagged & (codes == 2**BITS - 1), float("nan"), val)
+    val = _values(codes, scale, zero, BITS, SYM)
     if BF16_BITS:  # round to nearest even by hand: the interpreter's cast truncates
         u = val.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16

@@ -10,11 +10,12 @@ quantizing, so they do not stretch the group's range and get code 0; decode over
 them with the stored values. (Adacc sets them to 0, which would stretch the range of a
 group lying away from 0.)
 
-INT4 layout (IntQuant's): zero = group min, scale = (max - min) / 15,
-code = clamp(floor((x - zero) / scale + u), 0, 15) with u ~ U[0, 1) (stochastic) or
-u = 0.5 (nearest), two codes per byte, element 2k in the low nibble. A group holding a
+INT4 layout (IntQuant's, `int_quant_ref`): zero = group min, scale = (max/2 - min/2) / 15
+(the step of x / 2, so no range overflows), code = clamp(floor((x/2 - zero/2) / scale + u),
+0, 15) with u ~ U[0, 1) (stochastic) or u = 0.5 (nearest), two codes per byte, element 2k
+in the low nibble. A group holding a
 non-finite inlier is flagged by the sign bit of its stored scale; its finite values use
-codes 0..14 (scale = range / 14) and code 15 decodes to NaN. All arithmetic is float32.
+codes 0..14 (scale = range / 28) and code 15 decodes to NaN. All arithmetic is float32.
 """
 from __future__ import annotations
 

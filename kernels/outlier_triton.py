@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_act.kernels.int_quant_triton import _codes, _params, _values
 from llm_act.kernels.outlier_ref import outlier_positions
 from llm_act.kernels.packing_ref import packed_numel
 
@@ -102,28 +103,24 @@ def _encode_kernel(x_ptr, pos_ptr, noise_ptr, seed_ptr, packed_ptr, scale_ptr, z
     flag = tl.max(bad.to(tl.int32), axis=1) > 0
     lo = tl.where(has, lo, 0.0)
     hi = tl.where(has, hi, 0.0)
-    top = tl.where(flag, 14.0, 15.0)
-    scale = (hi - lo) / top
-    mag = tl.where(scale > 0, scale, 1.0)
-    v = tl.where(scale[:, None] > 0, (xf - lo[:, None]) / mag[:, None], 0.0)
+    scale, zero = _params(lo, hi, flag, 4, False)
     if MODE == 1:
         u = tl.load(noise_ptr + e, mask=m, other=0.0).to(tl.float32)
     elif MODE == 2:
         u = tl.rand(tl.load(seed_ptr), e.to(tl.int32))
     else:
         u = 0.5
-    q = tl.minimum(tl.maximum(tl.floor(v + u), 0.0), top[:, None])
-    q = tl.where(use, q, 0.0)
-    q = tl.where(bad, 15.0, q)
-    code = q.to(tl.uint8)
+    # IntQuant's asymmetric INT4; outliers and padding take code 0
+    code = _codes(xf, finite, scale[:, None], zero[:, None], u, 4, False)
+    code = tl.where(use | bad, code, 0).to(tl.uint8)
     lo_c, hi_c = tl.split(tl.reshape(code, [GROUPS, BLOCK // 2, 2]))
     byte = lo_c | (hi_c << 4)
     k = tl.arange(0, BLOCK // 2)
     b = g[:, None] * (group_size // 2) + k[None, :]
     bmask = gmask[:, None] & (2 * k[None, :] < group_size) & (2 * b < n)
     tl.store(packed_ptr + b, byte, mask=bmask)
-    tl.store(scale_ptr + g, tl.where(flag, -scale, scale), mask=gmask)
-    tl.store(zero_ptr + g, lo, mask=gmask)
+    tl.store(scale_ptr + g, scale, mask=gmask)
+    tl.store(zero_ptr + g, zero, mask=gmask)
 
 
 def _tile(group_size: int) -> tuple[int, int]:
@@ -190,12 +187,10 @@ def _decode_kernel(packed_ptr, scale_ptr, zero_ptr, pos_ptr, val_ptr, out_ptr,
     b = g[:, None] * (group_size // 2) + k[None, :]
     bmask = gmask[:, None] & (2 * k[None, :] < group_size) & (2 * b < n)
     byte = tl.load(packed_ptr + b, mask=bmask, other=0)
-    code = tl.interleave(byte & 15, byte >> 4).to(tl.float32)
+    code = tl.interleave(byte & 15, byte >> 4).to(tl.int32)
     s = tl.load(scale_ptr + g, mask=gmask, other=0.0)
     z = tl.load(zero_ptr + g, mask=gmask, other=0.0)
-    flag = s.to(tl.int32, bitcast=True) < 0
-    val = code * tl.abs(s)[:, None] + z[:, None]
-    val = tl.where(flag[:, None] & (code == 15.0), float("nan"), val)
+    val = _values(code, s[:, None], z[:, None], 4, False)
     j = tl.arange(0, BLOCK)
     e = g[:, None] * group_size + j[None, :]
     m = gmask[:, None] & (j[None, :] < group_size) & (e < n)

@@ -8,8 +8,18 @@ as the noise S(option) a codec adds (GACT sec. 4).
 Conventions shared by all codecs:
 - `decode(encode(x))` has the shape, dtype and device of `x`; non-contiguous inputs are
   read as if contiguous; empty tensors round-trip.
-- Non-finite inputs (NaN, +-Inf) decode to NaN at exactly the same positions, so a NaN
-  in an activation stays a NaN in the gradient and the loss scaler still sees overflow.
+- Finite in, finite out: values up to the dtype's maximum decode to finite values (the
+  kernels work on scaled-down copies where a range could overflow, and clamp decoded
+  values to the finite range). The kernels compute in float32, so float64 values beyond
+  float32's range are not covered.
+- Non-finite inputs decode to themselves: NaN stays NaN and +-Inf keeps its sign, so the
+  loss scaler still sees overflow. The kernels leave them out of every statistic (group
+  ranges, scales, means); `Codec.encode` stores them exactly in a sparse side list,
+  `nonfinite_index` (int32, or int64 beyond 2**31 elements) and `nonfinite_value` (x's
+  dtype), which `.nbytes` counts. Both keys are always present (empty for finite
+  tensors, 0 bytes) so sequence-parallel shards keep one layout. Learning the count costs
+  one host sync per encode. Lossless codecs need no list; codecs whose decode is not x
+  (few-bit derivatives) set `keeps_nonfinite = False` and document their own rule.
 - Stochastic rounding draws from the codec's own generator (one per device, seeded from
   `seed` alone), never from torch's global one, so compression changes no dropout mask.
   Who builds codecs picks the seed (`llm_act.controller.codec_seed`): equal on the
@@ -25,6 +35,21 @@ from typing import Any
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def nonfinite_side_list(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Positions (flat, row-major) and exact values of the non-finite elements of `x`.
+
+    Non-finite activations are rare, so a sparse list keeps the finite case's size
+    unchanged; checking for them is one host sync.
+    """
+    flat = x.reshape(-1)
+    index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
+    if bool(torch.isfinite(flat).all()):
+        index = torch.empty(0, dtype=index_dtype, device=x.device)
+    else:
+        index = torch.nonzero(~torch.isfinite(flat)).reshape(-1)
+    return {"nonfinite_index": index.to(index_dtype), "nonfinite_value": flat[index].clone()}
 
 
 @dataclass
@@ -63,6 +88,9 @@ class Codec:
     lossless: bool = False
     #: uses stochastic rounding (unbiased, random); deterministic codecs have a bias
     stochastic: bool = False
+    #: a lossy codec whose decode approximates x: it restores non-finite inputs exactly from
+    #: the side list (see module doc); lossless codecs keep them by themselves
+    keeps_nonfinite: bool = True
 
     def __init__(self, seed: int = 1234):
         self.seed = int(seed)
@@ -71,12 +99,21 @@ class Codec:
     # ---- public API -------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> Encoded:
         self.check_input(x)
-        return self._encode(x.contiguous())
+        x = x.contiguous()
+        enc = self._encode(x)
+        if self.keeps_nonfinite and not self.lossless:
+            enc.data.update(nonfinite_side_list(x))
+        return enc
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         if enc.numel == 0:
             return torch.empty(enc.shape, dtype=enc.dtype, device=enc.device)
-        return self._decode(enc)
+        out = self._decode(enc)
+        index = enc.data.get("nonfinite_index")
+        if index is not None and index.numel():  # out of place: `out` may alias stored data
+            values = enc.data["nonfinite_value"].to(out.dtype)
+            out = out.reshape(-1).index_put((index.long(),), values).view(out.shape)
+        return out
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x))
@@ -93,7 +130,10 @@ class Codec:
         raise NotImplementedError(f"{type(self).__name__} has no error model")
 
     def nbytes_for(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:
-        """Stored bytes for a tensor of this shape and dtype, without encoding one."""
+        """Stored bytes for a tensor of this shape and dtype, without encoding one.
+
+        For a finite tensor: each non-finite element adds its index and value to `.nbytes`.
+        """
         raise NotImplementedError(f"{type(self).__name__}.nbytes_for")
 
     # ---- checks ----------------------------------------------------------------------

@@ -10,8 +10,8 @@ step = range / (2^bits - 1), both bfloat16), one (zero, step) per channel over a
 ((b, h) in megatron's [s, b, h]).
 
 Layout, with s tokens along `dim`, C channels, nb = ceil(s / pool): lfc bfloat16 [nb, C],
-codes uint8 [s, ceil(C * bits / 8)], zero and step bfloat16 [C] each (see
-`llm_act.kernels.dual_ref`). Size: 2 * nb * C + s * ceil(C * bits / 8) + 4 * C bytes.
+codes uint8 [s, ceil(C * bits / 8)], zero and step bfloat16 [C] each, those of the
+residual / 4 so that ranges near the float32 maximum fit (see `llm_act.kernels.dual_ref`). Size: 2 * nb * C + s * ceil(C * bits / 8) + 4 * C bytes.
 Smooth-along-tokens activations leave a small residual, hence a small step and error.
 """
 from __future__ import annotations
@@ -110,4 +110,5 @@ class DualPrecision(Codec):
         _, _, fin, _, step, _ = ref.dual_stats_ref(self._as_matrix(x), self.pool,
                                                    self.hfc_bits)
         n = fin.sum(dim=0).double()
-        return float((n * step.double() ** 2 / 6.0).sum()) / max(float(n.sum()), 1.0)
+        step = step.double() / ref.H_SCALE  # the stored step is that of h * H_SCALE
+        return float((n * step**2 / 6.0).sum()) / max(float(n.sum()), 1.0)

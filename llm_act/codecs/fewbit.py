@@ -397,6 +397,7 @@ class FewBit(Codec):
 
     lossless = False
     stochastic = False
+    keeps_nonfinite = False  # decode is f'(x), not x: non-finite x gives a NaN derivative
 
     def __init__(self, activation: str = "gelu", bits: int = 3, seed: int = 1234,
                  lo: float = -10.0, hi: float = 10.0):

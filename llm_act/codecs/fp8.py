@@ -6,7 +6,8 @@ elements (amax / FMAX) maps each block onto the format's full range. E4M3 (3 man
 bits, max 448) is the precise one, E5M2 (2 mantissa bits, max 57344) the wide one.
 
 Layout: payload uint8 [numel] (float8 bit patterns; non-finite inputs store the NaN code
-0x7F, so they decode to NaN with no host sync), scale float32 [ceil(numel / block)].
+0x7F and are left out of the block amax; `Codec`'s side list restores them exactly), scale
+float32 [ceil(numel / block)].
 Size: numel + 4 * ceil(numel / block) bytes. Rounding is nearest-even (deterministic).
 """
 from __future__ import annotations

@@ -8,8 +8,10 @@ nearest rounding halves the error but leaves a bias.
 
 Layout (`Encoded.data`): `codes` uint8 [ceil(numel * bits / 8)] (8 // bits codes per byte,
 `packing_ref` order, codes in the row-major order of x, or of x with `axis` moved last),
-`scale` float32 [G] and, asymmetric only, `zero` float32 [G]; G = ceil(numel / group_size),
-or the size of `axis` when it is set (0 for empty tensors).
+`scale` float32 [G] (asymmetric: the step of x / 2, so that a range near twice the float32
+maximum fits) and, asymmetric only, `zero` float32 [G]; G = ceil(numel / group_size), or
+the size of `axis` when it is set (0 for empty tensors). Non-finite inputs: `Codec`'s
+side list (see `llm_act.codecs.base`).
 Size: ceil(numel * bits / 8) + 4 G (symmetric) or + 8 G (asymmetric) bytes.
 """
 from __future__ import annotations
@@ -136,7 +138,8 @@ class IntQuant(Codec):
 
     # ---- error model -----------------------------------------------------------------
     def step_sizes(self, x: torch.Tensor) -> torch.Tensor:
-        """Quantization step Delta per element of `x` (flattened), from finite min/max."""
+        """Quantization step Delta (float64) per element of `x` (flattened), from finite
+        min/max."""
         self.check_input(x)
         xf = x.detach().reshape(-1).float()
         n = xf.numel()
@@ -151,9 +154,9 @@ class IntQuant(Codec):
             xm = x.detach().movedim(ax, -1).float().reshape(-1, x.shape[ax])
             lo, hi, amax, _ = ref.finite_stats(xm, torch.ones_like(xm, dtype=torch.bool), 0)
         if self.symmetric:
-            delta = amax / (2 ** (self.bits - 1) - 1)
-        else:
-            delta = (hi - lo) / (2**self.bits - 1)
+            delta = amax.double() / (2 ** (self.bits - 1) - 1)
+        else:  # float64: a float32 range can overflow
+            delta = (hi.double() - lo.double()) / (2**self.bits - 1)
         if self.axis is None:
             return delta.repeat_interleave(self.group_size)[:n]
         return delta.expand(n // max(delta.numel(), 1), -1).reshape(-1)

@@ -19,9 +19,10 @@ real outliers still shows ~0.13% of its channels as outliers (one in 512 channel
 sync per encode (`.item()`), on the GPU too; a fixed cap (for sequence parallel) would
 remove it.
 
-Non-finite values decode to NaN at their positions: in an outlier channel they are
-stored as NaN; among inliers they use IntQuant's flagged-group code (see
-`llm_act.kernels.outlier_ref`).
+Non-finite values are left out of the column sums and group ranges (in an outlier channel
+the kernels store them as NaN, among inliers they use IntQuant's flagged-group code, see
+`llm_act.kernels.outlier_ref`); `Codec`'s side list restores them exactly (NaN stays NaN,
++-Inf keeps its sign).
 """
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ class OutlierInt4(Codec):
         x2 = x.contiguous().view(rows, C)
         idx = self.select(x2)
         _, use, _, mn, mx, bad = ref.group_stats(x2, idx, self.group_size)
-        rng = mx - mn
-        delta = rng / torch.where(bad, ref.LEVELS - 1.0, float(ref.LEVELS))
-        var = (use.sum(dim=1).double() * delta.double() ** 2 / 6.0).sum()
+        rng = mx.double() - mn.double()  # float64: a float32 range can overflow
+        delta = rng / torch.where(bad, ref.LEVELS - 1.0, float(ref.LEVELS)).double()
+        var = (use.sum(dim=1).double() * delta ** 2 / 6.0).sum()
         return float(var) / (rows * C)

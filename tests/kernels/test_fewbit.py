@@ -13,6 +13,7 @@ from llm_act.kernels.fewbit_ref import (
     unpack_codes,
 )
 from llm_act.kernels.packing_ref import pack_bits
+from tests.kernels._values import tiny_values
 
 fewbit_triton = pytest.importorskip("llm_act.kernels.fewbit_triton")
 
@@ -117,6 +118,37 @@ def test_flag_layout_and_sizes():
         codes, flags = enc(x, cuts, 1, False)
         assert codes.numel() == code_bytes(n, 1) and flags.numel() == flag_bytes(n) == 3
         assert flags.tolist() == [0, 2, 8]
+
+
+def test_large_inputs_launch_several_programs(grids):
+    """SHAPES' largest input reaches past one program in both kernels."""
+    grids.watch(fewbit_triton, "_fewbit_encode_kernel", "_fewbit_decode_kernel")
+    cuts, levels = _table(3, False, torch.Generator().manual_seed(0))
+    n = max(math.prod(s) for s in SHAPES)
+    codes, flags = fewbit_triton.fewbit_encode(torch.randn(n), cuts, 3, False)
+    fewbit_triton.fewbit_decode(codes, flags, levels, 3, n, torch.float32)
+    assert grids.most("_fewbit_encode_kernel") > 1 and grids.most("_fewbit_decode_kernel") > 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_values_match_the_reference(dtype):
+    """Values at the dtype's max and subnormals get finite derivatives, non-finite ones
+    NaN, bit for bit with the reference."""
+    gen = torch.Generator().manual_seed(9)
+    cuts, levels = _table(3, True, gen)
+    f = torch.finfo(dtype)
+    x = torch.randn(2053, generator=gen)
+    x[::7], x[3::11] = f.max, -f.max
+    x[5::13] = tiny_values(x[5::13].numel(), dtype)
+    x[1::19], x[2::23], x[4::29] = math.inf, -math.inf, math.nan
+    x = x.to(dtype)
+    codes, flags = fewbit_triton.fewbit_encode(x, cuts, 3, True)
+    codes_ref, flags_ref = fewbit_encode_ref(x, cuts, 3, True)
+    assert torch.equal(codes, codes_ref) and torch.equal(flags, flags_ref)
+    out = fewbit_triton.fewbit_decode(codes, flags, levels, 3, x.numel(), dtype)
+    out_ref = fewbit_decode_ref(codes, flags, levels, 3, x.numel(), dtype)
+    assert torch.equal(out.nan_to_num(123.0), out_ref.nan_to_num(123.0))
+    assert torch.equal(torch.isnan(out), ~torch.isfinite(x))
 
 
 def test_empty():

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from llm_act.kernels import fp8_ref as ref
+from tests.kernels._values import tiny_values
 
 triton_fp8 = pytest.importorskip("llm_act.kernels.fp8_triton")
 
@@ -36,11 +37,14 @@ def test_bit_arithmetic_matches_torch_casts(fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_kernel_rounds_ties_and_subnormals_like_torch(fmt):
     y = _edge_values(fmt)
-    # one block holding FMAX keeps scale 1, so the kernel converts y itself
+    # blocks each holding FMAX keep scale 1, so the kernel converts y itself; 64 blocks
+    # of 16 span several programs
     x = torch.cat([y, torch.tensor([ref.get_format(fmt).fmax])])
-    bits, scale = triton_fp8.fp8_encode(x, x.numel(), fmt)
-    assert scale.item() == 1.0
-    assert torch.equal(bits, ref.fp8_encode_ref(x, x.numel(), fmt)[0])
+    x = torch.cat([x, x.new_full(((-x.numel()) % 15,), 0.0)]).view(-1, 15)
+    x = torch.cat([x, x.new_full((x.shape[0], 1), ref.get_format(fmt).fmax)], 1).reshape(-1)
+    bits, scale = triton_fp8.fp8_encode(x, 16, fmt)
+    assert (scale == 1.0).all() and scale.numel() > triton_fp8.GROUPS
+    assert torch.equal(bits, ref.fp8_encode_ref(x, 16, fmt)[0])
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -60,6 +64,37 @@ def test_kernels_match_reference(fmt, dtype, shape, block):
     assert y.dtype == dtype
     assert torch.equal(torch.isnan(y), torch.isnan(ry))
     assert torch.equal(y.nan_to_num(0.0), ry.nan_to_num(0.0))
+
+
+def test_large_inputs_launch_several_programs(grids):
+    grids.watch(triton_fp8, "_fp8_encode_kernel", "_fp8_decode_kernel")
+    bits, scale = triton_fp8.fp8_encode(torch.randn(3, 5, 130), 128, "e4m3")
+    triton_fp8.fp8_decode(bits, scale, 128, "e4m3", torch.float32)
+    assert grids.most("_fp8_encode_kernel") > 1 and grids.most("_fp8_decode_kernel") > 1
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_values_match_reference_and_stay_finite(fmt, dtype):
+    """Blocks whose amax is the dtype's max: FMAX * scale may round past it; decode
+    clamps, bit for bit with the reference."""
+    f = torch.finfo(dtype)
+    x = torch.randn(3000)
+    x[::7], x[3::11], x[:128] = f.max, -f.max, -f.max
+    x[128:256] = tiny_values(128, dtype)
+    x[5::13] = float("nan")
+    x[6::17] = float("inf")
+    x = x.to(dtype)
+    bits, scale = triton_fp8.fp8_encode(x, 128, fmt)
+    rbits, rscale = ref.fp8_encode_ref(x, 128, fmt)
+    assert torch.equal(bits, rbits) and torch.equal(scale, rscale)
+    y = triton_fp8.fp8_decode(bits, scale, 128, fmt, dtype)
+    ry = ref.fp8_decode_ref(rbits, rscale, 128, fmt, dtype)
+    assert torch.equal(torch.isnan(y), torch.isnan(ry))
+    assert torch.equal(y.nan_to_num(0.0), ry.nan_to_num(0.0))
+    assert torch.isfinite(ry[torch.isfinite(x)]).all()
+    first = torch.isfinite(x[:128])
+    assert (ry[:128][first] == -f.max).all()  # a block at -max decodes to -max exactly
 
 
 def test_empty():

@@ -9,13 +9,14 @@ pytest.importorskip("triton")
 from llm_act.kernels import int_quant_ref as ref  # noqa: E402
 from llm_act.kernels import int_quant_triton as tri  # noqa: E402
 from llm_act.kernels.packing_ref import unpack_bits  # noqa: E402
+from tests.kernels._values import tiny_values  # noqa: E402
 
 # Under the interpreter the kernels do the reference's float32 operations one by one, so
 # scales and decoded values must match bit for bit; compiled GPU code may differ in an ulp.
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
 RTOL = 1e-6 if ON_GPU else 0.0
-SHAPES = [(1,), (127,), (1000,), (3, 5, 130)]
+SHAPES = [(1,), (127,), (5000,), (3, 5, 130)]  # 5000 > one 4096-element tile
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MODES = [(1, False), (2, False), (2, True), (4, False), (4, True), (8, False), (8, True)]
 
@@ -42,7 +43,7 @@ def _scaled(x, scale, zero, bits, symmetric, param_index):
     s = torch.where(s > 0, s, torch.ones_like(s))
     if symmetric:
         return xf / s
-    return (xf - zero[param_index]) / s
+    return (0.5 * xf - 0.5 * zero[param_index]) / s  # the stored scale is that of x / 2
 
 
 def _assert_codes_match(x, r, k, bits, symmetric, param_index, noise=None):
@@ -86,7 +87,7 @@ def test_group_kernels_match_reference(shape, dtype, bits, symmetric):
 
 @pytest.mark.parametrize("bits,symmetric", MODES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(1, 1), (127, 1), (8, 125), (15, 130)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (127, 1), (40, 125), (15, 130)], ids=str)
 def test_axis_kernels_match_reference(shape, dtype, bits, symmetric):
     x = _input(shape, dtype)
     n, C = x.numel(), shape[1]
@@ -113,26 +114,28 @@ def test_many_rows_use_several_chunks():
 @pytest.mark.parametrize("group_size", [8, 32, 96, 256])
 @pytest.mark.parametrize("bits,symmetric", [(1, False), (4, True), (8, False)])
 def test_group_sizes(group_size, bits, symmetric):
-    x = _input((1100,), torch.float32)
+    n = 4500  # more than one tile
+    x = _input((n,), torch.float32)
     r = ref.int_quant_encode_ref(x, bits, group_size, symmetric)
     k = _dev(tri.int_quant_encode, x, bits, group_size, symmetric)
-    assert k[1].numel() == math.ceil(1100 / group_size)
-    _assert_codes_match(x, r, k, bits, symmetric, _group_index(1100, group_size))
-    dr = ref.int_quant_decode_ref(*r, bits, group_size, symmetric, 1100, torch.float32)
-    dk = _dev(tri.int_quant_decode, *r, bits, group_size, symmetric, 1100, torch.float32)
+    assert k[1].numel() == math.ceil(n / group_size)
+    _assert_codes_match(x, r, k, bits, symmetric, _group_index(n, group_size))
+    dr = ref.int_quant_decode_ref(*r, bits, group_size, symmetric, n, torch.float32)
+    dk = _dev(tri.int_quant_decode, *r, bits, group_size, symmetric, n, torch.float32)
     torch.testing.assert_close(dk, dr, rtol=RTOL, atol=0, equal_nan=True)
 
 
 def test_zero_range_and_all_nonfinite_groups():
-    x = torch.randn(512)
+    n = 4608  # two programs
+    x = torch.randn(n)
     x[:128] = 0.37  # constant group
     x[128:256] = float("nan")  # nothing finite
     x[256:384] = 0.0
     for bits, symmetric in MODES:
         r = ref.int_quant_encode_ref(x, bits, 128, symmetric)
         k = _dev(tri.int_quant_encode, x, bits, 128, symmetric)
-        _assert_codes_match(x, r, k, bits, symmetric, _group_index(512, 128))
-        d = _dev(tri.int_quant_decode, *k, bits, 128, symmetric, 512, torch.float32)
+        _assert_codes_match(x, r, k, bits, symmetric, _group_index(n, 128))
+        d = _dev(tri.int_quant_decode, *k, bits, 128, symmetric, n, torch.float32)
         assert torch.isnan(d[128:256]).all() and torch.isfinite(d[256:]).all()
         assert torch.equal(d[256:384], torch.zeros(128))
         if not symmetric:
@@ -154,18 +157,18 @@ def test_group_size_must_fill_whole_bytes():
 @pytest.mark.parametrize("axis", [False, True])
 def test_seeded_rounding_is_unbiased(axis):
     """tl.rand cannot match torch's stream: check the rounding statistics instead."""
-    bits, n, trials = 4, 2048, 20
+    bits, n, trials = 4, 8192, 10  # 8192: two programs
     x = torch.full((n,), 0.3)  # v = 0.3 / (1/15) = 4.5 -> P(up) = 0.5 ...
     x[0::64], x[1::64] = 0.0, 1.0  # ... in every group / every column of 64
     x[2::4] = 0.62  # v = 9.3 -> P(up) = 0.3
     pos = torch.arange(n) % 64
-    if axis:  # column c of [64, 32] holds group c of the flat layout
-        x, pos = x.view(32, 64).t().reshape(-1), pos.view(32, 64).t().reshape(-1)
+    if axis:  # column c of [64, n // 64] holds group c of the flat layout
+        x, pos = x.view(-1, 64).t().reshape(-1), pos.view(-1, 64).t().reshape(-1)
     ups_a, ups_b, decs = [], [], []
     for t in range(trials):
         seed = torch.tensor([1000 + 7919 * t], dtype=torch.int64)
         if axis:
-            enc = _dev(tri.int_quant_axis_encode, x.view(64, 32), bits, False, seed=seed)
+            enc = _dev(tri.int_quant_axis_encode, x.view(64, -1), bits, False, seed=seed)
             dec = _dev(tri.int_quant_axis_decode, *enc, bits, False, n, torch.float32)
         else:
             enc = _dev(tri.int_quant_encode, x, bits, 64, False, seed=seed)
@@ -179,3 +182,59 @@ def test_seeded_rounding_is_unbiased(axis):
     assert not torch.equal(decs[0], decs[1])  # different seeds, different codes
     mean = torch.stack(decs).mean(0)
     assert (mean - x).abs().max() < 5 * (1 / 15) / 2 / math.sqrt(trials)
+
+
+def test_large_inputs_launch_several_programs(grids):
+    """The shapes above reach past one program in every kernel of the family."""
+    grids.watch(tri, "_encode_groups_kernel", "_decode_kernel", "_axis_stats_kernel",
+                "_quantize_flat_kernel")
+    n = max(math.prod(s) for s in SHAPES)
+    enc = _dev(tri.int_quant_encode, _input((n,), torch.float32), 4, 128, False)
+    _dev(tri.int_quant_decode, *enc, 4, 128, False, n, torch.float32)
+    enc = _dev(tri.int_quant_axis_encode, _input((40, 125), torch.float32), 4, True)
+    assert min(grids.most(k) for k in grids.programs) > 1, grids.programs
+    assert len(grids.programs) == 4
+
+
+def _extreme(n, dtype):
+    """Normal values mixed with +-max, 0.99 max, +-Inf, NaN, a group at max, a group
+    alternating +-max, and a group of subnormals."""
+    f = torch.finfo(dtype)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    x[::7], x[3::11], x[5::13] = f.max, -f.max, 0.99 * f.max
+    x[1::19], x[2::23], x[4::29] = float("inf"), float("-inf"), float("nan")
+    x[256:384] = f.max
+    x[384:512] = f.max
+    x[385:512:2] = -f.max
+    x[512:640] = tiny_values(128, dtype)
+    return x.to(dtype)
+
+
+# numpy (the interpreter) warns where a product overflows to Inf before the kernel clamps
+# it or replaces it by NaN (the top code of a flagged group); the results are checked
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("bits,symmetric", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extreme_values_match_reference_and_stay_finite(dtype, bits, symmetric):
+    """Ranges of 2 max do not overflow: the kernels equal the reference bit for bit and
+    finite inputs decode to finite values (per group and per axis)."""
+    n = 4500
+    x = _extreme(n, dtype)
+    fin = torch.isfinite(x)
+    noise = torch.rand(n)
+    r = ref.int_quant_encode_ref(x, bits, 128, symmetric, noise)
+    k = _dev(tri.int_quant_encode, x, bits, 128, symmetric, noise)
+    assert all(torch.equal(a, b) for a, b in zip(r, k))
+    assert torch.isfinite(r[1]).all() and torch.isfinite(r[2]).all()
+    dr = ref.int_quant_decode_ref(*r, bits, 128, symmetric, n, dtype)
+    dk = _dev(tri.int_quant_decode, *r, bits, 128, symmetric, n, dtype)
+    torch.testing.assert_close(dk, dr, rtol=RTOL, atol=0, equal_nan=True)
+    assert torch.isfinite(dr[fin]).all()
+    x2 = x.view(36, 125)
+    r = ref.int_quant_axis_encode_ref(x2, bits, symmetric, noise)
+    k = _dev(tri.int_quant_axis_encode, x2, bits, symmetric, noise)
+    assert all(torch.equal(a, b) for a, b in zip(r, k))
+    dr = ref.int_quant_axis_decode_ref(*r, bits, symmetric, n, dtype)
+    dk = _dev(tri.int_quant_axis_decode, *r, bits, symmetric, n, dtype)
+    torch.testing.assert_close(dk, dr, rtol=RTOL, atol=0, equal_nan=True)
+    assert torch.isfinite(dr[fin]).all()

@@ -69,6 +69,8 @@ class Sensitivity:
 class _ValueProbe(Codec):
     """Stochastic INT4 at a value site, recording S (relative error) of every encode."""
 
+    keeps_nonfinite = False  # the inner codec keeps them already
+
     def __init__(self, seed: int, record: list):
         super().__init__(seed)
         self.inner = make_codec(PROBE_CODEC, seed=seed)
@@ -87,6 +89,8 @@ class _ValueProbe(Codec):
 class _DerivativeProbe(Codec):
     """At a few-bit site: stores f'(x) + sigma * Rademacher noise (unbiased), sigma^2 the
     fewbit3 table's expected error on x; S = sigma^2 / mean(f'(x)^2)."""
+
+    keeps_nonfinite = False  # it stores f'(x), not x, like the few-bit codec it stands for
 
     def __init__(self, seed: int, activation: str, record: list):
         super().__init__(seed)

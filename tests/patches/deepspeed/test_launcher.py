@@ -3,12 +3,16 @@
 The DeepSpeed launcher starts 2 CPU ranks (its CPU accelerator maps --num_gpus to local
 processes). With `--compare` the script trains the megatron-core GPT twice in the same
 processes, without and then with compression: the first loss is identical (compression
-changes only what backward reads), the last within `LOSS_TOL`, the saved bytes smaller.
+changes only what backward reads), every later one within `LOSS_TOL`, the saved bytes
+smaller. ZeRO-2 is the quick run of the default test set; ZeRO-3 and the broken-codec
+companion (a codec decoding zeros, installed in the launched ranks by a sitecustomize) are
+`slow`.
 """
 import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,32 +20,72 @@ import pytest
 pytest.importorskip("deepspeed")
 pytest.importorskip("megatron.core")
 
+from tests.patches import broken_codec  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[3]
-LOSS_TOL = 0.02
+#: relative tolerance on the losses of the compressed run vs the uncompressed one. Measured
+#: (ZeRO-2, 3 steps, losses 5.548 -> 4.912): the real codecs 1.1e-4 (step 2) and 1.3e-4
+#: (step 3); every site decoding zeros 0.012 and 0.026 (the old tolerance, 0.02, let step 2
+#: through). ln1.input of layer 1 decoding zeros: 2.5e-4 and 1.9e-4, only 1.5-2x the real
+#: codecs' -- too close to separate by losses without a flaky bound. The script reports no
+#: gradients, so the losses are all there is to compare here (the gradient bounds that catch
+#: one broken site are in test_hf_zero.py and tests/patches/megatron).
+LOSS_TOL = 1e-3
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("stage", [2, 3])
-def test_launcher_run(stage, tmp_path):
-    launcher = shutil.which("deepspeed")
+def _launch(stage, folder, env=None):
+    """Run the launcher with `--compare` for 3 steps; returns its JSON result."""
+    beside = Path(sys.executable).with_name("deepspeed")  # a venv's python run without activating
+    launcher = shutil.which("deepspeed") or (str(beside) if beside.exists() else None)
     if launcher is None:
         pytest.skip("the deepspeed launcher is not on PATH")
-    out = tmp_path / "result.json"
     from llm_act.testing import free_port
 
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "launch/ds_train.py", "--deepspeed_config",
-           "launch/ds_config.json", "--zero-stage", str(stage), "--steps", "3", "--compare",
-           "--json", str(out)]
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    out = folder / "result.json"
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "launch/ds_train.py",
+           "--deepspeed_config", "launch/ds_config.json", "--zero-stage", str(stage),
+           "--steps", "3", "--compare", "--json", str(out)]
+    env = {k: v for k, v in (env or os.environ).items() if k != "CUDA_VISIBLE_DEVICES"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step   3  loss" in proc.stdout and "saved" in proc.stdout
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def _check_losses(off, on):
+    """The compressed run's losses follow the uncompressed run's."""
+    assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-6)
+    for a, b in zip(on["losses"][1:], off["losses"][1:]):
+        assert abs(a - b) <= LOSS_TOL * b, f"relative loss difference {abs(a - b) / b:.3g}"
+
+
+def _launcher_run(stage, tmp_path):
+    result = _launch(stage, tmp_path)
     off, on = result["off"], result["on"]
     assert off["zero_stage"] == on["zero_stage"] == stage
     assert not off["compressed"] and on["compressed"] and on["iteration"] == 3
-    assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-6)
-    assert abs(on["losses"][-1] - off["losses"][-1]) <= LOSS_TOL * off["losses"][-1]
+    _check_losses(off, on)
     assert on["losses"][-1] < on["losses"][0]
     assert max(on["saved_bytes"]) < 0.7 * min(off["saved_bytes"])
+
+
+@pytest.mark.dist
+def test_launcher_run_zero2(tmp_path):
+    _launcher_run(2, tmp_path)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_launcher_run_zero3(tmp_path):
+    _launcher_run(3, tmp_path)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_launcher_loss_tolerance_fails_with_a_broken_codec(tmp_path):
+    """Every codec decoding zeros, in both launched ranks."""
+    env = broken_codec.env_for_subprocess(os.environ, tmp_path / "site", broken_codec.ALL)
+    result = _launch(2, tmp_path, env)
+    with pytest.raises(AssertionError, match="relative loss"):
+        _check_losses(result["off"], result["on"])

@@ -14,6 +14,12 @@ pytest.importorskip("megatron.core")
 from llm_act import testing as T  # noqa: E402
 
 pytestmark = pytest.mark.dist
+#: gradient bound of "compress" vs "keep" (chunked attention) under TP=2: relative error over
+#: all parameters and per parameter (`check_gradients`). Measured (fp32 and bf16 alike):
+#: the real codecs 0.110 total, worst parameter 0.243; zeros decoded at ln1.input of layer 1
+#: 0.111 and 1.005 (the old bound, 0.25 on the total alone, let it through); at
+#: mlp.fc2_input of layer 0 0.33-0.34 and 1.000.
+BOUND = (0.16, 0.4)
 
 
 def _keep_worker(rank, world_size, port):
@@ -24,6 +30,7 @@ def _keep_worker(rank, world_size, port):
     warnings.filterwarnings("ignore")
     from llm_act import ActConfig
     from llm_act.patches.megatron import apply
+    from tests.patches import broken_codec
     from tests.patches.megatron import gpt_runs as R
 
     T.init_parallel(tp=2, rank=rank, world_size=world_size, port=port)
@@ -47,8 +54,15 @@ def _keep_worker(rank, world_size, port):
         with ctl.step():
             loss_c, grads_c, _ = R.step(model)
         assert torch.equal(loss_c, loss_r)
-        err = R.rel_error(grads_c, grads_r)
-        assert 0 < err <= 0.25, (rank, dtype, err)  # the TP=1 bound of test_apply
+        assert R.rel_error(grads_c, grads_r) > 0
+        R.check_gradients(grads_c, grads_r, *BOUND)
+        for site, layer in (("ln1.input", 1), ("mlp.fc2_input", 0)):  # the bound is not loose
+            with broken_codec.broken(site, layer):
+                broken = R.build(dtype=dtype, dropout=0.1)
+                apply(broken, ActConfig(plan="compress"))
+            grads_b = R.step(broken)[1]
+            with pytest.raises(AssertionError, match="relative"):
+                R.check_gradients(grads_b, grads_r, *BOUND)
         ctl.set_plan("keep")
         with ctl.step():
             loss2, grads2, _ = R.step(model)

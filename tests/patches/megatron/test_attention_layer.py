@@ -27,6 +27,7 @@ from llm_act.codecs import make_codec
 from llm_act.ledger import SavedTensorLedger
 from llm_act.bench.memory import held_after_forward
 from llm_act.sites import DEFAULT_CODECS
+from tests.patches import broken_codec
 from tests.patches.megatron.layer_pairs import GaussianChannel, rel_errors
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
@@ -236,7 +237,9 @@ def test_gqa_stores_unexpanded_kv():
 # ---- lossy Q/K/V -------------------------------------------------------------------------------
 
 
-def test_qkv_int4_channel_gradient_bound():
+def _qkv_errors(broken=None):
+    """(err_c, err_b, err_p, parameter names) of the bf16 layer with int4_channel at Q, K, V
+    (`broken`: that site's codec decodes zeros; the prediction keeps the real codec)."""
     cfg = config()
     s32, a32, sites32 = twins(cfg, seed=1)
     sb, ab, sitesb = twins(cfg, torch.bfloat16, seed=1)
@@ -252,18 +255,39 @@ def test_qkv_int4_channel_gradient_bound():
     stock_b = step(sb, x)
     codec = make_codec("int4_channel")
     for s in QKV:
-        sitesb[s].set_act_codec(s, codec)
+        sitesb[s].set_act_codec(s, broken_codec.break_codec(make_codec("int4_channel"))
+                                if s == broken else codec)
         sites32[s].set_act_codec(s, GaussianChannel(codec.expected_error(captured[s]), seed=QKV.index(s)))
     for m in (core(ab), core(a32)):
         m.set_attention_mode("sdpa")
     comp_b = step(ab, x)
     pred = step(a32, x.float())
-    err_c, err_b, err_p = (rel_errors(r[1], ref[1]) for r in (comp_b, stock_b, pred))
+    errs = (rel_errors(r[1], ref[1]) for r in (comp_b, stock_b, pred))
+    return (*errs, ["input"] + [n for n, _ in ab.named_parameters()])
+
+
+def _check_qkv_bound(err_c, err_b, err_p):
     for i, (c, b, p) in enumerate(zip(err_c, err_b, err_p)):
         assert c <= 2 * b + 2 * p + 1e-6, f"gradient {i}: {c:.3g} > 2*{b:.3g} + 2*{p:.3g}"
-    names = ["input"] + [n for n, _ in ab.named_parameters()]
+
+
+def test_qkv_int4_channel_gradient_bound():
+    err_c, err_b, err_p, names = _qkv_errors()
+    _check_qkv_bound(err_c, err_b, err_p)
     qkv_w = names.index("self_attention.linear_qkv.weight")
     assert err_c[qkv_w] > 1.2 * err_b[qkv_w] and err_p[qkv_w] > 0  # the codec really acts
+
+
+@pytest.mark.parametrize("site", QKV)
+def test_qkv_bound_fails_with_a_broken_codec(site):
+    """Zeros decoded at one of Q, K, V break the bound. Measured (largest error / bound over
+    the layer's gradients): the real codec 0.51; zeros at attn.q 1.44, attn.k 1.45, attn.v
+    1.45 (the linear_qkv weight gradient off by 0.029 with a bound of 0.020). The margin is
+    small because at this initialisation the attention is nearly uniform: dq and dk are a
+    small part of the gradient, and dv does not read v."""
+    err_c, err_b, err_p, _ = _qkv_errors(broken=site)
+    with pytest.raises(AssertionError, match="gradient"):
+        _check_qkv_bound(err_c, err_b, err_p)
 
 
 # ---- the "compress" plan on a full GPT layer ---------------------------------------------------

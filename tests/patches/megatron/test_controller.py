@@ -143,8 +143,8 @@ def test_state_dict_round_trip_restores_plan_and_generators():
     next_a = ctl_a.codec(1, "mlp.fc2_input")
 
     model_b = R.build()
-    ctl_b = apply(model_b, ActConfig(plan="keep"))
-    ctl_b.load_state_dict(state)
+    ctl_b = apply(model_b, cfg)  # the same flags: the saved plan is restored (other flags win:
+    ctl_b.load_state_dict(state)  # tests/test_controller_resume.py)
     assert ctl_b.iteration == 1 and ctl_b.plan == saved_plan
     assert ctl_b.pending_plan == switched
     with ctl_b.step():

@@ -28,6 +28,7 @@ from llm_act import testing
 from llm_act.codecs import make_codec
 from llm_act.codecs.fewbit import derivative
 from llm_act.ledger import SavedTensorLedger
+from tests.patches import broken_codec
 from tests.patches.megatron.layer_pairs import (
     GaussianChannel,
     grads,
@@ -134,8 +135,9 @@ def _site_input(module_fp32, site, cfg, x32):
     return x32
 
 
-def site_errors(site, codec_name, cfg, activation="gelu", scale=1.0):
-    """(err_compressed, err_bf16, err_pred) per gradient tensor of the site's module."""
+def site_errors(site, codec_name, cfg, activation="gelu", scale=1.0, broken=False):
+    """(err_compressed, err_bf16, err_pred) per gradient tensor of the site's module;
+    `broken`: the compressed run's codec decodes zeros (the prediction keeps the real one)."""
     torch.manual_seed(1)
     s32, a32, sites32 = twin_layers(cfg, torch.float32)
     state = s32.state_dict()
@@ -145,7 +147,8 @@ def site_errors(site, codec_name, cfg, activation="gelu", scale=1.0):
     x = (scale * torch.randn(S, B, input_width(cfg, site))).bfloat16()
     x32 = x.float()
     codec = make_codec(codec_name, seed=5, activation=activation)
-    submodule(ab, site).set_act_codec(site, codec)
+    submodule(ab, site).set_act_codec(site, broken_codec.break_codec(codec)
+                                      if broken else codec)
 
     ref = grads(submodule(s32, site), x32)
     stock_b = grads(submodule(sb, site), x)
@@ -175,6 +178,27 @@ def test_lossy_linear_and_norm_sites(site, codec_name):
     errs = site_errors(site, codec_name, config())
     check_bound(errs)
     assert max(errs[0]) > 0  # the codec is really used
+
+
+@pytest.mark.parametrize("site,codec_name,cfg", [
+    *((s, "outlier_int4", {}) for s in ALL_SITES if s != "mlp.act_input"),
+    ("ln2.input", "outlier_int4", {"normalization": "RMSNorm"}),
+    ("mlp.act_input", "fewbit3", {}),
+    ("mlp.act_input", "outlier_int4", {"gated_linear_unit": True}),
+])
+def test_bound_fails_with_a_broken_codec(site, codec_name, cfg):
+    """The bound is not loose: a codec decoding zeros fails it at every site. Measured (largest
+    error / bound over the module's gradients): the real codec 0.50-0.51 at every site here,
+    broken 3.3-3.6 (the module's weight gradient off by 1.0, its bound 0.29-0.30). Not
+    separable, so not here: int2 at ln2.input of an RMSNorm layer (the real codec's weight
+    gradient is off by 0.71 with a bound of 1.34; zeros give 1.0 -- int2's predicted noise
+    is as large as the gradient)."""
+    import torch.nn.functional as F
+
+    if cfg.get("gated_linear_unit"):
+        cfg = {**cfg, "activation_func": F.silu}
+    with pytest.raises(AssertionError, match="gradient"):
+        check_bound(site_errors(site, codec_name, config(**cfg), broken=True))
 
 
 @pytest.mark.parametrize("codec_name", ["int4", "outlier_int4", "int2"])

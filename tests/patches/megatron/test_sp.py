@@ -4,8 +4,12 @@ One worker builds a TransformerLayer from `layer_spec` at TP=1 (the reference), 
 same weights at TP=2 with sequence parallelism, and checks, fp32, dropout 0:
 - every site kept: output, input gradient and parameter gradients equal the TP=1 layer's
   (sliced / summed over TP) within fp32 round-off;
-- int8 / outlier_int4 at every linear and norm site: the SP error against TP=1 stock is at
-  most 2x the error the same codec gives at TP=1 (+1e-6): encoding shards apart costs nothing;
+- int8 / outlier_int4 at every linear and norm site: the SP error of every parameter's
+  gradient against TP=1 stock is at most 2x the error the same codec gives it at TP=1
+  (+1e-3): encoding shards apart costs nothing. Measured (rank 0), the largest SP / TP=1
+  ratio over the codec-touched parameters: real int8 1.04, outlier_int4 1.04; zeros decoded
+  at mlp.fc1_input 116x (int8) and 7.0x (outlier_int4), at ln2.input 106x and 7.1x -- the
+  total over all parameters, the older check, let ln2.input through (0.0102 vs 0.0108);
 - recompute (a group and the whole block) under SP is bit-identical to SP keep;
 - the backward all-gather of a compressed column-parallel linear moves exactly the encoded
   shard (IntQuant int4: 0.5625 bytes per element vs 4 in fp32 stock), measured by wrapping
@@ -17,6 +21,7 @@ import pytest
 import torch
 
 from llm_act import testing
+from tests.patches.broken_codec import param_errors
 
 S, B, H = 16, 2, 64
 LINEAR_NORM = ("ln1.input", "attn.qkv_input", "attn.out", "ln2.input", "mlp.fc1_input", "mlp.fc2_input")
@@ -70,17 +75,26 @@ def _run(layer, x, gy):
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-def _codec_of(seed=5):
+def _codec_of(seed=5, broken=None):
+    """codec_of(site, name) for `bind`; the codec of site `broken` decodes zeros."""
     from llm_act.codecs import make_codec
+    from tests.patches import broken_codec
 
     cache = {}
-    return lambda site, name: cache.setdefault((site, name), make_codec(name, seed=seed))
+
+    def codec_of(site, name):
+        if (site, name) not in cache:
+            codec = make_codec(name, seed=seed)
+            cache[(site, name)] = broken_codec.break_codec(codec) if site == broken else codec
+        return cache[(site, name)]
+
+    return codec_of
 
 
-def _bind(sites, choice, seed=5):
+def _bind(sites, choice, seed=5, broken=None):
     from llm_act.patches.megatron.recompute import for_sites
 
-    for_sites(sites).bind(choice, _codec_of(seed))
+    for_sites(sites).bind(choice, _codec_of(seed, broken))
 
 
 def _to_tp2(ref_grads, layer, rank):
@@ -151,12 +165,23 @@ def _worker(rank, world_size, port):
         torch.testing.assert_close(got[n], want_grads[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
     # lossy codecs: encoding shards apart is as good as encoding the whole sequence
+    def sp_errors(name, broken=None):
+        _bind(sites, {s: name for s in LINEAR_NORM}, broken=broken)
+        return param_errors(_sp_grads(dict(_run(layer, xs, gys)[2]), layer), want_grads)
+
+    def check(name, err_sp, err_tp1):
+        assert max(err_sp.values()) > 0, name
+        for n, e in err_sp.items():  # 1e-3: round-off of the parameters no codec touches
+            assert e <= 2 * err_tp1[n] + 1e-3, f"{name}: {n}: SP error {e:.3g} vs TP=1 {err_tp1[n]:.3g}"
+
     for name, lref in lossy_ref.items():
-        _bind(sites, {s: name for s in LINEAR_NORM})
-        lossy = _run(layer, xs, gys)
-        err_sp = _rel(_sp_grads(dict(lossy[2]), layer), want_grads)
-        err_tp1 = _rel(_to_tp2(lref[2], layer, rank), want_grads)
-        assert 0 < err_sp <= 2 * err_tp1 + 1e-6, f"{name}: SP error {err_sp:.3g} vs TP=1 {err_tp1:.3g}"
+        err_tp1 = param_errors(_to_tp2(lref[2], layer, rank), want_grads)
+        check(name, sp_errors(name), err_tp1)
+        # the bound is not loose: zeros decoded at one SP site break it (the gathered fc1
+        # input, the mask-less ln2 input: its norm weight is a small part of the total)
+        for site in ("mlp.fc1_input", "ln2.input"):
+            with pytest.raises(AssertionError, match="SP error"):
+                check(name, sp_errors(name, broken=site), err_tp1)
 
     # recompute under SP (collectives inside the rebuild) is bit-identical to SP keep
     _bind(sites, {})
@@ -179,11 +204,13 @@ def _worker(rank, world_size, port):
         _run(layer, xs, gys)
     encoded = make_codec("int4").nbytes_for((S // 2, B, H), torch.float32)
     assert encoded == shard_elems * 9 // 16  # 4 bits + 8 bytes of scale/zero per 128 = 4.5 bits
-    calls = count.backward  # per linear: the size header, then codes, scale, zero
+    # per linear: the size header, then codes, scale, zero; the non-finite side list is
+    # empty on finite data and never travels (a zero-width gather is skipped)
+    calls = count.backward
     assert len(calls) == 8, calls
     headers = [calls[0], calls[4]]
     assert sum(calls[1:4]) == sum(calls[5:8]) == encoded, calls
-    assert headers == [8 * 6] * 2  # 3 tensors x (ndim, size) as int64
+    assert headers == [8 * 10] * 2  # 5 tensors (codes, 2 side lists, scale, zero) x (ndim, size) as int64
     assert count.forward == stock_count.forward  # the forward gather stays full precision
     if rank == 0:
         print(f"SP backward all-gather per rank per linear: stock {shard_elems * 4} B, "

@@ -12,8 +12,35 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import warnings
+from typing import Callable, NoReturn
+
+
+def _number(kind: Callable[[str], float], text: str) -> Callable[[str], float]:
+    """An argparse type: `kind` above zero (a zero or negative shape ends in a traceback
+    deep inside megatron-core otherwise)."""
+    def parse(value: str) -> float:
+        try:
+            x = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {text}, got {value!r}") from None
+        if not x > 0:
+            raise argparse.ArgumentTypeError(f"expected {text}, got {value!r}")
+        return x
+    return parse
+
+
+def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """A user error found after parsing: one line and exit code 2 (argparse's `error` would
+    print the whole usage, dozens of lines for `train`, above it)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+_POSITIVE_INT = _number(int, "a positive integer")
+_POSITIVE_FLOAT = _number(float, "a positive number")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,21 +51,23 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="compression demo on a megatron-core GPT block (CPU)",
                           allow_abbrev=False)
-    demo.add_argument("--seq-length", type=int, default=256)
-    demo.add_argument("--micro-batch-size", type=int, default=2)
-    demo.add_argument("--hidden-size", type=int, default=512)
-    demo.add_argument("--num-attention-heads", type=int, default=8)
+    demo.add_argument("--seq-length", type=_POSITIVE_INT, default=256)
+    demo.add_argument("--micro-batch-size", type=_POSITIVE_INT, default=2)
+    demo.add_argument("--hidden-size", type=_POSITIVE_INT, default=512)
+    demo.add_argument("--num-attention-heads", type=_POSITIVE_INT, default=8)
     demo.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    demo.set_defaults(cmd_parser=demo)
 
     bench = sub.add_parser("bench", help="benchmarks (print tables, write under docs/)",
                            allow_abbrev=False)
     bsub = bench.add_subparsers(dest="suite", required=True)
     k = bsub.add_parser("kernels", help="codec bandwidth vs copy bandwidth", allow_abbrev=False)
-    k.add_argument("--size-mib", type=float, default=256.0,
+    k.add_argument("--size-mib", type=_POSITIVE_FLOAT, default=256.0,
                    help="tensor size per codec (the issue asks for >= 256 MiB on a GPU)")
     k.add_argument("--quick", action="store_true", help="8 MiB tensors, for a CPU smoke run")
     k.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     k.add_argument("--output", default=None, help="also write the table to this markdown file")
+    k.set_defaults(cmd_parser=k)
     for suite, text in (("memory", "saved bytes per layer of every scheme (ledger, CPU)"),
                         ("convergence", "validation loss of every scheme against stock (CPU)"),
                         ("planner", "MILP solve time; predicted vs measured bytes"),
@@ -47,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         sp = bsub.add_parser(suite, help=text, allow_abbrev=False)
         sp.add_argument("--quick", action="store_true", help="small shapes / ~30 steps (CI)")
         sp.add_argument("--output-dir", default="docs", help="plots (and benchmarks.md) go here")
+        sp.set_defaults(cmd_parser=sp)
         if suite in ("convergence", "all"):
             sp.add_argument("--convergence-json", default=None,
                            help="reuse a convergence result saved by `bench convergence "
@@ -62,11 +92,55 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_user_input(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the user got wrong before any work starts, with one line naming it: the
+    environment, and every path a command reads or writes (these failed, with a traceback,
+    only after minutes of training or benchmarking)."""
+    from llm_act.kernels import kernel_choice
+
+    try:
+        kernel_choice()
+    except ValueError as err:
+        fail(parser, str(err))
+    if args.command == "demo":
+        if args.hidden_size % args.num_attention_heads:
+            fail(parser, f"--hidden-size {args.hidden_size} is not divisible by "
+                              f"--num-attention-heads {args.num_attention_heads}")
+        return
+    out_dir = getattr(args, "output_dir", None)
+    if out_dir is not None:  # created when written; its nearest existing folder must take it
+        probe = os.path.abspath(out_dir)
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            fail(parser, f"--output-dir {out_dir}: {probe} is a file, not a folder; choose another folder")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            fail(parser, f"--output-dir {out_dir}: {probe} is not writable; choose another folder")
+    for flag in ("output", "save_json"):  # files written at the end: their folder must exist now
+        path = getattr(args, flag, None)
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(parser, f"--{flag.replace('_', '-')} {path}: its folder does not exist; create it first")
+    path = getattr(args, "convergence_json", None)
+    if path is not None:
+        try:
+            with open(path) as f:
+                json.load(f)
+        except OSError as err:
+            fail(parser, f"--convergence-json {path}: cannot read it ({err.strerror})")
+        except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
+            fail(parser, f"--convergence-json {path}: not a JSON file saved by `llm-act bench "
+                              f"convergence --save-json` ({err})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     # megatron-core warns at import that apex / Transformer Engine are absent; we know.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
+    # errors are reported by the subcommand's parser (its usage line, its name)
+    sub = next((getattr(args, n) for n in ("cmd_parser", "train_parser", "plan_parser")
+                if getattr(args, n, None) is not None), parser)
+    _check_user_input(sub, args)
     if args.command == "demo":
         from llm_act.demo import run_demo
 

@@ -236,20 +236,62 @@ def build_layer(shape: Shape, seed: int = 0):
     return testing.transformer_layer(cfg, layer_number=1)
 
 
-def held_after_forward(forward: Callable[[], torch.Tensor], runs: int = 3) -> int:
-    """Bytes a forward leaves allocated (profiler: allocations minus frees), its output
-    excluded: the independent check of the ledger. The smallest of `runs` runs (an earlier
-    run may fill one-off caches, thread pools or scratch buffers, which are not activations)."""
+def held_after_forward(forward: Callable[[], torch.Tensor], runs: int = 3,
+                       before: Optional[Callable[[], None]] = None) -> int:
+    """Bytes a forward allocates and leaves allocated (the profiler's allocation events),
+    its output excluded: the independent check of the ledger. The smallest of `runs` runs
+    (an earlier run may fill one-off caches, thread pools or scratch buffers, which are not
+    activations); `before` runs ahead of each, outside the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     held = []
     for _ in range(runs):
+        if before is not None:
+            before()
         gc.collect()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = forward()
-        held.append(sum(ev.self_cpu_memory_usage for ev in prof.events()) - out.numel() * out.element_size())
+        held.append(_still_allocated(prof) - out.numel() * out.element_size())
         del out
     return min(held)
+
+
+def _still_allocated(prof) -> int:
+    """Bytes allocated inside the profiled region and not freed there. Frees of blocks
+    allocated before it are left out: summing every event's memory would subtract them, and
+    whether the profiler knows such a block's size depends on whether an earlier profiled
+    region (another test's, say) allocated it -- the sum would depend on what ran before."""
+    from torch._C._profiler import _ExtraFields_Allocation
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if isinstance(node.extra_fields, _ExtraFields_Allocation):
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+    live: dict[int, int] = {}
+    for _t, ptr, size in sorted(events):
+        if size > 0:
+            live[ptr] = size
+        else:
+            live.pop(ptr, None)
+    return sum(live.values())
+
+
+def ledger_and_held(forward: Callable[[], torch.Tensor], runs: int = 3):
+    """(SavedTensorLedger of one forward, `held_after_forward` of the same forward): every
+    forward starts from one RNG state, so all draw the same dropout masks. Otherwise each
+    draws new ones, and what a data-dependent codec stores (outlier_int4's outliers) moves
+    by kilobytes with how far the RNG had advanced -- that is, with which tests ran before."""
+    from llm_act.ledger import SavedTensorLedger
+    from llm_act.train import rng
+
+    state = rng.get_state()
+    with SavedTensorLedger() as led:
+        out = forward()
+    del out
+    held = held_after_forward(forward, runs, before=lambda: rng.set_state(state))
+    return led, held
 
 
 def measure(shape: Shape, scheme: Scheme, process: bool = False) -> dict:
@@ -271,13 +313,14 @@ def measure(shape: Shape, scheme: Scheme, process: bool = False) -> dict:
     forward().float().sum().backward()  # warm-up: global buffers exist, backward works
     if not torch.isfinite(x0.grad).all():
         raise RuntimeError(f"scheme {scheme.name!r}: non-finite input gradient")
-    with SavedTensorLedger() as led:
-        out = forward()
-    del out
-    result = {"total": led.total_bytes, "by_site": led.by_site(), "held": None}
     if process:
-        result["held"] = held_after_forward(forward)
-    return result
+        led, held = ledger_and_held(forward)
+    else:
+        with SavedTensorLedger() as led:
+            out = forward()
+        del out
+        held = None
+    return {"total": led.total_bytes, "by_site": led.by_site(), "held": held}
 
 
 def run(shapes: list[Shape], process_for=("stock", "compress (Adacc)"),

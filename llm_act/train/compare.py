@@ -22,6 +22,9 @@ from llm_act.train.trainer import Trainer
 
 MiB = 2**20
 PLOT_NAME = "train_memory_per_site.png"
+#: Relative to the working directory; never docs/, whose committed plots a run from a checkout
+#: would overwrite (`llm-act bench` is what regenerates those).
+OUTPUT_DIR = "llm_act_out"
 
 
 class _Run:
@@ -62,9 +65,10 @@ class _Run:
             self.valid_loss = self.trainer.evaluate()
 
     @property
-    def tokens_per_s(self) -> float:
+    def tokens_per_s(self) -> Optional[float]:
+        """None until an iteration after the first (which pays one-off costs) was timed."""
         a = self.trainer.args
-        return a.global_batch_size * a.seq_length * self.timed / self.seconds if self.seconds else float("nan")
+        return a.global_batch_size * a.seq_length * self.timed / self.seconds if self.seconds else None
 
     def per_layer(self) -> dict:
         out: dict = {}
@@ -99,6 +103,10 @@ def _table(stock: _Run, comp: _Run, args: argparse.Namespace, sha256: str) -> st
         "measured iteration)",
         f"{'layer':<24}{'stock MiB':>12}{'compressed MiB':>16}{'ratio':>8}",
     ]
+    if stock.tokens_per_s and comp.tokens_per_s:
+        speed = f"{comp.tokens_per_s / stock.tokens_per_s:.3f}"
+    else:
+        speed = "n/a (needs --train-iters >= 2)"
     s_layer, c_layer = stock.per_layer(), comp.per_layer()
     keys = sorted({k for k in s_layer} | {k for k in c_layer}, key=lambda k: (k is None, k or 0))
     for k in keys:
@@ -113,9 +121,9 @@ def _table(stock: _Run, comp: _Run, args: argparse.Namespace, sha256: str) -> st
         f"{'first train loss':<24}{stock.losses[0]:>12.4f}{comp.losses[0]:>16.4f}",
         f"{'final train loss':<24}{stock.losses[-1]:>12.4f}{comp.losses[-1]:>16.4f}",
         f"{'validation loss':<24}{_fmt(stock.valid_loss):>12}{_fmt(comp.valid_loss):>16}",
-        f"{'tokens/s':<24}{stock.tokens_per_s:>12.1f}{comp.tokens_per_s:>16.1f}",
+        f"{'tokens/s':<24}{_fmt(stock.tokens_per_s, '.1f'):>12}{_fmt(comp.tokens_per_s, '.1f'):>16}",
         "",
-        f"tokens/s ratio compressed/stock: {comp.tokens_per_s / stock.tokens_per_s:.3f} "
+        f"tokens/s ratio compressed/stock: {speed} "
         f"(iterations alternate in one process; the first iteration of each is not timed)",
         f"saved activations: {s_tot / MiB:.3f} MiB -> {c_tot / MiB:.3f} MiB per micro-batch "
         f"({_ratio(c_tot, s_tot)} of stock)",
@@ -127,8 +135,8 @@ def _ratio(a: int, b: int) -> str:
     return f"{a / b:.1%}" if b else "n/a"
 
 
-def _fmt(x: Optional[float]) -> str:
-    return "n/a" if x is None else f"{x:.4f}"
+def _fmt(x: Optional[float], spec: str = ".4f") -> str:
+    return "n/a" if x is None else format(x, spec)
 
 
 def plot(stock: _Run, comp: _Run, path: str, title: str) -> str:
@@ -187,12 +195,12 @@ def run(args: argparse.Namespace, output_dir: str, log: Callable[[str], None] = 
         for r in (stock, comp):
             r.evaluate()
         table = _table(stock, comp, args, data.sha256)
-        path = plot(stock, comp, os.path.join(output_dir, PLOT_NAME),
+        path = plot(stock, comp, os.path.abspath(os.path.join(output_dir, PLOT_NAME)),
                     f"llm-act train: GPT {args.num_layers}x{args.hidden_size}, seq {args.seq_length}, "
                     f"micro-batch {args.micro_batch_size}, plan {args.act_config.plan}")
         log("")
         log(table)
-        log(f"plot: {path}")
+        log(f"plot: {path} (--output-dir {output_dir})")
         return {"stock": stock, "compressed": comp, "table": table, "plot": path}
     finally:
         parallel.teardown()
@@ -206,8 +214,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        parents=[build_parser("llm-act train", add_help=False)],
                        allow_abbrev=False, description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output-dir", default="docs", help="where the plot goes (default: docs)")
-    p.set_defaults(train_iters=40, lr=2e-3, min_lr=2e-4, lr_warmup_iters=4, log_interval=10,
+    p.add_argument("--output-dir", default=OUTPUT_DIR,
+                   help=f"where the run's outputs (the plot) go; created if missing (default: {OUTPUT_DIR})")
+    p.set_defaults(train_iters=40, lr=2e-3, min_lr=2e-4, lr_warmup_iters=None, log_interval=10,
                    eval_iters=4, hidden_size=128, num_layers=2, seq_length=128, micro_batch_size=4,
                    train_parser=p)
     return p
@@ -216,6 +225,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     """Entry from `llm-act train`: the compressed run always has --act-compress (plan
     "compress" unless --act-compress-plan says otherwise)."""
+    from llm_act.cli import fail
     from llm_act.train.args import check
 
     parser = args.train_parser
@@ -224,6 +234,8 @@ def main(args: argparse.Namespace) -> int:
         parser.error("--tensor-model-parallel-size / --pipeline-model-parallel-size: llm-act train "
                      "compares two runs in one process; run launch/pretrain_gpt.py under torchrun "
                      "for tensor or pipeline parallelism")
+    if args.lr_warmup_iters is None:  # demo default: 4, fewer for a run too short for 4
+        args.lr_warmup_iters = max(0, min(4, (args.lr_decay_iters or args.train_iters) - 1))
     args.act_compress = True
     if args.act_compress_plan is None:
         args.act_compress_plan = "compress"
@@ -231,5 +243,5 @@ def main(args: argparse.Namespace) -> int:
     try:
         run(args, args.output_dir, log=lambda m: print(m, flush=True))
     except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
+        fail(parser, str(err))
     return 0

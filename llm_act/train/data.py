@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from typing import Optional
@@ -48,9 +49,20 @@ class TokenData:
     name: str
     sha256: str
 
+    def check_fits(self, seq_length: int) -> None:
+        """Refuse data too short for one training sample up front, before a model is built
+        (the samples would otherwise fail at the first batch)."""
+        if len(self.train) < seq_length + 1:
+            raise ValueError(f"data: {self.name}: {too_short(len(self.train), seq_length)}")
+
     def describe(self) -> str:
         return (f"data: {self.name}; {len(self.train):,} train / {len(self.valid):,} validation "
                 f"tokens, vocab {self.vocab_size}, sha256 {self.sha256}")
+
+
+def too_short(n_tokens: int, seq_length: int) -> str:
+    return (f"{n_tokens} training tokens, fewer than one sample of --seq-length {seq_length} + 1; "
+            f"give a longer --data-path or a smaller --seq-length")
 
 
 def embedded_corpus() -> TokenData:
@@ -81,6 +93,9 @@ def text_file(path: str) -> TokenData:
     """A text (any) file as bytes; the last 5% of its bytes are validation."""
     with open(path, "rb") as f:
         raw = f.read()
+    if not raw:
+        raise ValueError(f"--data-path {path}: the file is empty; expected a text file (read as "
+                         f"bytes) or a Megatron indexed dataset (prefix.bin + prefix.idx)")
     tokens = np.frombuffer(raw, dtype=np.uint8)
     cut = len(tokens) - int(len(tokens) * VALID_FRACTION)
     return TokenData(tokens[:cut], tokens[cut:], BYTE_VOCAB, f"text file {path} (bytes)",
@@ -98,9 +113,27 @@ def _file_sha256(path: str) -> str:
 def indexed_dataset(prefix: str) -> TokenData:
     """A Megatron indexed dataset: megatron-core's reader gives the dtype and document
     layout; the tokens are memory-mapped from prefix.bin (documents are contiguous there)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path
+    import struct
 
-    ds = IndexedDataset(prefix)
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, IndexedDataset, get_bin_path
+
+    what = f"--data-path {prefix}: cannot read {prefix}.bin/.idx as a Megatron indexed dataset"
+    if os.path.getsize(get_bin_path(prefix)) == 0:
+        raise ValueError(f"{what}: {prefix}.bin is empty (no tokens)")
+    with open(prefix + ".idx", "rb") as f:  # megatron-core asserts on a bad header; name the file
+        if f.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
+            raise ValueError(f"{what}: {prefix}.idx does not start with the index header "
+                             f"{_INDEX_HEADER!r}; rebuild it (Megatron-LM tools/preprocess_data.py)")
+    failure = None
+    hook, sys.unraisablehook = sys.unraisablehook, lambda _: None
+    try:  # the half-built reader's __del__ raises too: keep that noise off the user's screen
+        ds = IndexedDataset(prefix)
+    except (AssertionError, ValueError, struct.error) as err:  # a truncated or mismatched pair
+        failure = str(err)
+    finally:
+        sys.unraisablehook = hook
+    if failure is not None:
+        raise ValueError(f"{what}: {failure}; rebuild the pair (Megatron-LM tools/preprocess_data.py)")
     dtype = ds.index.dtype
     flat = np.memmap(get_bin_path(prefix), dtype=dtype, mode="r")
     lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
@@ -125,8 +158,15 @@ def load(data_path: Optional[str]) -> TokenData:
     if data_path is None:
         return embedded_corpus()
     prefix = data_path[:-4] if data_path.endswith((".bin", ".idx")) else data_path
-    if os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx"):
+    have = {ext: os.path.isfile(prefix + ext) for ext in (".bin", ".idx")}
+    if all(have.values()):
         return indexed_dataset(prefix)
+    if any(have.values()) and (prefix != data_path or not os.path.isfile(data_path)):
+        # a lone half of an indexed dataset is binary, not text: training on its bytes is wrong
+        missing = prefix + (".idx" if have[".bin"] else ".bin")
+        raise FileNotFoundError(f"--data-path {data_path}: {missing} is missing; a Megatron indexed "
+                                f"dataset needs both prefix.bin and prefix.idx (to train on the raw "
+                                f"bytes of a text file, give it a name not ending in .bin/.idx)")
     if os.path.isfile(data_path):
         return text_file(data_path)
     raise FileNotFoundError(f"--data-path {data_path}: neither a file nor the prefix of a "
@@ -139,7 +179,7 @@ class Samples:
     def __init__(self, tokens: np.ndarray, seq_length: int, seed: int, shuffle: bool = True):
         self.tokens = tokens
         self.seq_length = int(seq_length)
-        self.count = (len(tokens) - 1) // self.seq_length
+        self.count = max(0, (len(tokens) - 1) // self.seq_length)
         self.seed = int(seed)
         self.shuffle = shuffle
         self._order: dict[int, np.ndarray] = {}
@@ -160,8 +200,7 @@ class Samples:
     def __getitem__(self, j: int) -> np.ndarray:
         """The j-th sample of the endless order (epoch j // len, reshuffled per epoch)."""
         if self.count == 0:
-            raise ValueError(f"the token stream ({len(self.tokens)} tokens) is shorter than one "
-                             f"sample of --seq-length {self.seq_length} + 1")
+            raise ValueError(f"data: {too_short(len(self.tokens), self.seq_length)}")
         epoch, k = divmod(int(j), self.count)
         start = int(self._epoch_order(epoch)[k]) * self.seq_length
         return np.asarray(self.tokens[start:start + self.seq_length + 1], dtype=np.int64)

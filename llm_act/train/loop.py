@@ -26,6 +26,7 @@ MiB = 2**20
 def load_data(args: argparse.Namespace) -> data_lib.TokenData:
     """The token data, with --vocab-size filled in (or checked against the data)."""
     data = data_lib.load(args.data_path[0] if args.data_path else None)
+    data.check_fits(args.seq_length)
     if args.vocab_size is None:
         args.vocab_size = data.vocab_size
     elif args.vocab_size < data.vocab_size:

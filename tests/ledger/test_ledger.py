@@ -2,7 +2,6 @@
 memory the process holds after forward, and the counting rules on small graphs."""
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from llm_act import ledger as ledger_mod
 from llm_act.ledger import SavedTensorLedger, current_ledger, register_parameter_storage, report
@@ -171,6 +170,7 @@ def test_reported_records_count_their_encoded_bytes_once():
 
 megatron = pytest.importorskip("megatron.core")
 from llm_act import testing as T  # noqa: E402
+from llm_act.bench.memory import ledger_and_held  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -235,14 +235,9 @@ def run_layer(dtype, dropout, s, b, h, a):
         return layer(x0 * 1, attention_mask=None, rotary_pos_emb=emb)[0]  # input made inside
 
     forward().float().sum().backward()  # warm-up: megatron's global buffers exist now
-    with SavedTensorLedger() as led:
-        out = forward()
-    del out
-    # independent: net bytes allocated during a forward (profiler), minus its output
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = forward()
-    held = sum(ev.self_cpu_memory_usage for ev in prof.events()) - _nbytes(out)
-    return led, held
+    # independent: bytes a forward allocates and keeps (profiler), minus its output; the
+    # same draws as the ledger's forward, whatever ran before
+    return ledger_and_held(forward, runs=1)
 
 
 CASES = [

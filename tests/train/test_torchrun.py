@@ -58,11 +58,14 @@ def test_tp2_sequence_parallel_compressed_matches_one_rank():
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=2e-4, atol=0)
 
 
-def test_pp2_1f1b_compressed_saves_resumes_and_keeps_shared_embeddings_equal(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    argv = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--act-compress", "--save", ckpt]
-    out = torchrun(argv + ["--train-iters", "3"])
+PP2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "8",
+       "--act-compress"]
+
+
+def pp2_trains_and_saves(ckpt):
+    """One torchrun launch: PP=2 (1F1B, 4 micro-batches) trains 3 iterations and saves; the
+    tied word embedding must be equal on both stages after training."""
+    out = torchrun(PP2 + ["--save", ckpt, "--train-iters", "3"])
     assert "global batch 8 = micro-batch 2 x 4 accumulation x DP 1" in out
     first = losses(out)
     assert len(first) == 3 and all(0 < x < 6 for x in first) and first[-1] < first[0]
@@ -76,7 +79,18 @@ def test_pp2_1f1b_compressed_saves_resumes_and_keeps_shared_embeddings_equal(tmp
     out_w = stage1["model"][0]["output_layer.weight"]
     assert torch.equal(emb, out_w) and emb.abs().sum() > 0
     assert stage0["act_controller"]["iteration"] == 3 and stage1["consumed_train_samples"] == 24
-    resumed = torchrun(argv[:-2] + ["--load", ckpt, "--train-iters", "4"])
+
+
+def test_pp2_1f1b_compressed_keeps_shared_embeddings_equal(tmp_path):
+    """The quick half of the slow test below (one launch instead of two)."""
+    pp2_trains_and_saves(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.slow
+def test_pp2_1f1b_compressed_saves_resumes_and_keeps_shared_embeddings_equal(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    pp2_trains_and_saves(ckpt)
+    resumed = torchrun(PP2 + ["--load", ckpt, "--train-iters", "4"])
     assert "loaded checkpoint of iteration 3" in resumed
     assert [int(m.group(1)) for m in LOSS.finditer(resumed)] == [4]
 

@@ -4,6 +4,30 @@ Layout: `<family>_ref.py` is the readable specification in plain torch (runs any
 `<family>_triton.py` holds the `@triton.jit` kernels and their launchers with the same
 signatures. Codecs call `use_triton(x)` to pick: the kernel on CUDA tensors, the
 reference on CPU. Tests run the kernels on CPU under `TRITON_INTERPRET=1`.
+
+No GPU-only semantics (every kernel and its reference agree bit for bit by construction,
+not only under the interpreter, whose numpy arithmetic is always correctly rounded):
+- Division is `tl.math.div_rn` (IEEE, correctly rounded, as torch's `/` on CPU and CUDA),
+  never `/` on floats, which compiles to `div.full.f32` (approximate, up to 2 ulp) on a GPU.
+  Operands and order are those of the reference (`(0.5 * x - 0.5 * zero) / scale` in both).
+- No FMA contraction: every launch passes `**EXACT_LAUNCH` (`enable_fp_fusion=False`: LLVM
+  does not contract and ptxas runs with `--fmad=false`), so `a * b + c` rounds twice, as
+  the reference's separate torch ops do. `tl.math.fma` is not used (torch has no fused
+  counterpart on CPU).
+- Float reductions whose order changes the rounding are spelled out as sequential loops in
+  kernel and reference alike (dual's pooled sums); `tl.sum` is used on integers only, and
+  `tl.min`/`tl.max` (order-free) on floats. The one exception is `outlier_colsum`, whose
+  result only picks channels by a z-score threshold (tested within a tolerance).
+- References divide tensor by tensor: torch's CUDA `/` by a Python scalar multiplies by
+  the reciprocal (not correctly rounded), so a scalar divisor is `torch.full_like(...)`;
+  launchers that compute parameters in torch call the reference's own function
+  (`quant_params`, `dual_ref.channel_params`).
+- No NaN reaches a `tl.minimum`/`tl.maximum` whose result is kept (non-finite lanes are
+  replaced by `tl.where` first): a GPU's min/max return the non-NaN operand, numpy's NaN.
+- Float8 and bfloat16 conversions are integer bit operations (the interpreter's casts are
+  wrong, a GPU's are right: bits make both agree).
+- Integer indexing avoids per-element division: tiles are 2-D [groups or rows, elements],
+  and divisions by powers of two are shifts.
 """
 from __future__ import annotations
 
@@ -16,6 +40,9 @@ from llm_act._imports import HAVE_TRITON
 #: values of `LLM_ACT_KERNELS`: "auto" (or unset/empty) picks by device, "torch" forces
 #: the references
 KERNEL_CHOICES = ("auto", "torch")
+
+#: keyword arguments of every Triton launch in llm_act: no FMA contraction (see above)
+EXACT_LAUNCH = {"enable_fp_fusion": False}
 
 
 def kernel_choice() -> str:

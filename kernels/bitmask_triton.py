@@ -1,7 +1,8 @@
 """Bit-packed dropout masks, Triton kernels; the spec is `bitmask_ref`.
 
 Each program packs BLOCK bytes from a [BLOCK, 8] tile of the mask (a contiguous run of
-8 * BLOCK elements, so loads coalesce) and unpacks the same tile shape.
+8 * BLOCK elements, so loads coalesce) and unpacks the same tile shape. Integer
+operations only; launches pass `EXACT_LAUNCH` like every llm_act kernel.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_act.kernels import EXACT_LAUNCH
 from llm_act.kernels.bitmask_ref import mask_nbytes
 
 BLOCK = 512  # bytes per program
@@ -59,7 +61,7 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     nb = mask_nbytes(n)
     out = torch.empty(nb, dtype=torch.uint8, device=mask.device)
     if nb:
-        _pack_mask_kernel[(triton.cdiv(nb, BLOCK),)](flat, out, n, nb, BLOCK=BLOCK)
+        _pack_mask_kernel[(triton.cdiv(nb, BLOCK),)](flat, out, n, nb, BLOCK=BLOCK, **EXACT_LAUNCH)
     return out
 
 
@@ -69,5 +71,6 @@ def unpack_mask(packed: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tenso
     nb = mask_nbytes(n)
     if nb:
         view = out.view(torch.uint8) if dtype == torch.bool else out
-        _unpack_mask_kernel[(triton.cdiv(nb, BLOCK),)](packed, view, n, nb, BLOCK=BLOCK)
+        _unpack_mask_kernel[(triton.cdiv(nb, BLOCK),)](packed, view, n, nb, BLOCK=BLOCK,
+                                                       **EXACT_LAUNCH)
     return out

@@ -26,6 +26,12 @@ would overflow, so the block sum is taken of x / P (P = pool rounded up to a pow
 two) and the residual is h / 4 (stored zero and step are those of h / 4, whose range
 fits float32); the LFC is clamped to the bfloat16 range before rounding. Scaling by a
 power of two is exact for normal numbers, so nothing changes where nothing overflows.
+
+Order of the float operations (the kernels follow it exactly, see `llm_act.kernels`): the
+block sum adds the pool's tokens one at a time in token order, starting from 0.0 (padding
+tokens past s add 0.0), each term rounded as x / P (no fused multiply-add); then
+mean = sum / count * P with a correctly rounded division. The per-channel zero/step are
+`channel_params` of the finite min/max of h / 4, which the kernels' launcher calls too.
 """
 from __future__ import annotations
 
@@ -80,6 +86,26 @@ def upsample(lfc: torch.Tensor, pool: int, s: int) -> torch.Tensor:
     return lfc.float().repeat_interleave(pool, dim=0)[:s]
 
 
+def pool_sum(xp: torch.Tensor, inv_p2: float) -> torch.Tensor:
+    """[nb, C] sums over dim 1 of `xp` [nb, pool, C] times `inv_p2`, token by token in
+    order from 0.0: the order the kernel adds in (a tree or vector sum would round
+    differently)."""
+    acc = torch.zeros_like(xp[:, 0, :])
+    for i in range(xp.shape[1]):
+        acc = acc + xp[:, i, :] * inv_p2
+    return acc
+
+
+def channel_params(lo: torch.Tensor, hi: torch.Tensor, bad: torch.Tensor, bits: int):
+    """(zero, step >= 0), float32 [C] bfloat16 values, from the finite min `lo` / max `hi`
+    of h / 4 per channel (lo > hi: no finite value) and the non-finite flag `bad`."""
+    empty = lo > hi
+    lo = bf16_down(torch.where(empty, torch.zeros_like(lo), lo))
+    hi = bf16_up(torch.where(empty, torch.zeros_like(hi), hi))
+    levels = (1 << bits) - 1 - bad.float()
+    return lo, bf16_up((hi - lo) / levels)
+
+
 def dual_stats_ref(x2: torch.Tensor, pool: int, bits: int):
     """(lfc bf16 [nb, C], h / 4 float32 [s, C], finite bool [s, C], zero float32 [C],
     step float32 [C] (>= 0), bad bool [C]): everything but the rounding; zero and step
@@ -93,19 +119,15 @@ def dual_stats_ref(x2: torch.Tensor, pool: int, bits: int):
     xp = torch.cat([xz, xz.new_zeros(pad, C)]).view(nb, pool, C)
     cnt = torch.cat([fin, fin.new_zeros(pad, C)]).view(nb, pool, C).sum(dim=1).float()
     p2 = pool_pow2(pool)
-    mean = (xp * (1.0 / p2)).sum(dim=1) / cnt.clamp(min=1) * float(p2)
+    mean = pool_sum(xp, 1.0 / p2) / cnt.clamp(min=1) * float(p2)
     mean = torch.where(cnt > 0, mean, torch.zeros_like(cnt))
     lfc = mean.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16)
     h = H_SCALE * xf - H_SCALE * upsample(lfc, pool, s)
     big = torch.finfo(torch.float32).max
     lo = torch.where(fin, h, torch.full_like(h, big)).amin(dim=0)
     hi = torch.where(fin, h, torch.full_like(h, -big)).amax(dim=0)
-    empty = lo > hi  # no finite value in the channel
-    lo = bf16_down(torch.where(empty, torch.zeros_like(lo), lo))
-    hi = bf16_up(torch.where(empty, torch.zeros_like(hi), hi))
     bad = ~fin.all(dim=0)
-    levels = (1 << bits) - 1 - bad.float()
-    step = bf16_up((hi - lo) / levels)
+    lo, step = channel_params(lo, hi, bad, bits)
     return lfc, h, fin, lo, step, bad
 
 

@@ -6,7 +6,8 @@ non-finite values, writes their flag byte and packs 8 codes into `bits` bytes. D
 gathers the (at most two) bytes holding each code, looks the code up in the level table
 (cast to the output dtype on the host: no float conversion in the kernel, so the
 interpreter's truncating bfloat16 cast never matters) and writes NaN where flagged.
-No host synchronisation.
+No host synchronisation. No float arithmetic at all (compares, gathers and bit
+operations), so nothing depends on GPU rounding; launches still pass `EXACT_LAUNCH`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_act.kernels import EXACT_LAUNCH
 from llm_act.kernels.fewbit_ref import GROUP, code_bytes, flag_bytes
 
 GROUPS = 8  # flag groups per encode program: their 8 flag bits make one byte
@@ -112,7 +114,7 @@ def fewbit_encode(
         _fewbit_encode_kernel[grid](
             flat, cuts, codes, flags, n, nbytes,
             BITS=bits, BYTES_P2=triton.next_power_of_2(bits), SYMMETRIC=bool(symmetric),
-            GROUP=GROUP, GROUPS=GROUPS)
+            GROUP=GROUP, GROUPS=GROUPS, **EXACT_LAUNCH)
     return codes, flags
 
 
@@ -133,5 +135,5 @@ def fewbit_decode(
         grid = (triton.cdiv(n, DECODE_BLOCK),)
         _fewbit_decode_kernel[grid](
             packed, flags, levels, out, n, packed.numel(),
-            BITS=bits, GROUP=GROUP, BLOCK=DECODE_BLOCK)
+            BITS=bits, GROUP=GROUP, BLOCK=DECODE_BLOCK, **EXACT_LAUNCH)
     return out

@@ -69,7 +69,9 @@ def fp8_scales_ref(x: torch.Tensor, block: int, fmt: str) -> torch.Tensor:
     f = get_format(fmt)
     a = x.reshape(-1).float().abs()
     a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
-    scale = _blocked(a, block).amax(dim=1) / f.fmax
+    amax = _blocked(a, block).amax(dim=1)
+    # a tensor divisor: torch's CUDA `/` by a Python scalar multiplies by its reciprocal
+    scale = amax / torch.full_like(amax, f.fmax)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 

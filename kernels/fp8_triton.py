@@ -4,6 +4,10 @@ One program handles GROUPS blocks as a [GROUPS, BLOCK_P] tile (BLOCK_P = next po
 of `block`, masked): amax, scale, divide, round and store in one pass. Float8 conversion
 is done with integer bit operations, not `.to(tl.float8*)`: the interpreter's float8 casts
 lose carries into the exponent, and bit arithmetic gives the same bits on every backend.
+
+Same bits on a GPU as the reference, by construction (see `llm_act.kernels`): the scale
+amax / FMAX and x / scale are `tl.math.div_rn` (correctly rounded, as torch's `/`; a GPU's
+`/` is approximate), and launches pass `EXACT_LAUNCH` (no FMA contraction).
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_act.kernels import EXACT_LAUNCH
 from llm_act.kernels.int_quant_triton import FMAX as FMAX32
 from llm_act.kernels.int_quant_triton import clamp_finite
 
@@ -99,9 +104,9 @@ def _fp8_encode_kernel(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     finite = tl.abs(x) < float("inf")  # False for NaN and +-inf
     amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
-    scale = amax / FMAX
+    scale = tl.math.div_rn(amax, FMAX * 1.0)
     scale = tl.where(scale > 0, scale, 1.0)
-    y = x / scale[:, None]
+    y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
     y = tl.where(finite, y, 0.0)
     bits = _fp8_bits(y, MBITS, BIAS)
@@ -149,7 +154,7 @@ def fp8_encode(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, tor
         _fp8_encode_kernel[grid](
             flat, out, scale, n, nb, block,
             FMAX=f.fmax, MBITS=f.mbits, BIAS=f.bias, NAN_BITS=NAN_CODE,
-            BLOCK_P=triton.next_power_of_2(block), GROUPS=GROUPS)
+            BLOCK_P=triton.next_power_of_2(block), GROUPS=GROUPS, **EXACT_LAUNCH)
     return out, scale
 
 
@@ -165,5 +170,5 @@ def fp8_decode(payload: torch.Tensor, scale: torch.Tensor, block: int, fmt: str,
         _fp8_decode_kernel[grid](
             payload, scale, out, n, nb, block,
             EBITS=f.ebits, MBITS=f.mbits, BIAS=f.bias, IS_E4M3=f.name == "e4m3",
-            BLOCK_P=triton.next_power_of_2(block), GROUPS=GROUPS)
+            BLOCK_P=triton.next_power_of_2(block), GROUPS=GROUPS, **EXACT_LAUNCH)
     return out

@@ -23,6 +23,10 @@ spare code 0; an asymmetric group that holds one is flagged by the sign bit of i
 scale, its finite values use 2^b - 1 levels and the top code means "non-finite" (with one
 bit, its finite values all decode to the middle of their range). Statistics are taken over
 finite values only. Codes are packed with `packing_ref` (8 // bits codes per byte).
+
+Every division is tensor by tensor: torch computes it correctly rounded on CPU and CUDA
+alike, as the kernels' `tl.math.div_rn` does (torch's CUDA division by a Python scalar
+multiplies by the reciprocal instead, so no divisor here is a Python number).
 """
 from __future__ import annotations
 
@@ -59,7 +63,9 @@ def quant_params(lo, hi, amax, bad, bits: int, symmetric: bool):
     (sign bit set, also for a zero scale).
     """
     if symmetric:
-        scale = amax / float(2 ** (bits - 1) - 1)
+        # divide by a tensor, not a Python number: torch's CUDA `/` by a scalar multiplies
+        # by its reciprocal (not correctly rounded; the kernels use div_rn)
+        scale = amax / torch.full_like(amax, float(2 ** (bits - 1) - 1))
         return scale, torch.empty(0, dtype=torch.float32, device=scale.device)
     full = float(2**bits - 1)
     bins = torch.where(bad, full - 1.0, full)

@@ -11,6 +11,12 @@ Three kernels, each one pass over x:
 - `outlier_decode`: unpacks, dequantizes and takes outlier positions from the stored
   values, writing x's dtype contiguously.
 The z-score and top-k over C channels stay in torch (`outlier_ref.select_outliers`).
+
+Same bits on a GPU as the reference, by construction (see `llm_act.kernels`): scale, codes
+and values come from `int_quant_triton`'s `_params` / `_codes` / `_values` (divisions are
+`tl.math.div_rn`), and launches pass `EXACT_LAUNCH` (no FMA contraction). The one
+order-dependent float result is `outlier_colsum` (a tree sum on a GPU, torch's order in
+the reference): it only feeds the z-score selection, and tests compare it within 1e-5.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_act.kernels import EXACT_LAUNCH
 from llm_act.kernels.int_quant_triton import _codes, _params, _values
 from llm_act.kernels.outlier_ref import outlier_positions
 from llm_act.kernels.packing_ref import packed_numel
@@ -59,7 +66,7 @@ def outlier_colsum(x2: torch.Tensor) -> torch.Tensor:
     splits = triton.cdiv(rows, rows_per_split)
     part = torch.empty((splits, C), dtype=torch.float32, device=x2.device)
     _colsum_kernel[(col_blocks, splits)](x2, part, rows, C, rows_per_split,
-                                         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+                                         BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, **EXACT_LAUNCH)
     return part.sum(dim=0)
 
 
@@ -162,7 +169,7 @@ def outlier_encode(
     _encode_kernel[(triton.cdiv(G, groups),)](
         x2, pos, noise if noise is not None else dummy,
         seed if seed is not None else pos, packed, scale, zero, values,
-        n, C, n_out, G, group_size, MODE=mode, GROUPS=groups, BLOCK=block)
+        n, C, n_out, G, group_size, MODE=mode, GROUPS=groups, BLOCK=block, **EXACT_LAUNCH)
     return packed, scale, zero, values
 
 
@@ -226,5 +233,5 @@ def outlier_decode(
     groups, block = _tile(group_size)
     _decode_kernel[(triton.cdiv(G, groups),)](
         packed, scale, zero, pos, values, out, n, C, idx.numel(), G, group_size,
-        OUT_BF16=dtype == torch.bfloat16, GROUPS=groups, BLOCK=block)
+        OUT_BF16=dtype == torch.bfloat16, GROUPS=groups, BLOCK=block, **EXACT_LAUNCH)
     return out

@@ -30,3 +30,4 @@ def test_large_inputs_launch_several_programs(grids):
     m = torch.rand(9000) > 0.4
     triton_mask.unpack_mask(triton_mask.pack_mask(m), m.numel(), torch.bool)
     assert grids.most("_pack_mask_kernel") > 1 and grids.most("_unpack_mask_kernel") > 1
+    assert all(grids.exact(k) for k in grids.programs), grids.fusion  # no FMA contraction

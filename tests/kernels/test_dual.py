@@ -50,10 +50,36 @@ def test_constant_channels():
 
 
 def test_large_inputs_launch_several_programs(grids):
-    """The largest shape above reaches past one program in both kernels."""
-    grids.watch(triton_dual, "_dual_encode_kernel", "_dual_decode_kernel")
+    """The largest shape above reaches past one program in every kernel."""
+    grids.watch(triton_dual, "_dual_stats_kernel", "_dual_quant_kernel", "_dual_decode_kernel")
     _check(_input(30, 130, torch.float32), 8, 2)
-    assert grids.most("_dual_encode_kernel") > 1 and grids.most("_dual_decode_kernel") > 1
+    assert min(grids.most(k) for k in grids.programs) > 1, grids.programs
+    assert len(grids.programs) == 3
+    assert all(grids.exact(k) for k in grids.programs), grids.fusion  # no FMA contraction
+
+
+@pytest.mark.parametrize("s,C,pool", [(100, 130, 8), (50, 70, 3)])
+def test_encode_is_parallel_over_tokens(grids, monkeypatch, s, C, pool):
+    """Encode runs programs along tokens as well as channels; chunks of several pool
+    blocks (a small program target forces them) still give the reference's bits."""
+    monkeypatch.setattr(triton_dual, "TARGET_PROGRAMS", 9)
+    grids.watch(triton_dual, "_dual_stats_kernel", "_dual_quant_kernel")
+    _check(_input(s, C, torch.float32), pool, 2)
+    for k in ("_dual_stats_kernel", "_dual_quant_kernel"):
+        assert grids.most_along(k, 0) > 1 and grids.most_along(k, 1) > 1, grids.grids
+    nb = -(-s // pool)
+    assert grids.most_along("_dual_stats_kernel", 0) < nb  # chunks of several pool blocks
+    # with the default target: one stats program per pool block here
+    monkeypatch.setattr(triton_dual, "TARGET_PROGRAMS", 1024)
+    _check(_input(s, C, torch.bfloat16), pool, 4)
+    assert grids.grids["_dual_stats_kernel"][-1][0] == nb
+
+
+def test_pool_sum_adds_tokens_in_order():
+    """The reference's block sum is sequential (the kernel's order), not torch's sum."""
+    xp = torch.tensor([[[1.0], [2.0 ** -24], [2.0 ** -24], [-1.0]]])
+    assert ref.pool_sum(xp, 1.0).item() == 0.0  # ((1 + e) + e) - 1 with e below half an ulp
+    assert ref.pool_sum(xp.flip(1), 1.0).item() == 2.0 ** -23  # ((-1 + e) + e) + 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -128,6 +128,7 @@ def test_large_inputs_launch_several_programs(grids):
     codes, flags = fewbit_triton.fewbit_encode(torch.randn(n), cuts, 3, False)
     fewbit_triton.fewbit_decode(codes, flags, levels, 3, n, torch.float32)
     assert grids.most("_fewbit_encode_kernel") > 1 and grids.most("_fewbit_decode_kernel") > 1
+    assert all(grids.exact(k) for k in grids.programs), grids.fusion  # no FMA contraction
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

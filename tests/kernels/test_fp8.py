@@ -71,6 +71,7 @@ def test_large_inputs_launch_several_programs(grids):
     bits, scale = triton_fp8.fp8_encode(torch.randn(3, 5, 130), 128, "e4m3")
     triton_fp8.fp8_decode(bits, scale, 128, "e4m3", torch.float32)
     assert grids.most("_fp8_encode_kernel") > 1 and grids.most("_fp8_decode_kernel") > 1
+    assert all(grids.exact(k) for k in grids.programs), grids.fusion  # no FMA contraction
 
 
 @pytest.mark.parametrize("fmt", FMTS)

@@ -11,11 +11,12 @@ from llm_act.kernels import int_quant_triton as tri  # noqa: E402
 from llm_act.kernels.packing_ref import unpack_bits  # noqa: E402
 from tests.kernels._values import tiny_values  # noqa: E402
 
-# Under the interpreter the kernels do the reference's float32 operations one by one, so
-# scales and decoded values must match bit for bit; compiled GPU code may differ in an ulp.
+# The kernels do the reference's float32 operations one by one, with correctly rounded
+# division and no FMA contraction (`llm_act.kernels`: no GPU-only semantics), so scales and
+# decoded values match bit for bit, under the interpreter and on a GPU alike.
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
-RTOL = 1e-6 if ON_GPU else 0.0
+RTOL = 0.0
 SHAPES = [(1,), (127,), (5000,), (3, 5, 130)]  # 5000 > one 4096-element tile
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MODES = [(1, False), (2, False), (2, True), (4, False), (4, True), (8, False), (8, True)]
@@ -186,14 +187,22 @@ def test_seeded_rounding_is_unbiased(axis):
 
 def test_large_inputs_launch_several_programs(grids):
     """The shapes above reach past one program in every kernel of the family."""
-    grids.watch(tri, "_encode_groups_kernel", "_decode_kernel", "_axis_stats_kernel",
-                "_quantize_flat_kernel")
+    grids.watch(tri, "_encode_groups_kernel", "_decode_groups_kernel", "_axis_stats_kernel",
+                "_quantize_flat_kernel", "_quantize_axis_kernel", "_decode_axis_kernel")
     n = max(math.prod(s) for s in SHAPES)
     enc = _dev(tri.int_quant_encode, _input((n,), torch.float32), 4, 128, False)
     _dev(tri.int_quant_decode, *enc, 4, 128, False, n, torch.float32)
-    enc = _dev(tri.int_quant_axis_encode, _input((40, 125), torch.float32), 4, True)
+    _dev(tri.int_quant_axis_encode, _input((40, 125), torch.float32), 4, True)  # flat: C odd
+    x2 = _input((70, 130), torch.float32)  # 3 x 2 tiles
+    enc = _dev(tri.int_quant_axis_encode, x2, 4, True)
+    _dev(tri.int_quant_axis_decode, *enc, 4, True, x2.numel(), torch.float32)
     assert min(grids.most(k) for k in grids.programs) > 1, grids.programs
-    assert len(grids.programs) == 4
+    assert len(grids.programs) == 6
+    # the axis quantize and decode tile [rows, channels]: several programs along both
+    for k in ("_quantize_axis_kernel", "_decode_axis_kernel"):
+        assert grids.most_along(k, 0) > 1 and grids.most_along(k, 1) > 1, grids.grids
+    # every launch forbids FMA contraction (see llm_act.kernels: no GPU-only semantics)
+    assert all(grids.exact(k) for k in grids.programs), grids.fusion
 
 
 def _extreme(n, dtype):
@@ -238,3 +247,17 @@ def test_extreme_values_match_reference_and_stay_finite(dtype, bits, symmetric):
     dk = _dev(tri.int_quant_axis_decode, *r, bits, symmetric, n, dtype)
     torch.testing.assert_close(dk, dr, rtol=RTOL, atol=0, equal_nan=True)
     assert torch.isfinite(dr[fin]).all()
+
+
+@pytest.mark.parametrize("bits,symmetric", MODES)
+def test_axis_tiles_with_whole_bytes_per_row_match_reference(bits, symmetric):
+    """C a multiple of 8 // bits (here 136): the 2-D [rows, channels] quantize path, with
+    noise and non-finite values, bit for bit."""
+    x = _input((33, 136), torch.float32)
+    noise = torch.rand(x.numel())
+    r = ref.int_quant_axis_encode_ref(x, bits, symmetric, noise)
+    k = _dev(tri.int_quant_axis_encode, x, bits, symmetric, noise)
+    assert all(torch.equal(a, b) for a, b in zip(r, k))
+    dr = ref.int_quant_axis_decode_ref(*r, bits, symmetric, x.numel(), torch.bfloat16)
+    dk = _dev(tri.int_quant_axis_decode, *r, bits, symmetric, x.numel(), torch.bfloat16)
+    torch.testing.assert_close(dk, dr, rtol=RTOL, atol=0, equal_nan=True)

@@ -128,6 +128,7 @@ def test_large_inputs_launch_several_programs(grids):
     tri.outlier_decode(*enc[:3], idx, enc[3], 128, rows, C, torch.float32)
     assert len(grids.programs) == 3
     assert min(grids.most(k) for k in grids.programs) > 1, grids.programs
+    assert all(grids.exact(k) for k in grids.programs), grids.fusion  # no FMA contraction
 
 
 # numpy (the interpreter) warns where a product overflows to Inf before the kernel clamps

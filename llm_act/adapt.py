@@ -25,10 +25,14 @@ iteration minus a 5% margin, on CPU static + the memory of the "compress" plan.
 
 A budget no plan fits: a user-given `ActConfig.budget` is refused at the first tracking
 (`BudgetTooSmall`, a ValueError naming the smallest budget that works, on every rank), as
-`llm-act plan` refuses it; a derived budget, or a user budget that stops fitting later
-(outliers grew), gets the tightest plan and one warning. A re-planning step never ends a
-run: any other solver failure keeps the plan in force, warns once and is counted in
-`solver_failures` (checkpointed; `summary()` says it).
+`llm-act plan` refuses it. Where no probe is given (the DeepSpeed and Megatron-LM doors, a
+plain loop) the same refusals come from the real first step, through hooks the controller
+installs on the model (`FirstForward`): a fixed plan over the budget raises
+`PlanOverBudget`, a budget below the smallest any plan fits (analytic profile of the
+megatron-core layers at the observed shape) `BudgetTooSmall`. A derived budget, or a user
+budget that stops fitting later (outliers grew), gets the tightest plan and one warning. A
+re-planning step never ends a run: any other solver failure keeps the plan in force, warns
+once and is counted in `solver_failures` (checkpointed; `summary()` says it).
 """
 from __future__ import annotations
 
@@ -174,6 +178,8 @@ class Adapter:
         """the checks of the first iteration of this run are done"""
         self._run_tracks = 0
         """tracking points of this run (a resumed run refuses a new budget as a fresh one does)"""
+        self.first = FirstForward(self)
+        """the first forward's measurement, from hooks on the model (no probe needed)"""
 
     @property
     def config(self):
@@ -198,7 +204,8 @@ class Adapter:
             if not self._warned_no_probe:
                 log.warning("llm_act: plan 'auto' cannot measure without a probe: pass "
                             "controller.step(probe=fn) or controller.set_probe(fn); the plan stays%s",
-                            "" if self.config.budget is None else " and the budget is not checked")
+                            "" if self.config.budget is None or self.first.checked
+                            else " and the budget is not checked")
                 self._warned_no_probe = True
             self.next_track = it + 1
             return
@@ -214,7 +221,9 @@ class Adapter:
         if total is not None and budget > total:
             log.warning("llm_act: the activation budget of %.3f GB (--act-compress-budget) is more than the "
                         "%.3f GB this GPU has; a plan made for it may run out of memory", budget / 1e9, total / 1e9)
-        if self.config.plan != "auto":
+        if probe is None:
+            self.first.check_at_boundary()
+        elif self.config.plan != "auto":
             self._check_fixed_budget(probe)
 
     def _check_fixed_budget(self, probe: Optional[Callable[[], Any]]) -> None:
@@ -492,3 +501,314 @@ def interval_sequence(n: int, interval_max: int) -> list[int]:
         stage += 1
     return out
 
+
+def _outer_saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are active (opening the ledger's would shadow them)."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except Exception:  # an API of torch's internals: when it is gone, assume none
+        return False
+
+
+def _counting(ledger: Any) -> bool:
+    """Whether an active ledger still counts live (no backward event froze it yet)."""
+    return bool(getattr(ledger, "_active", False)) and getattr(ledger, "_snapshot", None) is None
+
+
+class FirstForward:
+    """The budget check of the doors that give no probe (DeepSpeed's `initialize`,
+    Megatron-LM's `pretrain()` around `apply`, a plain PyTorch loop), measured on the real
+    first training step through hooks the controller installs itself (`Controller.watch`).
+
+    A forward pre-hook on each root module opens a `SavedTensorLedger` for the first forward
+    of that root (only with a user budget and no probe) and a forward hook closes it, so the
+    ledger holds what the plan in force stores for backward (compressed layers report their
+    encoded bytes), per (layer, site). Where the loop has a ledger of its own open around the
+    forward (our trainer measures its first iteration), ours would hide the tensors from it
+    (only the innermost saved-tensor hooks fire), so the forward's share is read off that
+    ledger as the difference of its live table; under other saved-tensor hooks (CPU offload)
+    the forward is not measured and the next one is. A pre-hook on the first controlled
+    megatron-core `TransformerLayer` records the [s, b, h] input it sees. Once every root has
+    run one measured forward the hooks are removed: nothing runs on later steps.
+
+    With a user budget (`ActConfig.budget`) and no probe, the check runs at the first step
+    boundary (`engine.step()`, an attached optimizer's step, the exit of `controller.step()`)
+    when something advances the controller, else at the end of the first forward (the
+    Megatron-LM door, where nothing may ever advance it):
+
+    - a fixed plan: static memory + the bytes outside the controlled layers + the layers'
+      bytes x the micro-batches in flight, against the budget: `PlanOverBudget`;
+    - plan "auto" on megatron-core layers: the smallest budget any plan fits, from the
+      analytic profile (`llm_act.planner.analytic.block_profile`) of the layers'
+      `TransformerConfig` at the observed s, b and dtype, with the same static memory and the
+      measured bytes outside the layers: `BudgetTooSmall` below it. ("auto" cannot re-plan
+      without a probe yet, so a budget above that edge but below what the plan in force
+      holds is warned about once.)
+    - plan "auto" on other models (the generic path has no analytic model): a one-time
+      warning that the smallest budget is not known, with what the plan in force holds.
+
+    The figures are reduced (max, `llm_act.agreement`, with its timeouts) over every rank at a
+    step boundary, so every rank of the job decides the same and raises together; inside the
+    first forward (no boundary) over the ranks of this pipeline stage only (a world-wide
+    collective there would wait for later stages that wait for this one), so under pipeline
+    parallelism in that door the stage over budget stops and the launcher ends the others.
+    On a GPU the static memory inside the first forward is what was allocated before it (no
+    optimizer state yet): the refusal is then a lower bound.
+    """
+
+    def __init__(self, adapter: "Adapter"):
+        self.adapter = adapter
+        self.handles: list[Any] = []
+        self.roots: list[Any] = []
+        self.layers: list[Any] = []
+        self.by_site: dict[tuple[Optional[int], str], int] = {}
+        self.measured_roots: set[int] = set()
+        self.shape: Optional[tuple[int, ...]] = None
+        self.dtype: Optional[torch.dtype] = None
+        self.static_before: Optional[int] = None
+        self.measured = False
+        self.checked = False
+        self.boundary_seen = False
+        self.result: Optional[dict[str, Any]] = None
+        """what the check found: need, static, min (for tests and logs)"""
+        self._ledgers: dict[int, Any] = {}
+
+    @property
+    def controller(self):
+        return self.adapter.controller
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def install(self, roots: list[Any], layers: Optional[list[Any]] = None) -> None:
+        if self.handles or self.measured:
+            return  # already watching (apply inside initialize) or done
+        self.roots = [r for r in roots if isinstance(r, torch.nn.Module)]
+        self.layers = list(layers or [])
+        for root in self.roots:
+            self.handles.append(root.register_forward_pre_hook(self._pre))
+            self.handles.append(root.register_forward_hook(self._post, always_call=True))
+        if self.layers:
+            first = min(self.layers, key=lambda m: int(getattr(m, "layer_number", 0)))
+            self.handles.append(first.register_forward_pre_hook(self._layer_pre, with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _pre(self, module: Any, args: Any) -> None:
+        from llm_act.ledger import SavedTensorLedger, current_ledger
+
+        key = id(module)
+        if key in self.measured_roots or key in self._ledgers or not torch.is_grad_enabled():
+            return
+        c = self.controller
+        if c.config.budget is None or c._step_probe is not None or c._probe is not None:
+            self.remove()  # nothing to check here (no budget, or the probe path checks it)
+            return
+        outer = current_ledger()
+        if outer is None and _outer_saved_tensor_hooks():
+            return  # saved-tensor hooks of the user's (CPU offload...): ours would hide them
+        if outer is not None and not _counting(outer):
+            return  # a ledger frozen by a backward: this forward cannot be told apart; the next one
+        if self.static_before is None and torch.cuda.is_available():
+            self.static_before = int(torch.cuda.memory_allocated())
+        if outer is not None:
+            # the loop counts this forward already (our trainer's ledger): opening ours would
+            # hide the tensors from it, so this forward's share is read off it as a difference
+            self._ledgers[key] = (outer, outer.by_site())
+            return
+        ledger = SavedTensorLedger()
+        ledger.__enter__()
+        self._ledgers[key] = ledger
+
+    def _layer_pre(self, module: Any, args: Any, kwargs: Any) -> None:
+        if self.shape is not None:
+            return
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor) and x.dim() == 3:
+            self.shape, self.dtype = tuple(int(n) for n in x.shape), x.dtype
+
+    def _post(self, module: Any, args: Any, output: Any) -> None:
+        import sys
+
+        ledger = self._ledgers.pop(id(module), None)
+        if ledger is None:
+            return
+        if isinstance(ledger, tuple):
+            outer, before = ledger
+            if sys.exc_info()[0] is not None or not _counting(outer):
+                return  # failed, or the outer ledger froze inside this forward: the next one
+            table = {k: n - before.get(k, 0) for k, n in outer.by_site().items()}
+        else:
+            ledger.__exit__(None, None, None)
+            if sys.exc_info()[0] is not None:
+                return  # the forward itself failed: nothing measured
+            table = ledger.by_site()
+        for key, n in table.items():
+            if n > 0:
+                self.by_site[key] = self.by_site.get(key, 0) + int(n)
+        self.measured_roots.add(id(module))
+        if len(self.measured_roots) < len(self.roots):
+            return
+        self.measured = True
+        self.remove()
+        c = self.controller
+        if self.checked:
+            return  # the boundary check ran before this rank measured
+        if c._step_probe is not None or c._probe is not None:
+            return  # the probe path checks (adapt._check_user_budget)
+        if (c.boundary is not None or c._in_step) and not self.boundary_seen:
+            return  # checked at the step boundary, where the static memory is complete
+        self.check(self._static_now())
+
+    # ---- the check -----------------------------------------------------------------------
+    def _static_now(self) -> int:
+        """Static memory: on a GPU what is allocated between iterations (before the first
+        forward where no boundary was seen: no optimizer state yet); on CPU the weights and
+        gradients of every parameter of the watched model (embeddings and output layer
+        included; under ZeRO-3 this rank's partition), not only the controlled layers'."""
+        if torch.cuda.is_available():
+            if self.static_before is not None and not self.boundary_seen:
+                return self.static_before
+            return self.adapter._static_bytes()
+        seen, total = set(), 0
+        for root in self.roots:
+            for p in root.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    local = getattr(p, "ds_tensor", None)  # ZeRO-3: this rank's partition
+                    total += 2 * int(local.numel() if local is not None else p.numel()) * p.element_size()
+        return total or self.adapter._static_bytes()
+
+    def check_at_boundary(self) -> None:
+        """The first step boundary without a probe (see the class docstring)."""
+        self.boundary_seen = True
+        if not self.checked:
+            # every rank joins, measured or not, so none waits for another
+            self.check(self._static_now())
+
+    def check(self, static: int) -> None:
+        a, c = self.adapter, self.controller
+        cfg = c.config
+        self.checked = True
+        self.remove()
+        if not c.enabled or cfg.budget is None:
+            return
+        budget = int(cfg.budget)
+        layers = set(c.layers)
+        values: dict[str, float] = {}
+        why = ""
+        if self.measured:
+            inner = sum(n for (layer, _), n in self.by_site.items() if layer in layers)
+            outer = sum(n for (layer, _), n in self.by_site.items() if layer not in layers)
+            inflight = _inflight()
+            values = {"need": static + outer + inflight * inner, "static": static + outer}
+            if cfg.plan == "auto":
+                minimum, why = self.min_budget(static + outer, inflight)
+                if minimum is not None:
+                    values["min"] = minimum
+        # at a step boundary every rank of the job is between iterations: reduce over all of
+        # them (pipeline stages included: the budget is per device, the figure the largest
+        # stage's), so every rank stops together; inside a forward (no boundary) only over
+        # this stage's ranks, which run it in step (the next stage still waits for this one)
+        g = agreement.groups()
+        r = agreement.reduce_dict(values, "max", None if self.boundary_seen or g is None else g.stage)
+        if "need" not in r:
+            a._warn_once("first_unmeasured", "llm_act: the activation budget of %d bytes is not checked: "
+                         "the first step's forward was not measured (it ran under another ledger or "
+                         "saved-tensor hooks, or outside the model's own forward)", budget)
+            return
+        need, static_all = int(r["need"]), int(r["static"])
+        minimum = int(r["min"]) if "min" in r else None
+        self.result = {"need": need, "static": static_all, "min": minimum, "budget": budget}
+        if cfg.plan != "auto":
+            if need > budget:
+                raise PlanOverBudget(cfg.plan, budget, need)
+            log.info("llm_act: plan %r holds %d bytes (%.3f GB, static memory included) on the first "
+                     "step, within the activation budget of %d bytes", cfg.plan, need, need / 1e9, budget)
+            return
+        if minimum is not None:
+            if budget < minimum:
+                raise BudgetTooSmall(budget, static_all, minimum)
+            if need > budget and c._probe is None:
+                a._warn_once("auto_stuck", "llm_act: plan 'auto' fits the activation budget of %d bytes (the "
+                             "smallest is %d bytes), but it cannot re-plan without a probe (pass "
+                             "controller.set_probe(fn)) and the plan in force holds %d bytes (static "
+                             "memory included): this run goes over the budget", budget, minimum, need)
+            return
+        a._warn_once("auto_unchecked", "llm_act: plan 'auto': the smallest activation budget any plan "
+                     "fits is not known here (%s), so the budget of %d bytes is not checked against it; "
+                     "the plan in force holds %d bytes (%.3f GB, static memory included) on the first "
+                     "step%s", why, budget, need, need / 1e9,
+                     " -- more than the budget" if need > budget else "")
+
+    def model_shape(self, tconfig: Any, count: int):
+        """The analytic `ModelShape` of layers built from `tconfig` at the observed input."""
+        from llm_act.codecs.fewbit import ACTIVATIONS
+        from llm_act.planner.analytic import DTYPES, ModelShape
+
+        s_local, b, h = self.shape
+        tp = int(getattr(tconfig, "tensor_model_parallel_size", 1) or 1)
+        sp = bool(getattr(tconfig, "sequence_parallel", False))
+        heads = int(tconfig.num_attention_heads)
+        kv = getattr(tconfig, "kv_channels", None)
+        if kv is not None and int(kv) * heads != int(tconfig.hidden_size):
+            raise ValueError(f"kv_channels={kv} is not hidden_size / num_attention_heads")
+        if getattr(tconfig, "qk_layernorm", False):
+            raise ValueError("qk_layernorm has no analytic sites yet")
+        act = getattr(getattr(tconfig, "activation_func", None), "__name__", "gelu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation {act!r} has no analytic model")
+        dtype = next((k for k, v in DTYPES.items() if v == self.dtype), None)
+        if dtype is None:
+            raise ValueError(f"activations in {self.dtype}")
+        rope = any(getattr(m, "position_embedding_type", None) == "rope"
+                   for root in self.roots for m in root.modules())
+        return ModelShape(
+            count, int(tconfig.hidden_size), heads, s_local * tp if sp else s_local, b,
+            ffn_hidden_size=tconfig.ffn_hidden_size, num_query_groups=tconfig.num_query_groups,
+            gated_linear_unit=bool(tconfig.gated_linear_unit), activation=act, dtype=dtype, tp=tp,
+            sequence_parallel=sp,
+            dropout=float(max(tconfig.hidden_dropout or 0.0, tconfig.attention_dropout or 0.0)),
+            bias=bool(tconfig.add_bias_linear), normalization=str(tconfig.normalization),
+            position_embedding="rope" if rope else "learned_absolute",
+            attention=self.controller.config.attention)
+
+    def min_budget(self, static: int, inflight: int) -> tuple[Optional[int], str]:
+        """(the smallest budget any plan fits, static included; or None, why not)."""
+        import dataclasses
+
+        from llm_act.plan_cli import min_budget
+        from llm_act.planner.analytic import DeviceModel, block_profile
+
+        if not self.layers:
+            return None, "the model has no megatron-core layers, and the generic path has no analytic model"
+        if self.shape is None:
+            return None, "the first layer's input was not seen"
+        device = DeviceModel() if torch.cuda.is_available() else DeviceModel.cpu()
+        pins = self.adapter.pins()
+        recompute = _recompute_available()
+        controlled = set(self.controller.layers)
+        counts: dict[int, list] = {}
+        for layer in self.layers:
+            if int(layer.layer_number) - 1 in controlled:
+                counts.setdefault(id(layer.config), [layer.config, 0])[1] += 1
+        blocks, pinned = [], 0
+        try:
+            for tconfig, count in counts.values():
+                block = block_profile(self.model_shape(tconfig, count), device, count=count, inflight=inflight)
+                sites = []
+                for st in block.sites:
+                    if st.name in pins:
+                        name = pins[st.name]
+                        stored = st.nbytes if name == KEEP else 0 if name == RECOMPUTE else next(
+                            (o.nbytes for o in st.codecs if o.name == name), st.nbytes)
+                        pinned += count * inflight * stored
+                        continue
+                    sites.append(dataclasses.replace(
+                        st, inputs=tuple(i for i in st.inputs if i not in pins),
+                        forward_ms=st.forward_ms if recompute else None))
+                blocks.append(dataclasses.replace(block, sites=tuple(sites)))
+            return int(min_budget(blocks, static + pinned, self.controller.config.variance_budget)), ""
+        except ValueError as err:
+            return None, f"no analytic model for these layers: {err}"

@@ -21,6 +21,11 @@ the ranks, solves the MILP on one rank, broadcasts the plan and switches at that
 boundary on every rank. Measuring needs a probe: `with controller.step(probe=fn)` or
 `set_probe(fn)`, `fn()` running one forward over the iteration's batch and returning the
 loss (per sample or per token, for the sampling-noise estimate).
+
+Without a probe, a user budget (`ActConfig.budget`) is still checked on the first training
+step: `watch(model)` (called by `apply` and by the DeepSpeed door) installs hooks that
+measure the first forward with the ledger and check the budget at the first step boundary,
+or at the end of that forward where nothing advances the controller (`adapt.FirstForward`).
 """
 from __future__ import annotations
 
@@ -103,6 +108,9 @@ class Controller:
         self._probe: Optional[Callable[[], Any]] = None
         self._step_probe: Optional[Callable[[], Any]] = None
         self._probe_params: Any = None
+        #: what advances this controller besides `step()`: "optimizer.step()" after
+        #: `attach_optimizer`, "engine.step()" in the DeepSpeed door; None: nothing known
+        self.boundary: Optional[str] = None
         from llm_act.adapt import Adapter
 
         self.adapter = Adapter(self)
@@ -205,6 +213,17 @@ class Controller:
         self._probe = forward
         self._probe_params = params
 
+    def watch(self, model: Any, layers: Any = None) -> None:
+        """Install the hooks that measure the first training step on `model` (a module or a
+        list of pipeline chunks) for the budget check of the doors without a probe
+        (`llm_act.adapt.FirstForward`); `layers`: its megatron-core TransformerLayers (their
+        TransformerConfig gives the analytic profile of plan "auto"). Idempotent; the hooks
+        remove themselves after the first measured forward of every root."""
+        if not self.enabled:
+            return
+        roots = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.adapter.first.install(roots, list(layers) if layers is not None else None)
+
     def probe_params(self) -> list:
         from llm_act.probing import params_of
 
@@ -257,6 +276,7 @@ class Controller:
 
         handle = target.register_step_post_hook(hook)
         self._hooks.append(handle)
+        self.boundary = self.boundary or "optimizer.step()"
         return handle
 
     def _advance(self) -> None:

@@ -1,6 +1,9 @@
 """What `initialize` adds to a DeepSpeed engine: the controller, its clock and its checkpoint.
 
 - `engine.act_controller`: the `llm_act.Controller` of the wrapped model.
+- the budget check without a probe (`llm_act.adapt.FirstForward`): the controller measures
+  the first forward through hooks on `engine.module` and, with a user budget, checks it at
+  the first `engine.step()` (`PlanOverBudget`, `BudgetTooSmall`, on every rank).
 - `engine.step()`: on an optimizer step (a gradient-accumulation boundary) the step runs
   inside `controller.step()`, so the controller advances one iteration per optimizer step
   and switches plans only there, never between the micro-batches of one step. Inside a
@@ -32,6 +35,10 @@ def attach(engine: Any, controller: Any, extra_state: Optional[Callable[[], dict
     if getattr(engine, "act_controller", None) is not None:
         raise ValueError("engine: already has an act_controller (initialize was applied twice)")
     engine.act_controller = controller
+    controller.boundary = "engine.step()"
+    module = getattr(engine, "module", None)
+    if module is not None:
+        controller.watch(module)  # the first step's budget check; a no-op where apply() watches already
 
     step = engine.step
 

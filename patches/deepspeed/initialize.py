@@ -18,7 +18,8 @@ on unchanged. Before DeepSpeed wraps the model it:
    raises `agreement.Disagreement` naming the differing keys and each rank's value;
 5. calls `deepspeed.initialize`, then attaches the controller to the engine
    (`engine.act_controller`, advanced by `engine.step()`, saved in checkpoints; see
-   `engine.py`).
+   `engine.py`), which measures the first forward and refuses a user budget that cannot
+   hold the plan ("auto": no plan fits it) at the first `engine.step()`.
 
 Without our section the model is untouched and `engine.act_controller` is a disabled
 controller that only counts optimizer steps.

@@ -10,6 +10,12 @@ already offsets by the pipeline stage). Nothing here draws random numbers, and w
 are those of the stock model. `embedding.*` and `loss.logits` need nothing here: the
 ledger attributes what the embedding and the output layer / loss save by module.
 
+The returned Controller watches the first training forward (`Controller.watch`): with a
+user budget and no probe (Megatron-LM's `pretrain()`, a plain loop) a budget no plan fits
+(plan "auto": `adapt.BudgetTooSmall`) or that the fixed plan exceeds (`adapt.PlanOverBudget`)
+is refused at the end of the first forward, or at the first step boundary when the loop
+drives the controller (`controller.step()`, `attach_optimizer`).
+
 Megatron-core is imported only when `apply` is called (this module imports with torch only).
 """
 from __future__ import annotations
@@ -128,5 +134,6 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
         unsupported.guard_compile(layer)
         layer._llm_act_controller = controller
     agreement.agree_setup(controller)
+    controller.watch(roots, layers)  # the budget check of the first step (adapt.FirstForward)
     return controller
 

@@ -1,22 +1,47 @@
-"""GPU: throughput against micro-batch size for stock, Megatron's recompute modes and ours.
+"""GPU: throughput and the largest micro-batch, stock and Megatron's recompute modes against ours.
 
-For a megatron-core GPT that fits the card (default ~350M parameters: 24 layers, hidden
-1024, 16 heads, seq 1024, bf16) every scheme trains forward+backward at micro-batch sizes
-1, 2, 4, ... until it runs out of memory; per size: tokens/s (CUDA events, median of a few
-iterations, all schemes measured in one process) and peak allocated memory
-(`torch.cuda.max_memory_allocated`). Every scheme uses the same attention kernel (ours,
-SDPA mode), so the comparison isolates what is stored. "ours" solves the MILP per
-micro-batch size on the analytic profile with the card's memory (minus the static memory
-measured after building, minus a margin) as budget, so it compresses or recomputes only
-what the budget forces. Also: codec bandwidth against the copy bandwidth
-(`llm_act.bench.kernels`).
+The comparison of issue 17. A megatron-core GPT of ~1.3B parameters (default `GpuShape`: 24
+layers, hidden 2048, 16 heads, seq 2048, bf16) on one GPU trains forward+backward under each
+scheme of `SCHEMES`:
 
-On CPU `run(device="cpu", ...)` with a tiny shape exercises the same code (binding, plan
-choice, the table) without peak-memory figures; the numbers mean nothing there.
+- "stock": megatron-core as built (local spec), its core attention in SDPA mode;
+- "megatron selective" / "megatron full": Megatron's recompute modes (core attention /
+  whole block recomputed) written as plans on our sites and run by our recompute machinery;
+- "ours keep": our converted layers, every site kept (what plan "keep" costs);
+- "ours compress": the default compress plan (design brief: every site at its codec);
+- "ours auto @ full memory": the MILP solved per micro-batch size with the budget = the
+  memory full recompute *measured* at that size (cuda peak; on CPU the ledger's bytes);
+- "ours": the MILP per micro-batch size at the card's memory (what plan "auto" does), the
+  scheme whose largest micro-batch the target compares.
+
+Every scheme uses the same attention kernel (SDPA through `ActCoreAttention`, mode "sdpa"),
+so the comparison isolates what is stored. The memory the MILP plans is the blocks'
+activations; what else a step holds (weights, gradients, embedding, logits and loss) is
+"static" and is measured, not guessed: static(m) = full recompute's measured memory at
+micro-batch m minus the analytic bytes of the full plan (24 kept block inputs + one block
+rebuilt in backward), fitted as a + b*m over the measured sizes.
+
+Per scheme and micro-batch size: tokens/s (CUDA events, median of `repeat` steps after a
+warm-up; ratios only within one run) and the memory of a step (`torch.cuda.max_memory_allocated`
+after `reset_peak_memory_stats`; on CPU the `SavedTensorLedger`'s bytes held at the end of
+forward, since CPU has no peak counter). Then the largest micro-batch that fits: doubling from
+the sweep's largest size until one fails (CUDA out of memory, caught and freed; with
+`capacity_bytes` a step whose memory exceeds it also fails, which is how the CPU test
+emulates a small card), then bisection. `time_budget_s` stops measuring (remaining cells say
+"not measured") so the run always ends with its table; schemes are measured in `ORDER`
+(the targets' schemes first).
+
+On CPU `run(device="cpu", tiny shape)` runs the same code end to end; its numbers mean
+nothing there. The targets of the issue are printed as PASS/FAIL lines by `targets`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import gc
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
@@ -27,164 +52,580 @@ from llm_act.bench import memory as M
 @dataclass(frozen=True)
 class GpuShape:
     layers: int = 24
-    hidden: int = 1024
+    hidden: int = 2048
     heads: int = 16
-    seq: int = 1024
+    seq: int = 2048
     vocab: int = 50304
 
     def params(self) -> int:
         return 12 * self.layers * self.hidden ** 2 + self.vocab * self.hidden
 
+    def describe(self) -> str:
+        return (f"GPT {self.layers} layers, hidden {self.hidden}, {self.heads} heads, seq {self.seq}, "
+                f"vocab {self.vocab}, bf16 (~{self.params() / 1e9:.2f}B parameters)")
 
-SCHEMES = ("stock", "megatron selective", "megatron full", "ours")
+
+STOCK, SELECTIVE, FULL = "stock", "megatron selective", "megatron full"
+KEEP, COMPRESS, AUTO_AT_FULL, OURS = "ours keep", "ours compress", "ours auto @ full memory", "ours"
+#: the table's rows, in this order
+SCHEMES = (STOCK, SELECTIVE, FULL, KEEP, COMPRESS, AUTO_AT_FULL, OURS)
+#: the order they are measured in: the schemes the targets compare first (AUTO_AT_FULL and
+#: OURS need FULL's measured memory)
+ORDER = (STOCK, KEEP, FULL, AUTO_AT_FULL, OURS, COMPRESS, SELECTIVE)
 MARGIN = 0.08  # share of the card kept free for the allocator and workspace
+GPU_SIZES = (1, 2, 4, 8)
+#: the issue's targets
+TARGET_AUTO_VS_FULL = 1.3
+TARGET_LARGEST_VS_FULL = 3.0
+TARGET_KEEP_VS_STOCK = 0.98
+TARGET_KERNEL_OF_COPY = 0.90
 
 
 def _scheme(name: str, choice: Optional[dict] = None) -> M.Scheme:
     from llm_act.patches.megatron.recompute import full_plan, selective_plan
 
-    base = {"stock": {}, "megatron selective": selective_plan(), "megatron full": full_plan()}
+    base = {STOCK: {}, SELECTIVE: selective_plan(), FULL: full_plan(), KEEP: {},
+            COMPRESS: M.compress_choice()}
     return M.Scheme(name, "", dict(choice if choice is not None else base[name]),
                     attention="sdpa", convert_attention=True)
 
 
-def ours_choice(shape: GpuShape, mbs: int, budget: int) -> Optional[dict]:
-    """The MILP's per-block choice for this micro-batch size within `budget` activation
-    bytes (None: nothing fits)."""
-    from llm_act.plan_cli import _reference_variance
-    from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
+@functools.lru_cache(maxsize=256)
+def _analytic_block(shape: GpuShape, mbs: int):
     from llm_act.planner.analytic import ModelShape, block_profile
 
     ms = ModelShape(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
                     seq_length=shape.seq, micro_batch_size=mbs, vocab_size=shape.vocab,
                     position_embedding="rope", attention="sdpa")
-    block = M.restricted_block(block_profile(ms, count=shape.layers))
+    return block_profile(ms, count=shape.layers)
+
+
+def full_activation_bytes(shape: GpuShape, mbs: int) -> int:
+    """Analytic activation bytes of full recompute: every block's kept input plus one block
+    rebuilt at once in backward (the MILP's transient peak)."""
+    block = _analytic_block(shape, mbs)
+    ln1 = next(s.nbytes for s in block.sites if s.name == "ln1.input")
+    return shape.layers * ln1 + sum(s.nbytes for s in block.sites)
+
+
+def ours_choice(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0) -> Optional[dict]:
+    """The MILP's per-block choice for this micro-batch size within `budget` bytes of which
+    `static_bytes` are not activations (None: nothing fits)."""
+    choice, note = _solve(shape, mbs, budget, static_bytes)
+    return None if note else choice
+
+
+def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
+           least: bool = False) -> tuple[Optional[dict], Optional[str]]:
+    """(choice, None), or (None, why there is none); `least`: when the budget is infeasible,
+    solve at the least feasible budget instead and say so in the note."""
+    from llm_act.plan_cli import _reference_variance
+    from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
+
+    block = M.restricted_block(_analytic_block(shape, mbs))
+    noise = _reference_variance([block])
+    note = None
     try:
-        plan = solve_plan([block], budget, variance_budget=_reference_variance([block]))
-    except (InfeasibleBudget, InfeasibleVariance):
-        return None
+        plan = solve_plan([block], budget, static_bytes=static_bytes, variance_budget=noise)
+    except (InfeasibleBudget, InfeasibleVariance) as err:
+        if not least:
+            need = getattr(err, "min_budget_bytes", None)
+            return None, "MILP infeasible" + ("" if need is None else f" (needs >= {_size(need)})")
+        from llm_act.plan_cli import min_budget
+
+        need = min_budget([block], static_bytes, noise)
+        try:
+            plan = solve_plan([block], need, static_bytes=static_bytes, variance_budget=noise)
+        except (InfeasibleBudget, InfeasibleVariance):
+            return None, f"MILP infeasible (needs {_size(need)})"
+        note = (f"infeasible at this budget: solved at the MILP's least, {_size(need)} "
+                f"({_size(need - budget)} more)")
     choice = dict(plan.choice[0])
     choice.setdefault("attn.dropout_mask", "regen")
-    return choice
+    return choice, note
 
 
-def _model(shape: GpuShape, device: torch.device, scheme: M.Scheme):
+def _model(shape: GpuShape, device: torch.device, seed: int = 1234):
     from llm_act import testing
 
     cfg = testing.small_config(hidden_size=shape.hidden, num_attention_heads=shape.heads,
                                num_layers=shape.layers, dtype=torch.bfloat16, dropout=0.0,
                                use_cpu_initialization=device.type == "cpu")
-    model = testing.gpt_model(cfg, vocab_size=shape.vocab, max_sequence_length=shape.seq).to(device)
+    torch.manual_seed(seed)
+    return testing.gpt_model(cfg, vocab_size=shape.vocab, max_sequence_length=shape.seq).to(device)
+
+
+def _layers(model):
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    for layer in [m for m in model.modules() if isinstance(m, TransformerLayer)]:
-        M.bind_layer(layer, int(layer.layer_number) - 1, scheme)
-    return model
+    return [m for m in model.modules() if isinstance(m, TransformerLayer)]
 
 
-def _step_ms(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int) -> float:
+def bind(model, scheme: M.Scheme) -> None:
+    """Bind `scheme` to every layer. Stock: only the core attention is converted (to SDPA
+    mode, every site kept), the rest stays megatron-core's own modules."""
+    from llm_act.patches.megatron.swap import convert_attention
+
+    for layer in _layers(model):
+        index = int(layer.layer_number) - 1
+        if scheme.name == STOCK:
+            convert_attention(layer, index)
+            layer.self_attention.core_attention.set_attention_mode(scheme.attention)
+        else:
+            M.bind_layer(layer, index, scheme)
+
+
+class _Failed(Exception):
+    """A step did not fit (out of memory, or above `capacity_bytes`)."""
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _measure(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int,
+             capacity: Optional[int]) -> dict:
+    """One cell: {"ms", "tokens_per_s", "mem_bytes"}; repeat=0: one step for memory only.
+    Raises `_Failed` when it does not fit (memory freed first)."""
     from llm_act.bench.timing import median_ms
+    from llm_act.ledger import SavedTensorLedger
 
+    cuda = device.type == "cuda"
     ids = torch.randint(0, shape.vocab, (mbs, shape.seq), device=device)
     pos = torch.arange(shape.seq, device=device).unsqueeze(0).expand(mbs, -1)
 
-    def step():
-        loss = model(ids, pos, None, labels=ids).float().mean()
+    def step(ledger: Optional[SavedTensorLedger] = None):
+        if ledger is None:
+            loss = model(ids, pos, None, labels=ids).float().mean()
+        else:
+            with ledger:
+                loss = model(ids, pos, None, labels=ids).float().mean()
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    return median_ms(step, device, warmup=1, repeat=repeat)
+    oom = False
+    out: dict = {}
+    try:
+        if cuda:
+            _free(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            out["mem_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        else:
+            led = SavedTensorLedger()
+            t0 = time.perf_counter()
+            step(led)
+            first_ms = (time.perf_counter() - t0) * 1e3
+            out["mem_bytes"] = int(led.total_bytes)
+        if capacity is not None and out["mem_bytes"] > capacity:
+            oom = True
+        elif repeat > 0:
+            # the memory step above was the warm-up; on CPU with repeat=1 it is also the timed
+            # step (a smoke run: half the steps; CPU numbers mean nothing anyway)
+            ms = first_ms if (not cuda and repeat == 1) else median_ms(step, device, warmup=0, repeat=repeat)
+            out.update(ms=ms, tokens_per_s=mbs * shape.seq / ms * 1e3)
+    except torch.cuda.OutOfMemoryError:
+        oom = True
+    except RuntimeError as err:  # allocation failures outside the caching allocator
+        if not any(t in str(err) for t in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")):
+            raise
+        oom = True
+    if oom:
+        model.zero_grad(set_to_none=True)
+        del ids, pos
+        _free(device)
+        raise _Failed()
+    return out
 
 
-def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=(1, 2, 4, 8, 16, 32, 64),
-        repeat: int = 3, log: Callable[[str], None] = lambda m: None) -> dict:
-    """{"rows": [{scheme, mbs, tokens_per_s, peak_gib, fits}], "machine", "budget"}."""
+def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, repeat: int = 3,
+        search: Optional[bool] = None, capacity_bytes: Optional[int] = None,
+        max_mbs: int = 1024, time_budget_s: Optional[float] = None, resolution: Optional[float] = None,
+        schemes=ORDER, log: Callable[[str], None] = lambda m: None) -> dict:
+    """Measure every scheme. Returns {"rows": [...], "largest": {scheme: {...}}, "machine",
+    "shape", "memory_kind", "capacity", "static", "skipped"}; a row is {scheme, mbs, fits,
+    ms, tokens_per_s, mem_bytes, plan, budget, note} (`fits` False: out of memory or no plan;
+    rows not measured for time are absent and listed in "skipped").
+
+    `search`: find the largest micro-batch per scheme (default: on CUDA, or when
+    `capacity_bytes` emulates a card); the bisection stops within `resolution` of the edge
+    (a share of the size; default 1/16 on CUDA, where every probe of a big micro-batch costs
+    seconds, exact on CPU). `capacity_bytes`: the memory a step may use (CUDA
+    default: the card's total minus `MARGIN`; it is also the budget of "ours")."""
     from llm_act import testing
     from llm_act.bench.timing import machine_line
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
+    sizes = tuple(sizes or (GPU_SIZES if cuda else (1, 2)))
+    if search is None:
+        search = cuda or capacity_bytes is not None
+    if resolution is None:
+        resolution = 1 / 16 if cuda else 0.0
+    card = None
+    if cuda:
+        card = int(torch.cuda.get_device_properties(dev).total_memory * (1 - MARGIN))
+    capacity = capacity_bytes
+    ours_total = capacity if capacity is not None else card  # what "ours" plans against
+    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
+    rows: list[dict] = []
+    largest_found: dict = {}
+    skipped: list[str] = []
+    full_mem: dict[int, int] = {}  # mbs -> full recompute's measured memory
+
+    def over() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
+    def static_at(mbs: int) -> int:
+        """Non-activation memory at `mbs`: a + b*m fitted to full recompute's residuals."""
+        pts = sorted((m, mem - full_activation_bytes(shape, m)) for m, mem in full_mem.items())
+        if not pts:
+            return 0
+        if len(pts) == 1:
+            return max(0, pts[0][1])
+        (m0, r0), (m1, r1) = pts[0], pts[-1]
+        slope = (r1 - r0) / (m1 - m0)
+        return max(0, int(r0 + slope * (mbs - m0)))
+
+    def plan_for(name: str, mbs: int):
+        """(scheme, budget, static, reason-if-none)"""
+        if name == AUTO_AT_FULL:
+            if mbs not in full_mem:
+                return None, None, None, "full recompute did not fit/measure here"
+            budget = full_mem[mbs]
+            static = min(budget, static_at(mbs))
+        elif name == OURS:
+            budget = ours_total if ours_total is not None else 2**62
+            static = static_at(mbs) if ours_total is not None else 0
+        else:
+            return _scheme(name), None, None, None
+        choice, note = _solve(shape, mbs, budget, static, least=name == AUTO_AT_FULL)
+        if choice is None:
+            return None, budget, static, note
+        return _scheme(name, choice), budget, static, note
+
     testing.init_parallel(seed=1234)
-    rows = []
-    budget = None
     try:
-        if cuda:
-            total = torch.cuda.get_device_properties(dev).total_memory
-            static = shape.params() * (2 + 4)  # bf16 weights + fp32 gradients
-            budget = int(total * (1 - MARGIN)) - static
-        for name in SCHEMES:
-            for mbs in sizes:
-                choice = None
-                if name == "ours":
-                    choice = ours_choice(shape, mbs, budget if budget is not None else 2**62)
-                    if choice is None:
-                        rows.append({"scheme": name, "mbs": mbs, "fits": False})
-                        break
-                model = None
+        for name in schemes:
+            if over():
+                skipped.append(f"{name}: every size")
+                continue
+            t0 = time.perf_counter()
+            model = _model(shape, dev)
+            bound = None
+
+            def cell(mbs: int, reps: int) -> dict:
+                nonlocal bound
+                scheme, budget, static, why = plan_for(name, mbs)
+                row = {"scheme": name, "mbs": mbs, "budget": budget, "static": static}
+                if why:
+                    row["note"] = why
+                if scheme is None:
+                    return {**row, "fits": False}
+                key = json.dumps(scheme.choice, sort_keys=True)
+                if key != bound:
+                    bind(model, scheme)
+                    bound = key
                 try:
-                    if cuda:
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats(dev)
-                    model = _model(shape, dev, _scheme(name, choice))
-                    ms = _step_ms(model, shape, mbs, dev, repeat)
-                    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None
-                    rows.append({"scheme": name, "mbs": mbs, "fits": True, "ms": ms,
-                                 "tokens_per_s": mbs * shape.seq / ms * 1e3, "peak_gib": peak,
-                                 "plan": choice})
-                    log(f"  {name} mbs {mbs}: {rows[-1]['tokens_per_s']:.0f} tokens/s")
-                except torch.cuda.OutOfMemoryError:
-                    rows.append({"scheme": name, "mbs": mbs, "fits": False})
-                    break
-                finally:
-                    del model
-                    if cuda:
-                        torch.cuda.empty_cache()
+                    got = _measure(model, shape, mbs, dev, reps, capacity)
+                except _Failed:
+                    bound = None  # rebind before the next step: drops whatever the failed one left
+                    return {**row, "fits": False, "note": "out of memory"}
+                return {**row, "fits": True, "plan": scheme.choice if name in (AUTO_AT_FULL, OURS) else None,
+                        **got}
+
+            try:
+                fitted, failed_at = [], None
+                for mbs in sizes:
+                    if over():
+                        skipped.append(f"{name}: mbs {mbs}")
+                        continue
+                    row = cell(mbs, repeat)
+                    rows.append(row)
+                    if row["fits"]:
+                        fitted.append(mbs)
+                        if name == FULL:
+                            full_mem[mbs] = row["mem_bytes"]
+                        speed = f"{row['tokens_per_s']:.0f} tokens/s, " if "tokens_per_s" in row else ""
+                        log(f"  {name} mbs {mbs}: {speed}{_size(row['mem_bytes'])}")
+                    else:
+                        failed_at = mbs
+                        log(f"  {name} mbs {mbs}: {row['note']}")
+                        break
+                if search and name != AUTO_AT_FULL:
+                    largest_found[name] = _search(name, max(fitted, default=0), failed_at, cell, over,
+                                                  max_mbs, log, resolution)
+            finally:
+                del model
+                _free(dev)
+            log(f"  {name}: {time.perf_counter() - t0:.1f} s")
     finally:
         testing.destroy_parallel()
-    return {"rows": rows, "machine": machine_line(dev), "budget": budget, "shape": shape}
+    return {"rows": rows, "largest": largest_found, "machine": machine_line(dev), "shape": shape,
+            "memory_kind": "cuda peak" if cuda else "ledger", "capacity": capacity or card,
+            "card": card, "skipped": skipped, "sizes": sizes,
+            "static": {m: static_at(m) for m in sizes} if full_mem else {}}
 
 
-def largest(rows: list[dict], scheme: str) -> int:
+def _search(name, lo, failed, cell, over, max_mbs, log, resolution: float = 0.0) -> dict:
+    """Double from `lo` (the sweep's largest fitting size) until a step fails, then bisect
+    down to `failed` - 1 (`failed`: the sweep's failing size, or None).
+    {"mbs": largest fitting, "failed": smallest failing or None, "exact": bool}."""
+    if lo == 0:
+        return {"mbs": 0, "failed": failed, "exact": True}
+    probe = cell  # one step each: memory only
+
+    def fits(m: int) -> Optional[bool]:
+        if over():
+            return None
+        r = probe(m, 0)
+        log(f"  {name} search mbs {m}: {'fits' if r['fits'] else r['note']}")
+        return r["fits"]
+
+    while failed is None:
+        m = lo * 2
+        if m > max_mbs:
+            return {"mbs": lo, "failed": None, "exact": False, "note": f"capped at {max_mbs}"}
+        ok = fits(m)
+        if ok is None:
+            return {"mbs": lo, "failed": None, "exact": False, "note": "time budget"}
+        if ok:
+            lo = m
+        else:
+            failed = m
+    while failed - lo > max(1, int(lo * resolution)):
+        m = (lo + failed) // 2
+        ok = fits(m)
+        if ok is None:
+            return {"mbs": lo, "failed": failed, "exact": False, "note": "time budget"}
+        if ok:
+            lo = m
+        else:
+            failed = m
+    if failed - lo > 1:
+        return {"mbs": lo, "failed": failed, "exact": False, "note": f"{failed} fails"}
+    return {"mbs": lo, "failed": failed, "exact": True}
+
+
+# ---- the table, the targets, the files ----------------------------------------------------
+
+
+def largest(rows_or_result, scheme: str) -> int:
+    """The largest micro-batch `scheme` fits: the search's result when there is one, else
+    the largest fitting size of the sweep (`rows_or_result`: a `run` result or its rows)."""
+    if isinstance(rows_or_result, dict):
+        found = rows_or_result.get("largest", {}).get(scheme)
+        if found is not None:
+            return found["mbs"]
+        rows = rows_or_result["rows"]
+    else:
+        rows = rows_or_result
     fit = [r["mbs"] for r in rows if r["scheme"] == scheme and r["fits"]]
     return max(fit) if fit else 0
 
 
+def _by(result: dict) -> dict:
+    return {(r["scheme"], r["mbs"]): r for r in result["rows"]}
+
+
+def _ratio(result: dict, a: str, b: str, mbs: int) -> Optional[float]:
+    by = _by(result)
+    ra, rb = by.get((a, mbs)), by.get((b, mbs))
+    if not (ra and rb and ra["fits"] and rb["fits"] and "tokens_per_s" in ra and "tokens_per_s" in rb):
+        return None
+    return ra["tokens_per_s"] / rb["tokens_per_s"]
+
+
 def table(result: dict) -> str:
-    rows = result["rows"]
-    sizes = sorted({r["mbs"] for r in rows})
-    by = {(r["scheme"], r["mbs"]): r for r in rows}
-    lines = ["| scheme | " + " | ".join(f"mbs {m}: tokens/s (peak GiB)" for m in sizes)
-             + " | largest mbs |", "|---|" + "---:|" * (len(sizes) + 1)]
+    """Tokens/s (memory GiB) per scheme and micro-batch size, the largest micro-batch, and the
+    throughput ratios against stock and against full recompute."""
+    sizes = list(result.get("sizes") or sorted({r["mbs"] for r in result["rows"]}))
+    by = _by(result)
+    kind = result.get("memory_kind", "cuda peak")
+    unit, div = _unit(result)
+    lines = [f"Tokens/s per micro-batch size (memory of a step in {unit}: {kind}):", "",
+             "| scheme | " + " | ".join(f"mbs {m}" for m in sizes) + " | largest mbs |",
+             "|---|" + "---:|" * (len(sizes) + 1)]
     for name in SCHEMES:
         cells = []
         for m in sizes:
             r = by.get((name, m))
             if r is None:
-                cells.append("")
+                cells.append("-")
             elif not r["fits"]:
-                cells.append("OOM")
+                cells.append("OOM" if r.get("note") == "out of memory" else (r.get("note") or "no fit"))
             else:
-                peak = "" if r["peak_gib"] is None else f" ({r['peak_gib']:.1f})"
-                cells.append(f"{r['tokens_per_s']:.0f}{peak}")
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {largest(rows, name)} |")
+                star = "*" if r.get("note") else ""
+                cells.append(f"{r['tokens_per_s']:.0f} ({r['mem_bytes'] / div:.2f}){star}")
+        found = result.get("largest", {}).get(name)
+        big = str(largest(result, name))
+        if found is not None and not found.get("exact", True):
+            big += f" (>=; {found.get('note', '')})"
+        elif found is None and result.get("largest"):
+            big += " (sweep only)"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {big} |")
+    for ref in (STOCK, FULL):
+        lines += ["", f"Throughput against {ref} (same micro-batch size):", "",
+                  "| scheme | " + " | ".join(f"mbs {m}" for m in sizes) + " |",
+                  "|---|" + "---:|" * len(sizes)]
+        for name in SCHEMES:
+            cells = []
+            for m in sizes:
+                x = _ratio(result, name, ref, m)
+                cells.append("" if x is None else f"{x:.3f}x")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    auto = [r for r in result["rows"] if r["scheme"] == AUTO_AT_FULL]
+    if auto:
+        lines += ["", f"{AUTO_AT_FULL}: MILP budget = full recompute's measured memory at the same "
+                  f"size ({kind}); static = measured non-activation memory:", "",
+                  f"| mbs | budget {unit} | static {unit} | measured {unit} | plan |", "|---:|---:|---:|---:|---|"]
+        for r in auto:
+            plan = r.get("plan")
+            text = "; ".join(x for x in (r.get("note"), _plan_text(plan) if plan and r["fits"] else "") if x)
+            mem = f"{r['mem_bytes'] / div:.2f}" if r.get("fits") else ""
+            b, st = r.get("budget"), r.get("static")
+            lines.append(f"| {r['mbs']} | {'' if b is None else f'{b / div:.2f}'} | "
+                         f"{'' if st is None else f'{st / div:.2f}'} | {mem} | {text} |")
+    lines += ["", "`-`: not measured (a smaller size did not fit, or the time budget ran out); "
+              "`*`: see the note in the plan table below."]
+    if result.get("skipped"):
+        lines += ["", "Not measured (time budget): " + "; ".join(result["skipped"])]
     return "\n".join(lines)
 
 
-def headline(result: dict) -> str:
-    """Ours against full recompute at the largest size full recompute fits, and the ratio of
-    largest micro-batches."""
-    rows = result["rows"]
-    by = {(r["scheme"], r["mbs"]): r for r in rows if r["fits"]}
-    m = largest(rows, "megatron full")
-    parts = []
-    if ("ours", m) in by and ("megatron full", m) in by:
-        parts.append(f"ours / full recompute throughput at mbs {m}: "
-                     f"{by[('ours', m)]['tokens_per_s'] / by[('megatron full', m)]['tokens_per_s']:.2f}x")
-    s = [r for r in rows if r["fits"] and r["mbs"] == 1]
-    st = {r["scheme"]: r["tokens_per_s"] for r in s}
-    if "stock" in st and "ours" in st:
-        parts.append(f"ours / stock at mbs 1: {st['ours'] / st['stock']:.3f}x")
-    if m:
-        parts.append(f"largest mbs ours / full: {largest(rows, 'ours') / m:.1f}x")
-    return "; ".join(parts)
+def _unit(result: dict) -> tuple[str, int]:
+    """GiB on a GPU; MiB for a CPU run's tiny shapes."""
+    return ("GiB", 2**30) if result.get("memory_kind") == "cuda peak" else ("MiB", 2**20)
 
+
+def _size(x: int) -> str:
+    """Bytes in GiB, or MiB below 1 GiB (a CPU run's tiny shapes)."""
+    return f"{x / 2**30:.2f} GiB" if abs(x) >= 2**30 else f"{x / 2**20:.3f} MiB"
+
+
+def _plan_text(choice: dict) -> str:
+    groups: dict[str, list[str]] = {}
+    for site, name in sorted(choice.items()):
+        groups.setdefault(name, []).append(site)
+    return "; ".join(f"{name}: {', '.join(sites)}" for name, sites in sorted(groups.items()))
+
+
+def targets(result: dict, kernel_rows: Optional[list[dict]] = None) -> list[str]:
+    """The issue's targets as "PASS"/"FAIL"/"n/a" lines (ratios within this run)."""
+    out = []
+    sizes = list(result.get("sizes") or [])
+    # 1. ours at full recompute's memory >= 1.3x full recompute's throughput
+    pairs = [(m, _ratio(result, AUTO_AT_FULL, FULL, m)) for m in sizes]
+    pairs = [(m, x) for m, x in pairs if x is not None]
+    if pairs:
+        m, x = pairs[-1]
+        per = ", ".join(f"mbs {a}: {b:.2f}x" for a, b in pairs)
+        above = _by(result)[(AUTO_AT_FULL, m)].get("note")
+        ok = x >= TARGET_AUTO_VS_FULL and not above
+        out.append(f"- {'PASS' if ok else 'FAIL'}: ours at full recompute's memory "
+                   f">= {TARGET_AUTO_VS_FULL}x its throughput: {x:.2f}x at mbs {m} ({per})"
+                   + (f"; NOT at equal memory at mbs {m}: {above}" if above else ""))
+    else:
+        out.append(f"- n/a: ours at full recompute's memory >= {TARGET_AUTO_VS_FULL}x its throughput: "
+                   "no size where both ran")
+    # 2. our largest micro-batch >= 3x full recompute's
+    full = largest(result, FULL)
+    best = max((OURS, COMPRESS), key=lambda s: largest(result, s))
+    ours = largest(result, best)
+    if full:
+        x = ours / full
+        out.append(f"- {'PASS' if x >= TARGET_LARGEST_VS_FULL else 'FAIL'}: our largest micro-batch >= "
+                   f"{TARGET_LARGEST_VS_FULL:g}x full recompute's: {ours} ({best}) / {full} = {x:.2f}x")
+    else:
+        out.append(f"- n/a: our largest micro-batch >= {TARGET_LARGEST_VS_FULL:g}x full recompute's: "
+                   "full recompute fitted nothing")
+    # 3. keep >= 0.98x stock, at every size both ran
+    pairs = [(m, _ratio(result, KEEP, STOCK, m)) for m in sizes]
+    pairs = [(m, x) for m, x in pairs if x is not None]
+    if pairs:
+        m, x = min(pairs, key=lambda p: p[1])
+        out.append(f"- {'PASS' if x >= TARGET_KEEP_VS_STOCK else 'FAIL'}: keep >= {TARGET_KEEP_VS_STOCK}x "
+                   f"stock throughput at every size: lowest {x:.3f}x at mbs {m}")
+    else:
+        out.append(f"- n/a: keep >= {TARGET_KEEP_VS_STOCK}x stock throughput: no size where both ran")
+    # 4. kernels >= 90% of copy bandwidth
+    if kernel_rows:
+        worst = min(kernel_rows, key=lambda r: r["of_copy"])
+        below = [r["codec"] for r in kernel_rows if r["of_copy"] < TARGET_KERNEL_OF_COPY]
+        out.append(f"- {'PASS' if not below else 'FAIL'}: kernels >= {TARGET_KERNEL_OF_COPY:.0%} of copy "
+                   f"bandwidth: lowest {worst['of_copy']:.0%} ({worst['codec']})"
+                   + (f"; below: {', '.join(below)}" if below else ""))
+    else:
+        out.append(f"- n/a: kernels >= {TARGET_KERNEL_OF_COPY:.0%} of copy bandwidth: not measured")
+    return out
+
+
+def headline(result: dict) -> str:
+    """The target lines in one string (kept for callers of the earlier API)."""
+    return "; ".join(line[2:] for line in targets(result))
+
+
+def markdown(result: dict, kernel_rows: Optional[list[dict]] = None, kernel_header: str = "") -> str:
+    sh = result["shape"]
+    cap = result.get("capacity")
+    lines = [f"{sh.describe()} on one device: {result['machine']}. Every scheme uses SDPA for the "
+             "core attention; Megatron's selective and full recompute are run as plans on our sites "
+             "by our recompute machinery. Memory of a step: "
+             + ("`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats` (weights and "
+                "gradients included)" if result.get("memory_kind") == "cuda peak" else
+                "the SavedTensorLedger's bytes held at the end of forward (CPU has no peak counter)")
+             + (f"; capacity {_size(cap)}" if cap else "") + ".", "",
+             table(result), "", "Targets (ratios within this run):", "", *targets(result, kernel_rows)]
+    if kernel_rows:
+        from llm_act.bench import kernels
+
+        lines += ["", "Codec bandwidth against copy bandwidth:", "", kernels.table(kernel_header, kernel_rows)]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> str:
+    """Tokens/s and memory against micro-batch size, one line per scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in SCHEMES:
+        pts = sorted((r["mbs"], r) for r in result["rows"] if r["scheme"] == name and r["fits"]
+                     and "tokens_per_s" in r)
+        if not pts:
+            continue
+        a.plot([m for m, _ in pts], [r["tokens_per_s"] for _, r in pts], marker="o", label=name)
+        b.plot([m for m, _ in pts], [r["mem_bytes"] / _unit(result)[1] for _, r in pts], marker="o", label=name)
+    for ax, label in ((a, "tokens/s"), (b, f"{_unit(result)[0]} ({result.get('memory_kind', '')})")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batch size")
+        ax.set_ylabel(label)
+    a.legend(fontsize=7)
+    fig.suptitle(f"{result['shape'].describe()}; {result['machine']}", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def save(result: dict, output_dir: str, text: str, kernel_rows: Optional[list[dict]] = None) -> dict:
+    """gpu.md (the section), gpu.json (every row) and gpu_throughput.png under `output_dir`."""
+    os.makedirs(output_dir, exist_ok=True)
+    paths = {"md": os.path.join(output_dir, "gpu.md"), "json": os.path.join(output_dir, "gpu.json"),
+             "png": os.path.join(output_dir, "gpu_throughput.png")}
+    with open(paths["md"], "w") as f:
+        f.write(text + "\n")
+    data = {k: v for k, v in result.items() if k != "shape"}
+    data["shape"] = asdict(result["shape"])
+    data["kernels"] = kernel_rows
+    data["static"] = {str(k): v for k, v in result.get("static", {}).items()}
+    with open(paths["json"], "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    plot(result, paths["png"])
+    return paths

@@ -11,11 +11,19 @@ import torch
 
 from llm_act.bench.timing import machine_line
 
-GPU_PENDING = ("pending: no GPU in this run. A session with an H100/H200 runs the GPU side in "
-               "one device call: `bash tools/fetch_gpu_wheels.sh` here (cp312 wheels of "
-               "megatron-core, pulp and highspy, which that machine lacks, into .whl/), then "
-               "`bash tools/gpu_suite.sh` there carrying .whl: the gpu tests, `llm-act bench "
-               "kernels` and `llm-act bench gpu`.")
+GPU_PENDING = ("pending: no GPU in this run. A session with an H100/H200 fills this section in "
+               "one device call (about 9 minutes at most, every step under its own `timeout`): "
+               "`bash tools/fetch_gpu_wheels.sh` here (cp312 wheels of megatron-core, pulp and "
+               "highspy, which that machine lacks, into .whl/), then `bash tools/gpu_suite.sh` "
+               "there carrying .whl: the gpu tests, `llm-act bench kernels --size-mib 256`, "
+               "`llm-act bench gpu` (GPT ~1.3B: stock, Megatron selective and full recompute, "
+               "ours keep / compress / auto at full recompute's memory; tokens/s, peak memory, "
+               "the largest micro-batch, the issue's targets as PASS/FAIL lines) and 10 "
+               "iterations of `launch/pretrain_gpt.py` with and without `--act-compress`; "
+               "$OUT/SUMMARY.md holds the device, versions, commands and tables.")
+#: seconds `llm-act bench gpu` spends measuring before it writes what it has (the suite
+#: gives the step 240 s and sets 180); LLM_ACT_GPU_BENCH_SECONDS overrides
+GPU_TIME_BUDGET_S = 210.0
 
 
 def versions() -> str:
@@ -160,20 +168,19 @@ def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: s
 
 
 def gpu_section(result: Optional[dict], command: str, kernels_text: Optional[str] = None,
-                wall_s: Optional[float] = None) -> str:
+                wall_s: Optional[float] = None, kernel_rows: Optional[list[dict]] = None,
+                kernel_header: str = "", plot: Optional[str] = None) -> str:
     from llm_act.bench import gpu as G
 
     lines = ["## 4. GPU", ""]
     if result is None:
         return "\n".join(lines + [GPU_PENDING])
-    sh = result["shape"]
-    lines += [provenance(command, wall_s, torch.device("cuda")), "",
-              f"GPT {sh.layers} layers, hidden {sh.hidden}, {sh.heads} heads, seq {sh.seq}, bf16 "
-              f"(~{sh.params() / 1e6:.0f}M parameters); budget for ours "
-              f"{(result['budget'] or 0) / 2**30:.1f} GiB of activations.", "",
-              G.table(result), "", G.headline(result)]
-    if kernels_text:
+    dev = torch.device("cuda" if result.get("memory_kind") == "cuda peak" else "cpu")
+    lines += [provenance(command, wall_s, dev), "", G.markdown(result, kernel_rows, kernel_header)]
+    if kernels_text and not kernel_rows:
         lines += ["", "Codec bandwidth against copy bandwidth:", "", kernels_text]
+    if plot:
+        lines += ["", f"![throughput and memory against micro-batch size]({os.path.basename(plot)})"]
     return "\n".join(lines)
 
 
@@ -242,7 +249,10 @@ def run_planner(quick: bool, command: str, memory_rows: Optional[list[dict]] = N
     return {"solve": solve, "distinct": distinct, "compare": comp, "shape": shape}, text
 
 
-def run_gpu(command: str, log=print) -> tuple[Optional[dict], str]:
+def run_gpu(command: str, log=print, output_dir: Optional[str] = None) -> tuple[Optional[dict], str]:
+    """The GPU section: the kernels' bandwidth (256 MiB tensors), then `bench.gpu.run` within
+    `GPU_TIME_BUDGET_S`; with `output_dir`: gpu.md, gpu.json and gpu_throughput.png there.
+    Without CUDA: the "pending" text."""
     import time
 
     if not torch.cuda.is_available():
@@ -252,10 +262,14 @@ def run_gpu(command: str, log=print) -> tuple[Optional[dict], str]:
     from llm_act.bench import gpu as G, kernels
 
     t0 = time.perf_counter()
-    result = G.run(log=log)
     header, krows = kernels.run(size_mib=256.0, device="cuda")
-    text = gpu_section(result, command, header + "\n\n" + kernels.table(header, krows).split("\n", 2)[2],
-                       time.perf_counter() - t0)
+    log(kernels.table(header, krows))
+    budget = float(os.environ.get("LLM_ACT_GPU_BENCH_SECONDS", GPU_TIME_BUDGET_S))
+    result = G.run(log=log, time_budget_s=max(0.0, budget - (time.perf_counter() - t0)))
+    plot = os.path.join(output_dir, "gpu_throughput.png") if output_dir else None
+    text = gpu_section(result, command, None, time.perf_counter() - t0, krows, header, plot)
+    if output_dir:
+        G.save(result, output_dir, text, krows)
     log(text)
     return result, text
 
@@ -285,12 +299,12 @@ def main(args, argv=None) -> int:
     elif args.suite == "planner":
         run_planner(args.quick, command, None, say)
     elif args.suite == "gpu":
-        run_gpu(command, say)
+        run_gpu(command, say, args.output_dir)
     elif args.suite == "all":
         rows, mem = run_memory(args.quick, args.output_dir, command, say)
         _, con = run_convergence(args.quick, args.output_dir, command, say, conv)
         _, pla = run_planner(args.quick, command, rows, say)
-        _, gpu = run_gpu(command, say)
+        _, gpu = run_gpu(command, say, args.output_dir)
         path = write(os.path.join(args.output_dir, "benchmarks.md"), [mem, con, pla, gpu])
         say(f"wrote {path}")
     else:

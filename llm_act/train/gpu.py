@@ -1,7 +1,9 @@
 """The GPU branch: megatron-core's own DDP, optimizer and gradient finalisation (NCCL).
 
-UNTESTED ON THIS PROJECT'S CPU MACHINES: megatron-core's training stack needs CUDA, so
-this module only runs where `torch.cuda.is_available()`. It follows what Megatron-LM's
+Not yet run on a GPU; tools/gpu_suite.sh runs it (10 iterations of `launch/pretrain_gpt.py`
+under torchrun on one GPU, without and with `--act-compress`, logs under $OUT). megatron-core's
+training stack needs CUDA, so this module only runs where `torch.cuda.is_available()` and
+no CPU test reaches it. It follows what Megatron-LM's
 `training.py` does for a non-distributed optimizer: each chunk (in a Float16Module under
 bf16) goes into `DistributedDataParallel` with fp32 grad buffers; the schedule's
 `no_sync_func` / `finalize_model_grads_func` / `grad_scale_func` hooks come from the DDP

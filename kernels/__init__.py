@@ -67,3 +67,18 @@ def use_triton(x: torch.Tensor) -> bool:
     if kernel_choice() == "torch":
         return False
     return HAVE_TRITON and x.is_cuda
+
+
+def codec_backend(device: torch.device) -> str:
+    """What runs the codecs on `device`, said where a time figure is printed: on CPU (or
+    without triton, or with LLM_ACT_KERNELS=torch) they run their pure-torch references,
+    several times slower than the fused kernels, so a CPU tokens/s ratio says nothing about
+    a GPU's."""
+    if kernel_choice() == "torch":
+        return "the codecs run their pure-torch references (LLM_ACT_KERNELS=torch)"
+    if torch.device(device).type != "cuda":
+        return (f"the codecs run their pure-torch references on {torch.device(device).type} "
+                "(the Triton kernels need CUDA), so these timings are not a GPU's")
+    if not HAVE_TRITON:
+        return "the codecs run their pure-torch references (triton is not installed)"
+    return "the codecs run their Triton kernels"

@@ -315,9 +315,9 @@ class Adapter:
                     "reason": "; ".join(decision["reasons"]) or ("first plan" if not self.history else "re-plan"),
                 }
                 self.history.append(entry)
-                log.info("llm_act: iteration %d: plan changed: %s | predicted memory %.3f MiB "
-                         "(activations %.3f MiB), overhead %.3f ms/iteration | why: %s",
-                         it, entry["changes"], entry["predicted_bytes"] / 2**20,
+                log.info("llm_act: iteration %d: plan changed: %s | predicted memory %.3f MiB of the "
+                         "%.3f MiB budget (activations %.3f MiB), overhead %.3f ms/iteration | why: %s",
+                         it, entry["changes"], entry["predicted_bytes"] / 2**20, self.budget / 2**20,
                          entry["activation_bytes"] / 2**20, entry["overhead_ms"], entry["reason"])
         in_force = c.pending_plan or c.plan
         if self.sensitivity and self.sampling_noise is not None:

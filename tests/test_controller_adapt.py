@@ -99,6 +99,7 @@ def test_plan_switches_between_iterations_and_is_logged(caplog):
     assert len(h) == 1 and h[0]["iteration"] == 1 and h[0]["overhead_ms"] == 0.0
     lines = [r.getMessage() for r in caplog.records if "plan changed" in r.getMessage()]
     assert len(lines) == 1 and "iteration 1" in lines[0] and "predicted memory" in lines[0]
+    assert "MiB budget" in lines[0] and "why: " in lines[0]
     assert "mlp.fc2_input: outlier_int4->keep (layers 0-1)" in lines[0] and "\n" not in lines[0]
     # a tighter budget at the next tracking point moves the plan again, between iterations
     profile = controller.adapter.profile

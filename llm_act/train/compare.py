@@ -15,6 +15,7 @@ import contextlib
 import os
 from typing import Callable, Iterator, Optional
 
+from llm_act.kernels import codec_backend
 from llm_act.sites import OUTER_SITES, SITES
 from llm_act.train import parallel, rng
 from llm_act.train.loop import load_data, quiet_megatron_warnings
@@ -124,7 +125,8 @@ def _table(stock: _Run, comp: _Run, args: argparse.Namespace, sha256: str) -> st
         f"{'tokens/s':<24}{_fmt(stock.tokens_per_s, '.1f'):>12}{_fmt(comp.tokens_per_s, '.1f'):>16}",
         "",
         f"tokens/s ratio compressed/stock: {speed} "
-        f"(iterations alternate in one process; the first iteration of each is not timed)",
+        f"(iterations alternate in one process; the first iteration of each is not timed; "
+        f"{codec_backend(parallel.device())})",
         f"saved activations: {s_tot / MiB:.3f} MiB -> {c_tot / MiB:.3f} MiB per micro-batch "
         f"({_ratio(c_tot, s_tot)} of stock)",
     ]

@@ -9,6 +9,8 @@ loss, as in Megatron-LM.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import math
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -17,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from llm_act.agreement import timed
+from llm_act.kernels import codec_backend
+from llm_act.plans import describe as describe_plan
 from llm_act.train import checkpoint, data as data_lib, parallel
 from llm_act.train.trainer import Trainer
 
@@ -69,8 +73,42 @@ def train(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[
     data = load_data(args)
     trainer = Trainer(args, data)
     say = log if parallel.is_logging_rank() else (lambda _msg: None)
+    with _controller_log(say):
+        return _train(args, trainer, data, say)
+
+
+@contextlib.contextmanager
+def _controller_log(say: Callable[[str], None]):
+    """llm_act's own log lines (a re-plan with its predicted bytes and reason, a budget or
+    noise warning) go to the run's log like the loop's lines; on the other ranks warnings
+    still reach stderr."""
+    class Say(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if parallel.is_logging_rank():
+                say(msg)
+            elif record.levelno >= logging.WARNING:
+                print(msg, file=sys.stderr, flush=True)
+
+    logger = logging.getLogger("llm_act")
+    handler, level = Say(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _train(args: argparse.Namespace, trainer: Trainer, data: data_lib.TokenData,
+           say: Callable[[str], None]) -> dict[str, Any]:
     for line in describe_run(args, trainer, data):
         say(line)
+    if trainer.controller is not None and trainer.controller.enabled:
+        say("plan in force (" + ("'auto' starts from 'compress' and re-plans from iteration 1"
+                                 if args.act_config.plan == "auto" else repr(args.act_config.plan))
+            + "): " + describe_plan(trainer.controller.plan).replace("\n", "; "))
     if args.load:
         state = checkpoint.load(args.load)
         if state is None:
@@ -137,7 +175,8 @@ def train(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[
             f"lm loss {losses[0]:.4f} -> {losses[-1]:.4f}, validation loss "
             f"{'n/a' if valid_loss is None else f'{valid_loss:.4f}'}, {_rate(tps)}, saved "
             f"activations {_mib(saved)} MiB/micro-batch (largest rank), plan {plan_name(args)}, "
-            f"corpus sha256 {data.sha256[:16]}")
+            f"corpus sha256 {data.sha256[:16]}"
+            + ("" if args.act_config is None else f"; {codec_backend(parallel.device())}"))
         if adapter is not None and adapter.active:
             say(f"summary: {adapter.summary()}")
     return summary

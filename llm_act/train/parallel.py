@@ -59,6 +59,12 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def device() -> torch.device:
+    """Where this rank trains: its CUDA device when there is one (`init` selected it)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def is_logging_rank() -> bool:
     """The last rank prints: it holds the loss (last pipeline stage), as in Megatron-LM."""
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1

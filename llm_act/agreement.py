@@ -116,6 +116,13 @@ def data_parallel_rank() -> int:
     return int(ps.get_data_parallel_rank() if ps is not None else dist.get_rank())
 
 
+def tensor_parallel_rank() -> int:
+    """This rank's index in its tensor-parallel group: megatron's TP rank when its
+    parallel state is up, else 0 (no tensor parallelism: DDP, ZeRO, running alone)."""
+    ps = _megatron_state()
+    return int(ps.get_tensor_model_parallel_rank()) if ps is not None else 0
+
+
 def collective_timeout() -> float:
     """Seconds a collective of ours waits for the other ranks (`LLM_ACT_COLLECTIVE_TIMEOUT`,
     default 300): long enough for a slow rank's first iteration, short enough that a rank

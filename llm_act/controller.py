@@ -37,7 +37,7 @@ from llm_act import plans
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.config import ActConfig
-from llm_act.sites import SITES
+from llm_act.sites import SITES, tp_replicated
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 SEED_STRIDE = 1000
 #: distance between the codec seeds of data-parallel replicas (more than any layer count's)
 DP_SEED_STRIDE = 10_000_000
+#: distance between the codec seeds of tensor-parallel ranks at a site whose stored tensor
+#: differs across them (more than any data-parallel replica's offset, below 100 000 replicas)
+TP_SEED_STRIDE = 1_000_000_000_000
 
 
 def replica_seed(base: int, dp_rank: Optional[int] = None) -> int:
@@ -52,8 +55,7 @@ def replica_seed(base: int, dp_rank: Optional[int] = None) -> int:
     process's, from `agreement.data_parallel_rank`). Replicas see different data, and with
     different stochastic-rounding draws their compression noise is independent, so it
     averages out in the gradient all-reduce instead of adding up coherently. TP ranks of a
-    replica share it: they store the same replicated tensors (the norms' inputs) and each
-    computes the replicated parameters' gradients from them, which must agree."""
+    replica share it; `codec_seed` moves it apart again wherever they store different data."""
     if dp_rank is None:
         from llm_act.agreement import data_parallel_rank
 
@@ -61,10 +63,43 @@ def replica_seed(base: int, dp_rank: Optional[int] = None) -> int:
     return int(base) + DP_SEED_STRIDE * int(dp_rank)
 
 
-def codec_seed(base: int, layer: int, site: str, dp_rank: Optional[int] = None) -> int:
+def codec_seed(base: int, layer: int, site: str, dp_rank: Optional[int] = None,
+               tp_rank: Optional[int] = None, sequence_parallel: bool = False) -> int:
     """The seed of the codec at (layer, site): stable across runs, restarts and plan
-    switches; per data-parallel replica (`replica_seed`)."""
-    return replica_seed(base, dp_rank) + SEED_STRIDE * int(layer) + SITES.index(site)
+    switches (it depends on nothing else). Equal only where the stored tensor is equal:
+
+    - per data-parallel replica (`replica_seed`);
+    - per tensor-parallel rank (`tp_rank` default: this process's, from
+      `agreement.tensor_parallel_rank`) wherever the TP ranks store different data: their
+      heads or hidden slice, and under `sequence_parallel` their token shard at every site
+      (`sites.tp_replicated`), so the shards' rounding noise is independent;
+    - the same on every TP rank of a replica where they all store the same tensor (the
+      norms' and column-parallel linears' inputs without sequence parallelism): the
+      replicated parameters' gradients (the norms' weights), which each rank computes from
+      its own copy, stay bit-identical across the ranks.
+
+    TP rank 0 keeps the seeds it had before the TP offset existed."""
+    seed = replica_seed(base, dp_rank) + SEED_STRIDE * int(layer) + SITES.index(site)
+    if tp_replicated(site, sequence_parallel):
+        return seed
+    if tp_rank is None:
+        from llm_act.agreement import tensor_parallel_rank
+
+        tp_rank = tensor_parallel_rank()
+    return seed + TP_SEED_STRIDE * int(tp_rank)
+
+
+def _sequence_parallel(modules) -> bool:
+    """Whether a layer's modules run under megatron's sequence parallelism: the
+    `TransformerConfig.sequence_parallel` they carry (`module.config`), or the flag
+    megatron's parallel linears keep (`module.sequence_parallel`). It is one setting of
+    the whole model, so every TP rank reads the same."""
+    for module in modules:
+        if getattr(getattr(module, "config", None), "sequence_parallel", False) is True:
+            return True
+        if getattr(module, "sequence_parallel", False) is True:
+            return True
+    return False
 
 
 class Controller:
@@ -345,9 +380,15 @@ class Controller:
             kwargs = {}
             if site == "mlp.act_input":
                 kwargs["activation"] = self._activation(layer, site)
-            codec = make_codec(name, seed=codec_seed(self.config.seed, layer, site), **kwargs)
+            codec = make_codec(name, seed=self._codec_seed(layer, site), **kwargs)
             self._codecs[key] = codec
         return codec
+
+    def _codec_seed(self, layer: int, site: str) -> int:
+        """`codec_seed` of (layer, site) in this process (its DP and TP rank, and whether
+        the layer runs under sequence parallelism)."""
+        sp = _sequence_parallel(self._modules.get(layer, {}).values())
+        return codec_seed(self.config.seed, layer, site, sequence_parallel=sp)
 
     def _no_fewbit(self) -> set[int]:
         """Layers whose MLP activation takes no few-bit codec (the module says so with
@@ -390,7 +431,8 @@ class Controller:
           only when every `ActConfig` field but `seed` equals the saved one; otherwise (or
           when the checkpoint predates saved configs) the plan of the current config stays;
         - a codec's random stream comes back only when its seed is the one this controller
-          gives it (same `seed`, same data-parallel rank), so replicas stay independent.
+          gives it (same `seed`, same data- and tensor-parallel rank), so replicas and
+          shards stay independent.
 
         Changes take effect now, between iterations. Returns the lines it logs (logger
         "llm_act.controller", INFO): what was restored and what was replaced."""
@@ -414,7 +456,7 @@ class Controller:
             layer, site, name = key.split("/")
             if site not in self._modules.get(int(layer), {}):
                 continue  # another pipeline stage's layer
-            if codec_state.get("seed") != codec_seed(self.config.seed, int(layer), site):
+            if codec_state.get("seed") != self._codec_seed(int(layer), site):
                 foreign += 1
                 continue
             self._get_codec(int(layer), site, name).load_state_dict(codec_state)

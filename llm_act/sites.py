@@ -48,6 +48,50 @@ DEFAULT_CODECS: dict[str, str] = {
 }
 
 
+#: How a tensor-parallel rank holds the tensor each site stores (megatron-core 0.16):
+#: - "replicated": the whole tensor on every TP rank when sequence parallelism is off (the
+#:   residual stream [s, b, h] after the row-parallel all-reduce, which the norms save; the
+#:   column-parallel linears' input, which `copy_to_tensor_model_parallel_region` hands
+#:   whole to every rank; the hidden dropout of bias-dropout-add, drawn from the default
+#:   generator on that replicated stream). Under sequence parallelism the same tensors are
+#:   the rank's own token shard [s/tp, b, h]: the stream is reduce-scattered, a
+#:   column-parallel linear saves (here: encodes) its local shard before the all-gather,
+#:   and `TransformerBlock.forward` runs the layers in the RNG tracker's fork (each shard
+#:   draws its own dropout).
+#: - "heads": the rank's attention heads (`num_attention_heads_per_partition`, K/V
+#:   `num_query_groups_per_partition`; attention dropout in the RNG tracker's fork).
+#: - "hidden": the rank's slice of the hidden dim, the row-parallel `linear_proj` input
+#:   [s, b, h/tp] (`input_is_parallel`; sequence parallelism leaves it whole in s).
+#: - "ffn": the rank's slice of the MLP dim, [s, b, ffn/tp] (fc1 is column-parallel with
+#:   `gather_output=False`, fc2 row-parallel with `input_is_parallel`).
+TP_LAYOUT: dict[str, str] = {
+    "ln1.input": "replicated",
+    "attn.qkv_input": "replicated",
+    "attn.q": "heads",
+    "attn.k": "heads",
+    "attn.v": "heads",
+    "attn.softmax": "heads",
+    "attn.dropout_mask": "heads",
+    "attn.out": "hidden",
+    "attn.hidden_dropout_mask": "replicated",
+    "ln2.input": "replicated",
+    "mlp.fc1_input": "replicated",
+    "mlp.act_input": "ffn",
+    "mlp.fc2_input": "ffn",
+    "mlp.hidden_dropout_mask": "replicated",
+}
+assert set(TP_LAYOUT) == set(SITES), "every site needs its tensor-parallel layout"
+
+
+def tp_replicated(site: str, sequence_parallel: bool) -> bool:
+    """Whether every rank of a tensor-parallel group stores the same tensor at `site`
+    (`TP_LAYOUT`): only the "replicated" sites, and only without sequence parallelism.
+    Where it is, the ranks' codecs must round alike (their replicated parameters'
+    gradients must agree); everywhere else the ranks hold different data and need
+    independent rounding noise (`llm_act.controller.codec_seed`)."""
+    return TP_LAYOUT[check_site(site)] == "replicated" and not sequence_parallel
+
+
 def check_site(site: str) -> str:
     if site not in SITES:
         raise ValueError(f"unknown site {site!r}; known sites: {', '.join(SITES)}")

@@ -1,10 +1,13 @@
 """Codec seeds across ranks (2 gloo processes, a real megatron-core GPT under the
 "compress" plan, both ranks fed the same batch):
 
-- TP=2: the tensor-parallel ranks of one replica draw the same stochastic rounding. They
-  store the same replicated tensors (the norms' inputs) and each computes the replicated
-  parameters' gradients (the norms' weights) from its own copy, so those gradients must
-  be bit-identical across the ranks, or the replicated weights drift apart.
+- TP=2 (no sequence parallelism): the tensor-parallel ranks of one replica draw the same
+  stochastic rounding at the replicated sites. They store the same replicated tensors (the
+  norms' inputs) and each computes the replicated parameters' gradients (the norms'
+  weights) from its own copy, so those gradients must be bit-identical across the ranks,
+  or the replicated weights drift apart. (Where the TP ranks hold different data, their
+  heads and slices, or token shards under sequence parallelism, the seeds differ:
+  test_shard_seeds_dist.)
 - DP=2: data-parallel replicas draw different rounding, so their compression noise is
   independent and averages out in the gradient all-reduce: with the same batch on both,
   the gradients differ, and their mean is closer to the uncompressed gradient than

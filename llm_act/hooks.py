@@ -16,14 +16,22 @@ What the pack hook does with a saved tensor `t`:
 - bool tensors (masks) are bit-packed with `BitMask` (lossless) when `pack_masks`;
   integer tensors (indices) are kept;
 - tensors with fewer than `min_numel` elements (default 1024) are kept: their scales
-  and bookkeeping would cost about as much as they save.
+  and bookkeeping would cost about as much as they save;
+- never more than stock: a tensor is encoded only where the codec's size formula
+  (`Codec.within_raw`, no trial encode) stores no more bytes than the raw tensor; otherwise
+  it is kept and its raw bytes are booked at its site (`HookStats.declined`).
 
-A storage is encoded once however many ops save it (GACT sec. 5.3): records are keyed by
-the storage (its data pointer, checked alive through a weak reference, and its version
-counter, so an in-place change re-encodes). A saved tensor that covers its whole storage
-(contiguous, transposed or permuted) encodes the storage as one flat buffer, and every
-later view of it is served by re-viewing the decoded buffer; a partial view (Q, K, V of
-one QKV buffer) is encoded on its own, keyed by (offset, shape, stride). A small view kept
+A storage is encoded once however many ops save it (GACT sec. 5.3), with the codec of
+the first site that saves it, and counted there, as the ledger counts it; a storage
+already held raw (kept at an earlier save) is kept at later saves too, since an encoded
+copy would only add bytes. Records are keyed by the storage (its data pointer, checked
+alive through a weak reference, and its version counter, so an in-place change
+re-encodes). A saved tensor that covers its whole storage (contiguous, transposed or
+permuted) is encoded in its logical shape, its dimensions permuted into storage order (a
+contiguous view: a transposed K of shape [b, h, s, d] is encoded as [b, s, h, d]; never
+as a flat buffer, so per-channel codecs see channels), and every later view of it is
+served by re-viewing the decoded storage; a partial view (Q, K, V of one QKV buffer) is
+encoded on its own in its own shape, keyed by (offset, shape, stride). A small view kept
 raw whose storage is more than twice its size is cloned, so it does not pin the storage.
 
 In backward a record is decoded lazily, once per storage per backward pass (the decoded
@@ -86,6 +94,17 @@ def _dense_cover(t: torch.Tensor, storage_numel: int) -> bool:
     return True
 
 
+def _memory_order(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its dimensions (of size > 1) permuted into storage order: for a dense
+    tensor a contiguous view of its storage in the tensor's own dims (a transposed K stays
+    [b, s, h, d], never a flat buffer), so per-channel codecs see its channels."""
+    dims = [d for d in range(t.dim()) if t.shape[d] != 1]
+    order = list(range(t.dim()))
+    for slot, d in zip(dims, sorted(dims, key=lambda d: -t.stride(d))):
+        order[slot] = d
+    return t.permute(order)
+
+
 @dataclass
 class HookStats:
     """What one context (one `with`) did. Bytes are counted when saved, not live."""
@@ -98,6 +117,8 @@ class HookStats:
     kept: int = 0           #: non-parameter tensors kept as they are
     kept_bytes: int = 0     #: bytes they hold (their storages, or clones)
     parameters: int = 0     #: saves of parameters (kept, not counted)
+    declined: int = 0       #: saves kept because the codec would store more than the raw tensor
+    declined_bytes: int = 0  #: their raw bytes (also in `kept_bytes`)
     by_codec: dict = field(default_factory=dict)  #: codec name -> encoded bytes
 
 
@@ -150,12 +171,13 @@ class _Packed:
 
 
 class _StorageEntry:
-    __slots__ = ("ref", "version", "flat", "views")
+    __slots__ = ("ref", "version", "flat", "views", "kept")
 
     def __init__(self, ref, version: int):
         self.ref, self.version = ref, version
+        self.kept = False  # held raw by autograd already (counted at the first site)
         self.flat: dict[tuple, _Record] = {}   # (dtype, codec) -> record of the whole storage
-        self.views: dict[tuple, _Record] = {}  # (offset, shape, stride, dtype, codec) -> record
+        self.views: dict[tuple, _Record] = {}  # (offset, shape, stride, dtype) -> record
 
 
 class SavedTensorCompression:
@@ -285,6 +307,11 @@ class SavedTensorCompression:
             t = t.detach().clone()
             nbytes = own
         else:
+            entry = self._entry(t, st)
+            if entry.kept:  # the storage is held raw already: counted once, at its first site
+                self.stats.reused += 1
+                return t
+            entry.kept = True
             nbytes = st.nbytes()
         self.stats.kept += 1
         self.stats.kept_bytes += nbytes
@@ -310,12 +337,15 @@ class SavedTensorCompression:
 
     def _encode(self, t: torch.Tensor, st, name: str) -> Any:
         entry = self._entry(t, st)
+        if entry.kept:  # autograd holds the raw storage anyway: an encoded copy adds bytes
+            return self._keep(t, st)
         shape, stride, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
-        flat = entry.flat.get((t.dtype, name))
+        # one record per storage, whatever codec a later site names (counted once)
+        flat = next((r for (dtype, _), r in entry.flat.items() if dtype == t.dtype), None)
         if flat is not None:
             self.stats.reused += 1
             return _Packed(flat, (shape, stride, offset))
-        vkey = (offset, shape, stride, t.dtype, name)
+        vkey = (offset, shape, stride, t.dtype)
         record = entry.views.get(vkey)
         if record is not None:
             self.stats.reused += 1
@@ -326,7 +356,14 @@ class SavedTensorCompression:
         whole = st.nbytes() % size == 0 and _dense_cover(t, st.nbytes() // size)
         source = t.detach()
         if whole:
-            source = source.as_strided((t.numel(),), (1,), 0)
+            source = _memory_order(source)
+            whole = source.is_contiguous()
+            if not whole:
+                source = t.detach()
+        if not codec.within_raw(source.shape, t.dtype):  # never more than stock: keep it
+            self.stats.declined += 1
+            self.stats.declined_bytes += t.numel() * size
+            return self._keep(t, st)
         with torch.no_grad():
             enc = codec.encode(source)
         record = _Record(codec, enc, self.stats)

@@ -23,7 +23,8 @@ Conventions shared by all codecs:
 - Stochastic rounding draws from the codec's own generator (one per device, seeded from
   `seed` alone), never from torch's global one, so compression changes no dropout mask.
   Who builds codecs picks the seed (`llm_act.controller.codec_seed`): equal on the
-  tensor-parallel ranks of a replica, different across data-parallel replicas.
+  tensor-parallel ranks only where they store the same tensor (`sites.tp_replicated`),
+  different wherever the data differ (TP-split sites, SP shards, data-parallel replicas).
 - Integer and complex tensors raise `TypeError` naming the codec and the dtype.
 """
 from __future__ import annotations
@@ -135,6 +136,30 @@ class Codec:
         For a finite tensor: each non-finite element adds its index and value to `.nbytes`.
         """
         raise NotImplementedError(f"{type(self).__name__}.nbytes_for")
+
+    def within_raw(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether encoding a finite tensor of `shape`/`dtype` stores no more bytes than the
+        raw tensor (`numel * itemsize`), from the size formula alone (no trial encode).
+
+        Data-dependent sizes take their bound (`OutlierInt4`: the cap on outlier channels).
+        Where this is False the tensor is kept instead ("never more than stock"). Real
+        codecs never tie with an activation's raw size; records that hold x itself (the
+        recompute and measuring pseudo-codecs) do, and count as stock. A codec without a
+        size formula is assumed to fit.
+        """
+        shape = tuple(int(s) for s in shape)
+        raw = math.prod(shape) * dtype.itemsize
+        try:
+            cap = getattr(self, "max_outliers", None)
+            if cap is not None:
+                nbytes = self.nbytes_for(shape, dtype, n_outliers=cap(shape[-1] if shape else 1))
+            else:
+                nbytes = self.nbytes_for(shape, dtype)
+        except NotImplementedError:
+            return True
+        except ValueError:  # a shape the codec cannot take (a scalar for a per-axis codec)
+            return False
+        return nbytes <= raw
 
     # ---- checks ----------------------------------------------------------------------
     def check_input(self, x: torch.Tensor) -> None:

@@ -19,6 +19,11 @@ Such a model has no compressed layers, but it does have repeated blocks (the lon
   Until the plans know "recompute" (issue 4), the controller's plan shows such blocks as
   "keep" and `GenericModel.recompute` tells that they are recomputed.
 
+Never more than stock (`llm_act.hooks`): each saved tensor is encoded in its logical shape
+(never as a flat storage buffer), once per storage, and only where its codec's size formula
+stores no more than the raw tensor; otherwise it is kept raw and booked at its site
+(`GenericModel.declined` tells how much each block kept that way).
+
 Recomputation calls the block's original `forward`, whose submodules are entered through
 `__call__`, so ZeRO-3 gathers their parameters again in backward.
 """
@@ -161,6 +166,12 @@ class GenericModel:
     hooks: list[_BlockHooks]
     recompute: bool = False
     recompute_codec: Optional[str] = None
+
+    def declined(self) -> dict[int, int]:
+        """{block: raw bytes} its last forward kept because the site's codec would have
+        stored more than the raw tensor (tiny tensors, odd shapes); blocks without any are
+        left out."""
+        return {i: h.stats.declined_bytes for i, h in enumerate(self.hooks) if h.stats.declined}
 
     def extra_state(self) -> dict[str, Any]:
         """Random streams of codecs the hooks built themselves (not the controller's)."""

@@ -65,17 +65,34 @@ class ActModule:
             raise TypeError(f"codec for site {site!r} must be a Codec or None, got {codec!r}")
         self.act_codecs[site] = codec
 
-    def act_codec(self, site: str, *tensors: torch.Tensor | None) -> Codec | None:
+    def act_codec(self, site: str, *tensors: torch.Tensor | None,
+                  stores: torch.Tensor | tuple | None = None) -> Codec | None:
         """The codec to use for `site` in this forward, or None for the stock path.
 
         None under torch.no_grad(), in eval mode, when the site is kept, or when none of
-        `tensors` (if given: the op's differentiable inputs) requires grad.
+        `tensors` (if given: the op's differentiable inputs) requires grad. Never more than
+        stock: with `stores` (the tensor the site would encode, or its (shape, dtype)),
+        also None where the codec's size formula stores more bytes than `stores`
+        raw (`Codec.within_raw`); the site then runs the stock path, whose raw bytes the
+        ledger books at the site, and `act_kept[site]` counts the forwards that kept it
+        (under a layer's recomputation the kept tensor is handed over as a record).
         """
         if not (self.training and torch.is_grad_enabled()):
             return None
         if tensors and not any(t is not None and t.requires_grad for t in tensors):
             return None
-        return self.act_codecs.get(site)
+        codec = self.act_codecs.get(site)
+        if codec is not None and stores is not None and not codec_within_raw(codec, stores):
+            kept = self.__dict__.setdefault("act_kept", {})
+            kept[site] = kept.get(site, 0) + 1
+            if getattr(self, "act_record_sink", None) is not None:
+                # a recomputation may rebuild a later site from this one's record: keep x
+                # itself through the compressed path (the bytes stock keeps)
+                from llm_act.patches.megatron.recompute import _Visible
+
+                return _Visible()
+            return None
+        return codec
 
     def act_compressing(self) -> bool:
         """True when at least one site of this module is encoded in this forward."""
@@ -90,6 +107,14 @@ class ActModule:
         sink = getattr(self, "act_record_sink", None)
         if sink is not None:
             sink(site, record)
+
+
+def codec_within_raw(codec: Codec, x) -> bool:
+    """Whether `codec` stores no more bytes for `x` (a tensor, or its (shape, dtype)) than `x`
+    raw, from the codec's size formula (no trial encode). A dropout mask is priced as
+    what stock stores: `dtype=torch.bool` for a bool mask, the noise's dtype on CPU."""
+    shape, dtype = (x.shape, x.dtype) if isinstance(x, torch.Tensor) else x
+    return codec.within_raw(shape, dtype)
 
 
 def report_to_ledger(layer, site: str, record, nbytes: int, replaces=None) -> None:

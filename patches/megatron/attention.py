@@ -45,7 +45,7 @@ import torch
 
 from llm_act._imports import require
 from llm_act.codecs.base import Codec
-from llm_act.patches.megatron.act_module import ActModule
+from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
 
 require("megatron.core", "llm_act.patches.megatron.attention")
 from megatron.core import tensor_parallel  # noqa: E402
@@ -115,13 +115,16 @@ class ActCoreAttention(ActModule, DotProductAttention):
         self._act_out_source = None if module is None else weakref.ref(module)
 
     def _out_codec(self, *tensors: torch.Tensor) -> Optional[Codec]:
-        own = self.act_codec("attn.out", *tensors)
+        own = self.act_codec("attn.out", *tensors, stores=tensors[0])
         if own is not None or self._act_out_source is None:
             return own
         if not (self.training and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return None
         linear = self._act_out_source()
-        return None if linear is None else linear.act_codecs.get("attn.out")
+        codec = None if linear is None else linear.act_codecs.get("attn.out")
+        if codec is not None and not codec_within_raw(codec, tensors[0]):
+            return None  # never more than stock (the linear keeps its input too)
+        return codec
 
     def _layer(self) -> int:
         return self.act_layer if self.act_layer is not None else max(0, int(self.layer_number) - 1)
@@ -130,7 +133,14 @@ class ActCoreAttention(ActModule, DotProductAttention):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None):
-        codecs = {site: self.act_codec(site, query, key, value) for site in ATTENTION_SITES}
+        sq, b, heads = query.shape[0], query.shape[1], query.shape[2]
+        probs = (b, heads, sq, key.shape[0])
+        # stock dropout keeps a bool mask on CUDA (native_dropout), the float noise on CPU
+        mask_dtype = torch.bool if query.is_cuda else query.dtype
+        stores = {"attn.q": query, "attn.k": key, "attn.v": value, "attn.out": query,
+                  "attn.softmax": (probs, query.dtype), "attn.dropout_mask": (probs, mask_dtype)}
+        codecs = {site: self.act_codec(site, query, key, value, stores=stores[site])
+                  for site in ATTENTION_SITES}
         codecs["attn.out"] = self._out_codec(query, key, value)
         stock_args = (query, key, value, attention_mask, attn_mask_type, attention_bias,
                       packed_seq_params)

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from llm_act.codecs.base import Codec, Encoded
-from llm_act.patches.megatron.act_module import ActModule
+from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
 from llm_act.patches.megatron.functions import Record, _report
 
 DROPOUT_SITES = ("attn.hidden_dropout_mask", "mlp.hidden_dropout_mask")
@@ -141,6 +141,12 @@ class ActBiasDropoutAdd(ActModule, torch.nn.Module):
             needs_grad = torch.is_grad_enabled() and (
                 x.requires_grad or residual.requires_grad or (bias is not None and bias.requires_grad))
             if not needs_grad or not 0.0 < prob < 1.0 or x.numel() == 0:
+                return stock_fn(x_with_bias, residual, prob)
+            # never more than stock, which keeps a bool mask (fused) or the noise in x's dtype
+            stock_mask = (x.shape, torch.bool if _fused_dropout(x) else x.dtype)
+            if not codec_within_raw(codec, stock_mask):
+                kept = self.__dict__.setdefault("act_kept", {})
+                kept[self.act_site] = kept.get(self.act_site, 0) + 1
                 return stock_fn(x_with_bias, residual, prob)
             residual = residual if residual.dtype == x.dtype else residual.to(x.dtype)
             if bias is not None:

@@ -45,7 +45,7 @@ class _ActLinear(ActModule):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         site = self.act_site
-        codec = self.act_codec(site, input, weight) if site is not None else None
+        codec = self.act_codec(site, input, weight, stores=input) if site is not None else None
         if codec is None or not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
         a = _IMPL_SIG.bind(input, weight, *args, **kwargs).arguments

@@ -99,7 +99,7 @@ class ActMLP(ActModule, MLP):
         ActModule.set_act_codec(self, site, codec)
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
-        codec = self.act_codec(SITE)
+        codec = self.act_codec(SITE, stores=self._act_input_like(hidden_states))
         if codec is None:
             return MLP.forward(self, hidden_states, per_token_scale, **kwargs)
         if per_token_scale is not None or self.config.use_te_activation_func:
@@ -111,6 +111,18 @@ class ActMLP(ActModule, MLP):
             intermediate = intermediate + bias
         intermediate = self._activation(intermediate, codec)
         return self.linear_fc2(intermediate)
+
+    def _act_input_like(self, hidden_states: torch.Tensor) -> tuple:
+        """(shape, dtype) of the activation's input, fc1's output (sequence parallel: fc1
+        all-gathers the sequence), before fc1 runs: what the site keeps raw."""
+        fc1 = self.linear_fc1
+        width = getattr(fc1, "output_size_per_partition", None)
+        if width is None:
+            return (tuple(hidden_states.shape), hidden_states.dtype)
+        seq = hidden_states.shape[0]
+        if getattr(self.config, "sequence_parallel", False):
+            seq *= max(1, fc1.output_size // max(width, 1))
+        return ((seq, *hidden_states.shape[1:-1], width), hidden_states.dtype)
 
     def _activation(self, x: torch.Tensor, codec: Codec) -> torch.Tensor:
         kind, fn, _ = activation_of(self.config)

@@ -41,7 +41,9 @@ class _ActNorm(ActModule):
         ActModule._act_init(self)
 
     def _site_codec(self, *tensors):
-        return self.act_codec(self.act_site, *tensors) if self.act_site is not None else None
+        if self.act_site is None:
+            return None
+        return self.act_codec(self.act_site, *tensors, stores=tensors[0] if tensors else None)
 
 
 class ActLayerNorm(_ActNorm, torch.nn.LayerNorm):

@@ -149,10 +149,12 @@ def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: s
         P.solve_table(solve_rows), "",
         *([f"With per-layer sensitivities (each layer's scaled by a factor drawn from [0.5, 1.5)) "
            "every layer is its own block and the noise budget is set to 80% of the compress plan's, "
-           "so it binds. The solver finds a good plan quickly but proving it optimal can take "
-           f"minutes, so `solve_plan` stops at `time_limit` ({distinct_rows[0]['time_limit']:g} s "
-           "here) and returns the best plan found. That plan is never worse than the best uniform "
-           "plan, which is solved first as a fallback:", "",
+           "so it binds. Proving such a plan optimal can take minutes, so from 16 distinct blocks "
+           "`solve_plan` takes its fast path (`llm_act.planner.lagrange`): the best uniform plan "
+           "(the exact MILP of the merged blocks), then per-block choices under prices on the "
+           "memory and noise budgets, checked exactly and kept only if faster. The table gives its "
+           f"solve time and its gap to the best plan the full MILP finds in {distinct_rows[0]['time_limit']:g} s:",
+           "",
            P.distinct_table(distinct_rows), ""] if distinct_rows else []),
         f"Predicted (analytic profile, `evaluate_plan`, no transient peak) against measured "
         f"(ledger, the block's own sites) bytes per block, {shape_desc}:", "",

@@ -1,0 +1,251 @@
+"""The planner's fast path for many distinct blocks that differ only in noise (per-layer
+sensitivities): Lagrangian relaxation of the two budget rows with exact per-block choices,
+then a greedy pass in exact arithmetic.
+
+With the memory row priced at mu and the noise row at lam, every site of every block picks
+its option alone: argmin cost + lam * noise + mu * inflight * stored. Two couplings stay
+exact: the transient peak is held at the peak of a reference plan (a site that plan keeps
+stays kept, so no block's transient exceeds it) and a recomputed site's few-bit inputs are
+settled per block by trying both sides (few-bit allowed at the input, or recompute
+forbidden at its readers) and taking the cheaper. Bisection on mu (memory met) inside a
+bisection on lam (noise met) gives a plan that fits both budgets; a greedy pass then
+spends the slack left (single-site moves, the largest time saving first). Every figure
+that decides feasibility is summed in integer bytes / Python floats, in a fixed order, and
+every tie goes to the lower option index, then the lower block index: two installations
+choose the same plan.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from llm_act.codecs.registry import KEEP, RECOMPUTE
+
+_BISECT = 30  # steps of each bisection (log-scale over ~12 decades: ~3e-8 relative)
+_VAR_RTOL = 1e-6
+
+
+def _variants(cls) -> Optional[list[np.ndarray]]:
+    """Per dependency pattern, the allowed-option mask (sites x options): for every few-bit
+    site either its few-bit options are forbidden or recompute at each of its readers is.
+    None when the patterns would be too many (the caller uses the MILP instead)."""
+    opts = cls.options
+    width = max(len(o) for o in opts)
+    base = np.zeros((len(opts), width), dtype=bool)
+    for i, o in enumerate(opts):
+        base[i, :len(o)] = True
+    where = {s.name: i for i, s in enumerate(cls.sites)}
+    readers: dict[int, list[int]] = {}
+    for i, (site, o) in enumerate(zip(cls.sites, opts)):
+        if o[-1].name != RECOMPUTE:
+            continue
+        for dep in site.inputs:
+            j = where[dep]
+            if any(not x.gives_value for x in opts[j]):
+                readers.setdefault(j, []).append(i)
+    fewbit = sorted(readers)
+    if len(fewbit) > 4:
+        return None
+    out = []
+    for bits in range(2 ** len(fewbit)):
+        mask = base.copy()
+        for n, j in enumerate(fewbit):
+            if bits >> n & 1:  # few-bit forbidden at j
+                for o, x in enumerate(opts[j]):
+                    if not x.gives_value:
+                        mask[j, o] = False
+            else:  # recompute forbidden at j's readers
+                for i in readers[j]:
+                    mask[i, len(opts[i]) - 1] = False
+        out.append(mask)
+    return out
+
+
+class LagrangeProblem:
+    """Arrays of `classes` (equal structure, noise differing) for the priced choice."""
+
+    def __init__(self, classes, mem_limit: int, var_limit: float, reference: list[list[int]]):
+        first = classes[0]
+        self.classes = classes
+        self.mem_limit, self.var_limit = mem_limit, var_limit
+        nsite = len(first.options)
+        width = max(len(o) for o in first.options)
+        self.count = np.array([c.count for c in classes], dtype=np.int64)
+        self.inflight = first.inflight
+        big = np.inf
+        self.cost = np.full((nsite, width), big)
+        self.stored = np.zeros((nsite, width), dtype=np.int64)
+        self.noise = np.zeros((len(classes), nsite, width))
+        for i, opts in enumerate(first.options):
+            for o, x in enumerate(opts):
+                self.cost[i, o] = x.cost_ms
+                self.stored[i, o] = x.stored
+        for k, c in enumerate(classes):
+            for i, opts in enumerate(c.options):
+                for o, x in enumerate(opts):
+                    self.noise[k, i, o] = x.noise
+        self.nbytes = [s.nbytes for s in first.sites]
+        # the peak is held at the reference plan's: a site it keeps stays kept
+        kept = [all(classes[k].options[i][p[i]].name == KEEP for k, p in enumerate(reference))
+                for i in range(nsite)]
+        self.peak = max(sum(n for n, opts, pi in zip(self.nbytes, c.options, p)
+                            if opts[pi].name != KEEP) for c, p in zip(classes, reference))
+        masks = _variants(first)
+        if masks is None:
+            raise ValueError("too many few-bit sites for the fast path")
+        for mask in masks:
+            for i, keep_only in enumerate(kept):
+                if keep_only:
+                    mask[i, 1:] = False
+        self.masks = masks
+
+    def choose(self, lam: float, mu: float) -> np.ndarray:
+        """picks (classes x sites) minimising cost + lam * noise + mu * inflight * stored."""
+        score = self.cost[None] + lam * self.noise + (mu * self.inflight) * self.stored[None]
+        best_val = None
+        best = None
+        for mask in self.masks:
+            s = np.where(mask[None], score, np.inf)
+            pick = np.argmin(s, axis=2)  # first index on ties
+            val = np.take_along_axis(s, pick[..., None], axis=2)[..., 0].sum(axis=1)
+            if best is None:
+                best, best_val = pick, val
+            else:
+                better = val < best_val
+                best = np.where(better[:, None], pick, best)
+                best_val = np.where(better, val, best_val)
+        return best
+
+    def figures(self, picks: np.ndarray) -> tuple[int, float, float]:
+        """(stored bytes, noise, time ms) of picks: bytes in exact integers, noise and time
+        summed by numpy in a fixed order (the final plan is re-checked exactly by the MILP
+        module's `_evaluate`)."""
+        idx = np.arange(picks.shape[1])[None, :]
+        per = self.stored[idx, picks].sum(axis=1)
+        stored = int((per * self.count).sum()) * self.inflight
+        noise = float((np.take_along_axis(self.noise, picks[..., None], axis=2)[..., 0].sum(axis=1)
+                       * self.count).sum())
+        ms = float((self.cost[idx, picks].sum(axis=1) * self.count).sum())
+        return stored, noise, ms
+
+    def fits(self, stored: int, noise: float) -> tuple[bool, bool]:
+        return (stored + self.peak <= self.mem_limit,
+                noise <= self.var_limit * (1 + _VAR_RTOL) if self.var_limit else noise <= 0.0)
+
+
+def _min_mu(prob: LagrangeProblem, lam: float, lo: float, hi: float) -> Optional[tuple[float, np.ndarray]]:
+    picks = prob.choose(lam, 0.0)
+    if prob.fits(*prob.figures(picks)[:2])[0]:
+        return 0.0, picks
+    top = prob.choose(lam, hi)
+    if not prob.fits(*prob.figures(top)[:2])[0]:
+        return None
+    for _ in range(_BISECT):
+        mid = (lo * hi) ** 0.5
+        p = prob.choose(lam, mid)
+        if prob.fits(*prob.figures(p)[:2])[0]:
+            hi, top = mid, p
+        else:
+            lo = mid
+    return hi, top
+
+
+def lagrange_plan(classes, mem_limit: int, var_limit: float, reference: list[list[int]]
+                  ) -> Optional[list[list[int]]]:
+    """Picks per class that fit both budgets, or None when the fast path finds none (the
+    caller keeps `reference`)."""
+    try:
+        prob = LagrangeProblem(classes, mem_limit, var_limit, reference)
+    except ValueError:
+        return None
+    finite = np.isfinite(prob.cost) & (prob.cost > 0)
+    cmin = float(prob.cost[finite].min()) if finite.any() else 1.0
+    cmax = float(prob.cost[finite].max()) if finite.any() else 1.0
+    pos_s = prob.stored[prob.stored > 0]
+    pos_n = prob.noise[prob.noise > 0]
+    smin = float(pos_s.min()) * prob.inflight if pos_s.size else 1.0
+    smax = float(pos_s.max()) * prob.inflight if pos_s.size else 1.0
+    nmin = float(pos_n.min()) if pos_n.size else 1.0
+    nmax = float(pos_n.max()) if pos_n.size else 1.0
+    mu_lo, mu_hi = cmin / smax * 1e-6, cmax / smin * 1e6
+    lam_lo, lam_hi = cmin / nmax * 1e-6, cmax / nmin * 1e6
+
+    def at(lam):
+        r = _min_mu(prob, lam, mu_lo, mu_hi)
+        if r is None:
+            return None
+        stored, noise, _ = prob.figures(r[1])
+        return r[1] if prob.fits(stored, noise)[1] else None
+
+    picks = at(0.0)
+    if picks is None:
+        best = at(lam_hi)
+        if best is None:
+            return None
+        lo, hi = lam_lo, lam_hi
+        for _ in range(_BISECT):
+            mid = (lo * hi) ** 0.5
+            p = at(mid)
+            if p is not None:
+                hi, best = mid, p
+            else:
+                lo = mid
+        picks = best
+    picks = _greedy(prob, picks)
+    return [[int(o) for o in row] for row in picks]
+
+
+def _valid(cls, pick: list[int]) -> bool:
+    where = {s.name: i for i, s in enumerate(cls.sites)}
+    for i, site in enumerate(cls.sites):
+        if cls.options[i][pick[i]].name != RECOMPUTE:
+            continue
+        for dep in site.inputs:
+            j = where[dep]
+            if not cls.options[j][pick[j]].gives_value:
+                return False
+    return True
+
+
+def _greedy(prob: LagrangeProblem, picks: np.ndarray) -> np.ndarray:
+    """Spend the slack: single-site moves that save time and keep both budgets, the
+    largest saving first (ties: lower block, site, option)."""
+    picks = picks.copy()
+    stored, noise, _ = prob.figures(picks)
+    allowed = np.logical_or.reduce(prob.masks)
+    nk, ns = picks.shape
+    for _ in range(nk * ns):
+        cur_cost = np.take_along_axis(np.broadcast_to(prob.cost, (nk,) + prob.cost.shape),
+                                      picks[..., None], axis=2)
+        dcost = (prob.cost[None] - cur_cost) * prob.count[:, None, None]
+        dcost = np.where(allowed[None], dcost, np.inf)
+        order = np.argwhere(dcost < -1e-12)
+        if not len(order):
+            break
+        gains = dcost[tuple(order.T)]
+        rank = np.lexsort((order[:, 2], order[:, 1], order[:, 0], gains))
+        moved = False
+        for r in rank:
+            k, i, o = (int(v) for v in order[r])
+            old = int(picks[k, i])
+            c = int(prob.count[k])
+            ds = c * prob.inflight * (int(prob.stored[i, o]) - int(prob.stored[i, old]))
+            dn = c * (float(prob.noise[k, i, o]) - float(prob.noise[k, i, old]))
+            if not prob.fits(stored + ds, noise + dn) == (True, True):
+                continue
+            trial = [int(v) for v in picks[k]]
+            trial[i] = o
+            if not _valid(prob.classes[k], trial):
+                continue
+            picks[k, i] = o
+            stored, noise, _ = prob.figures(picks)  # re-summed exactly
+            if prob.fits(stored, noise) != (True, True):
+                picks[k, i] = old
+                stored, noise, _ = prob.figures(picks)
+                continue
+            moved = True
+            break
+        if not moved:
+            break
+    return picks

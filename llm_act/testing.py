@@ -32,11 +32,13 @@ def init_parallel(
     world_size: int = 1,
     port: Optional[int] = None,
     seed: int = 1234,
+    ep: int = 1,
 ) -> None:
     """Start gloo (if not started) and megatron's parallel state, then seed its RNG tracker.
 
     With one rank and no `port` a free port is picked. Re-initialises megatron's parallel
-    state when it is already up (so tests can change TP/PP within one process).
+    state when it is already up (so tests can change TP/PP within one process). `ep` is
+    megatron's expert-model-parallel size (MoE experts split over `ep` ranks).
     """
     import torch.distributed as dist
 
@@ -58,7 +60,8 @@ def init_parallel(
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
     )
     model_parallel_cuda_manual_seed(seed)
 

@@ -6,6 +6,19 @@ linear backward, and the pipeline schedules / p2p code call `torch.cuda.current_
 / `torch.cuda.synchronize()` or build tensors on "cuda"; the RNG tracker and
 `model_parallel_cuda_manual_seed` read and write CUDA generator states.
 
+Stock MoE layers (local spec, SequentialMLP experts, top-k routing, aux loss, the allgather
+and alltoall token dispatchers, expert parallelism over gloo) add: `TopKRouter.gating`
+(`transformer/moe/router.py`) moves its weight to `torch.cuda.current_device()`; the
+alltoall dispatcher (`transformer/moe/token_dispatcher.py`) and the overlapped shared
+expert (`transformer/moe/shared_experts.py`) create a `torch.cuda.Stream`, and the
+dispatcher's `_maybe_dtoh_and_synchronize` uses `current_stream/stream/record_event`;
+`track_moe_metrics` (`transformer/moe/moe_utils.py`) builds its tracker on "cuda";
+`moe_utils.maybe_move_tensor_to_cpu` converts only CUDA tensors, so on CPU the alltoall
+split sizes stay tensors that `all_to_all_single` rejects; and without Transformer Engine
+`RouterGatingLinearFunction` reads an undefined `te_general_gemm` (NameError).
+GroupedMLP (`moe_grouped_gemm=True`) needs the CUDA-only `grouped_gemm` extension and is
+not emulated: megatron refuses it at build time.
+
 `install()` fixes exactly these, and only when CUDA is absent:
 
 - In the modules listed in `_CUDA_MODULES`, the module-global name `torch` is replaced by
@@ -13,6 +26,11 @@ linear backward, and the pipeline schedules / p2p code call `torch.cuda.current_
   `torch.cuda.current_device()` answers the CPU device, `torch.cuda.synchronize()` does
   nothing, and tensor factories (`torch.empty/zeros/ones/full/tensor/arange/...`) map a
   "cuda" device to "cpu". No megatron function is copied; their code runs unchanged.
+  `torch.cuda.Stream/Event/current_stream/stream` become no-op stand-ins (`_CpuStream`,
+  `_CpuEvent`): CPU ops run eagerly in order, so waits and events have nothing to do.
+- `moe_utils.maybe_move_tensor_to_cpu` (and the token dispatcher's imported name) also
+  "moves" CPU tensors: a numpy view when `as_numpy`, as the stock one gives for CUDA ones.
+- `moe_utils.te_general_gemm = None` when TE is absent and the name is undefined.
 - In `tensor_parallel/random.py` the CUDA generator state is played by torch's default
   CPU generator, as the CUDA default generator is on a GPU: `fork()` swaps the tracker's
   state into the CPU default generator, so dropout under the tracker draws from the
@@ -21,7 +39,8 @@ linear backward, and the pipeline schedules / p2p code call `torch.cuda.current_
   data-parallel seed (what `torch.cuda.manual_seed` does on a GPU).
 
 Every patched object carries `_llm_act_cpu_shim = True` and keeps the original in
-`__wrapped__`. A target that is no longer the stock object (someone else patched it) is
+`__wrapped__` (the `te_general_gemm = None` fill-in has no original and is only set while
+the name is undefined). A target that is no longer the stock object (someone else patched it) is
 left alone, and a second `install()` changes nothing.
 """
 from __future__ import annotations
@@ -45,6 +64,10 @@ _CUDA_MODULES = (
     "megatron.core.tensor_parallel.layers",  # SP linear backward, GPU-side weight init
     "megatron.core.pipeline_parallel.schedules",  # token counter on "cuda"
     "megatron.core.pipeline_parallel.p2p_communication",  # shape exchange, synchronize()
+    "megatron.core.transformer.moe.router",  # TopKRouter.gating moves its weight to current_device()
+    "megatron.core.transformer.moe.moe_utils",  # aux-loss tracker values on "cuda"
+    "megatron.core.transformer.moe.token_dispatcher",  # alltoall: DtoH side stream and event
+    "megatron.core.transformer.moe.shared_experts",  # overlapped shared experts: side stream
 )
 
 _FACTORIES = (
@@ -78,6 +101,47 @@ def _factory(fn: Callable) -> Callable:
     return make
 
 
+class _CpuEvent:
+    """A recorded CUDA event on the CPU: work is already done when it is recorded."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+
+class _CpuStream:
+    """A CUDA stream on the CPU: ops run eagerly in order, so every wait is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
 class _CpuCuda:
     """`torch.cuda` as seen by a shimmed module: the current device is the CPU.
 
@@ -101,6 +165,17 @@ class _CpuCuda:
     @staticmethod
     def synchronize(device: Any = None) -> None:
         return None
+
+    Stream = _CpuStream
+    Event = _CpuEvent
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -225,6 +300,54 @@ def _patch_random(random: types.ModuleType) -> list[str]:
     return done
 
 
+def _patch_moe_utils(moe_utils: types.ModuleType) -> list[str]:
+    """Define `te_general_gemm = None` in moe_utils when Transformer Engine is absent.
+
+    megatron-core 0.16 imports `te_general_gemm` only inside its `try: import
+    transformer_engine` block, yet `RouterGatingLinearFunction.forward/backward` (the
+    router's gating GEMM) test `te_general_gemm is not None`: without TE that is a
+    NameError. None is what the test expects for "no TE": the router then uses torch.mm.
+    Left alone when the name exists (TE present, or someone else defined it).
+    """
+    if "te_general_gemm" in moe_utils.__dict__ or getattr(moe_utils, "HAVE_TE", False):
+        return []
+    moe_utils.te_general_gemm = None
+    return [f"{moe_utils.__name__}.te_general_gemm"]
+
+
+def _dtoh_on_cpu(original: Callable) -> Callable:
+    """moe_utils.maybe_move_tensor_to_cpu for CPU tensors, which the stock one skips.
+
+    The alltoall dispatcher moves its split sizes to the host with `as_numpy=True`; the
+    stock function only converts `tensor.is_cuda` tensors, so on CPU the splits stay
+    tensors and `all_to_all_single` rejects them. On CPU the "move" is the conversion
+    alone (a numpy view when `as_numpy`); CUDA tensors and non-tensors go to the stock one.
+    """
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.detach().numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu.__qualname__ = original.__qualname__
+    maybe_move_tensor_to_cpu.__doc__ = _dtoh_on_cpu.__doc__
+    return maybe_move_tensor_to_cpu
+
+
+def _patch_moe_dtoh(moe_utils: types.ModuleType, dispatcher: types.ModuleType) -> list[str]:
+    """Patch `maybe_move_tensor_to_cpu` in moe_utils and rebind the token dispatcher's
+    imported name, when that name is still the stock function."""
+    done = []
+    name = "maybe_move_tensor_to_cpu"
+    if _patch_attr(moe_utils, name, _dtoh_on_cpu, moe_utils):
+        done.append(f"{moe_utils.__name__}.{name}")
+    patched = getattr(moe_utils, name, None)
+    if getattr(patched, MARK, False) and dispatcher.__dict__.get(name) is patched.__wrapped__:
+        setattr(dispatcher, name, patched)
+        done.append(f"{dispatcher.__name__}.{name}")
+    return done
+
+
 def _copy_fn(fn: Callable, original: Callable) -> Callable:
     """A fresh function calling `fn`, named like `original` (marking it leaves `fn` alone)."""
 
@@ -254,6 +377,11 @@ def install() -> list[str]:
         if _patch_torch_global(module):
             done.append(f"{modname}.torch")
     done += _patch_random(importlib.import_module("megatron.core.tensor_parallel.random"))
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    done += _patch_moe_utils(moe_utils)
+    done += _patch_moe_dtoh(
+        moe_utils, importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    )
     _installed = True
     return done
 

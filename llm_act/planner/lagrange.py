@@ -196,7 +196,10 @@ def lagrange_plan(classes, mem_limit: int, var_limit: float, reference: list[lis
     return [[int(o) for o in row] for row in picks]
 
 
-def _valid(cls, pick: list[int]) -> bool:
+def blind_input(cls, pick: list[int]) -> Optional[tuple[int, int]]:
+    """(site index, input index) of the first recomputed site of `cls` under `pick` whose
+    input is stored by a codec that does not keep the value (a few-bit code holds f'(x));
+    None when every recomputation can read its inputs."""
     where = {s.name: i for i, s in enumerate(cls.sites)}
     for i, site in enumerate(cls.sites):
         if cls.options[i][pick[i]].name != RECOMPUTE:
@@ -204,8 +207,12 @@ def _valid(cls, pick: list[int]) -> bool:
         for dep in site.inputs:
             j = where[dep]
             if not cls.options[j][pick[j]].gives_value:
-                return False
-    return True
+                return i, j
+    return None
+
+
+def _valid(cls, pick: list[int]) -> bool:
+    return blind_input(cls, pick) is None
 
 
 def _greedy(prob: LagrangeProblem, picks: np.ndarray) -> np.ndarray:

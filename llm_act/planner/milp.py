@@ -50,6 +50,7 @@ from typing import Any, Optional, Sequence, Union
 
 from llm_act._imports import require
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE, check_choices
+from llm_act.planner.lagrange import blind_input, lagrange_plan
 from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
 
 log = logging.getLogger(__name__)
@@ -496,7 +497,6 @@ def _fast_search(classes, mem_limit, var_limit, limit: _Limit) -> Optional[list[
     choices (`llm_act.planner.lagrange`) from it; the better of the two by exact figures
     (ties: the uniform plan). None when the uniform problem has no plan (the caller then
     runs the full search, which decides feasibility)."""
-    from llm_act.planner.lagrange import lagrange_plan
 
     merged, member = _merged(classes)
     picks, _, status = _run(merged, "time", mem_limit, var_limit, limit)
@@ -639,17 +639,13 @@ def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str
                     f"choice[{n}][{s.name!r}]: {name!r} is not an option here ({', '.join(names)})"
                 )
             pick.append(names.index(name))
-        where = {t.name: j for j, t in enumerate(cls.sites)}
-        for i, site in enumerate(cls.sites):
-            if cls.options[i][pick[i]].name != RECOMPUTE:
-                continue
-            for dep in site.inputs:
-                j = where[dep]
-                if not cls.options[j][pick[j]].gives_value:
-                    raise ValueError(
-                        f"choice[{n}]: {site.name!r} is recomputed from {dep!r}, whose codec "
-                        f"{cls.options[j][pick[j]].name!r} does not keep the value"
-                    )
+        blind = blind_input(cls, pick)
+        if blind is not None:
+            i, j = blind
+            raise ValueError(
+                f"choice[{n}]: {cls.sites[i].name!r} is recomputed from {cls.sites[j].name!r}, whose "
+                f"codec {cls.options[j][pick[j]].name!r} does not keep the value"
+            )
         picks.append(pick)
     return _plan(blocks, classes, list(range(len(blocks))), picks)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for CPU-only torch")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for CPU-only torch"),
+              pytest.mark.usefixtures("megatron_one_rank")]  # tests/conftest.py
 
 from llm_act import testing as T  # noqa: E402
 from llm_act.patches.megatron import cpu_shim  # noqa: E402
@@ -16,11 +17,6 @@ VOCAB, SEQ, BATCH, EXPERTS, TOPK = 64, 16, 2, 4, 2
 DISPATCHERS = ("allgather", "alltoall")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def parallel():
-    T.init_parallel(seed=1234)
-    yield
-    T.destroy_parallel()
 
 
 def _moe_config(dispatcher, **overrides):

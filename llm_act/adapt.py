@@ -4,6 +4,9 @@ Statistics drift during training (outlier channels appear, sensitivities change)
 plan is revisited at *tracking iterations* whose spacing grows exponentially: 1, 2, 4, ...
 iterations apart, at most `ActConfig.adapt_interval_max`. At each one the `Adapter`
 
+0. takes the current batch from the probe given (`controller.step(probe=...)`,
+   `set_probe`) or, in every door without one, from the training step the controller's
+   hooks recorded (`llm_act.replay`: the same forward, its loss linearised at the output);
 1. re-measures the sites on the current batch (`measure_profile`: bytes with the real
    outlier counts, compression ratios, errors; the op times only at the first tracking,
    they do not drift with the data), and every other time GACT's sensitivities and the
@@ -29,7 +32,8 @@ A budget no plan fits: a user-given `ActConfig.budget` is refused at the first t
 plain loop) the same refusals come from the real first step, through hooks the controller
 installs on the model (`FirstForward`): a fixed plan over the budget raises
 `PlanOverBudget`, a budget below the smallest any plan fits (analytic profile of the
-megatron-core layers at the observed shape) `BudgetTooSmall`. A derived budget, or a user
+megatron-core layers at the observed shape) `BudgetTooSmall`; a budget that check accepted is not refused again at the first tracking
+(the measured minimum may be a little higher). A derived budget, or a user
 budget that stops fitting later (outliers grew), gets the tightest plan and one warning. A
 re-planning step never ends a run: any other solver failure keeps the plan in force, warns
 once and is counted in `solver_failures` (checkpointed; `summary()` says it).
@@ -60,6 +64,9 @@ SENS_WINDOW = 3
 #: a sensitivity shift counts only for a site carrying at least this share of the plan's
 #: predicted noise (two-draw estimates of minor sites fluctuate without consequence)
 SENS_SHARE = 0.1
+#: after the first measurement of every site type, this many types are measured again at
+#: each sensitivity point, in rotation (sparse sampling: the cost of a point stays small)
+SENS_SITES_PER_TRACK = 3
 
 
 class BudgetTooSmall(InfeasibleBudget):
@@ -176,10 +183,19 @@ class Adapter:
         """kinds of warning given already (each is said once per run)"""
         self._started = False
         """the checks of the first iteration of this run are done"""
+        self._run_start: Optional[float] = None
         self._run_tracks = 0
         """tracking points of this run (a resumed run refuses a new budget as a fresh one does)"""
         self.first = FirstForward(self)
         """the first forward's measurement, from hooks on the model (no probe needed)"""
+        from llm_act.replay import StepReplay
+
+        self.replay = StepReplay(self.measure_due)
+        """the training step recorded for measuring where no probe is given"""
+        self.measure_seconds = 0.0
+        """wall time spent measuring and planning at tracking points (this run)"""
+        self.sens_next = 0
+        """where the rotation of sparsely sampled sensitivity sites continues"""
 
     @property
     def config(self):
@@ -189,10 +205,35 @@ class Adapter:
     def active(self) -> bool:
         return self.controller.enabled and self.config.plan == "auto"
 
+    @property
+    def measurable(self) -> bool:
+        """Whether the controlled sites can be measured: megatron-core layers (modules that
+        store each site). The generic path's blocks (`BlockSites`) are not measured."""
+        return any(isinstance(m, torch.nn.Module) for m in self.controller.all_modules())
+
     # ---- the schedule --------------------------------------------------------------------
+    def measure_due(self) -> bool:
+        """Whether the iteration running now (not yet counted) is a tracking iteration
+        that must record its training step (`llm_act.replay`): no probe given."""
+        c = self.controller
+        return (self.active and self.measurable and c.iteration + 1 >= self.next_track
+                and (self.track_count == 0 or self.config.adapt)
+                and c._probe is None and c._step_probe is None)
+
     def after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
-        """Called after every iteration; tracks when one is due."""
+        """Called after every iteration; tracks when one is due (with `probe`, else with
+        the training step the hooks recorded)."""
+        try:
+            self._after_iteration(probe)
+        finally:
+            self.replay.clear()
+
+    def _after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
         it = self.controller.iteration
+        if self._run_start is None:
+            import time
+
+            self._run_start = time.perf_counter()
         if not self._started:
             self._started = True
             self._check_user_budget(probe)
@@ -200,16 +241,35 @@ class Adapter:
             return
         if self.track_count > 0 and not self.config.adapt:
             return
+        if not self.measurable:
+            self._warn_once("generic_auto", "llm_act: plan 'auto' measures and re-plans megatron-core "
+                            "layers; these blocks are compressed through the generic saved-tensor hooks "
+                            "(a Hugging Face-style model), where it keeps the 'compress' plan it starts "
+                            "from (name a plan, or pin codecs with ActConfig.codecs, to choose another)")
+            return
+        if probe is None:
+            probe = self.replay.probe()
+        g = agreement.groups()
+        if g is not None:  # every rank tracks or none does: the collectives inside must pair up
+            have = agreement.reduce_dict({"p": float(probe is not None)}, "min", g.world)["p"]
+            probe = probe if have else None
         if probe is None:
             if not self._warned_no_probe:
-                log.warning("llm_act: plan 'auto' cannot measure without a probe: pass "
-                            "controller.step(probe=fn) or controller.set_probe(fn); the plan stays%s",
-                            "" if self.config.budget is None or self.first.checked
-                            else " and the budget is not checked")
+                log.warning("llm_act: plan 'auto' could not measure at iteration %d: no training forward "
+                            "of the watched model was recorded with its backward on every rank (is the "
+                            "model's forward called through the module, and is the controller watching "
+                            "it: controller.watch(model)?); the plan stays and measuring is tried again "
+                            "at the next iteration", it)
                 self._warned_no_probe = True
             self.next_track = it + 1
             return
-        self.track(probe)
+        import time
+
+        start = time.perf_counter()
+        try:
+            self.track(probe)
+        finally:
+            self.measure_seconds += time.perf_counter() - start
 
     def _check_user_budget(self, probe: Optional[Callable[[], Any]]) -> None:
         """After the first iteration of a run, a user-given budget: a warning when it is more
@@ -269,10 +329,13 @@ class Adapter:
         stats = {"outlier": profile.outlier_rates(),
                  "channels": {site: st.shape[-1] for (_, site), st in profile.sites.items() if st.shape}}
         if self.config.sensitivity and self.track_count % 2 == 0:
-            sens = measure_sensitivity(c, probe, c.probe_params(), seed=self.config.seed + it)
+            sens = measure_sensitivity(c, probe, c.probe_params(), seed=self.config.seed + it,
+                                       sites=self.sensitivity_sites())
             fresh = agreement.reduce_dict(sens.c, "mean", g.world if g else None)
-            self.c_recent = (self.c_recent + [fresh])[-SENS_WINDOW:]
-            self.sensitivity = {site: _median([m[site] for m in self.c_recent if site in m]) for site in fresh}
+            self.c_recent = (self.c_recent + [fresh])[-SENS_WINDOW * self._sens_rounds():]
+            seen = {site for m in self.c_recent for site in m}
+            self.sensitivity = {site: _median([m[site] for m in self.c_recent if site in m][-SENS_WINDOW:])
+                                for site in seen}
             sn = agreement.reduce_dict({} if sens.sampling_noise is None else {"s": sens.sampling_noise},
                                        "mean", g.world if g else None)
             self.sampling_noise = sn.get("s")
@@ -315,10 +378,19 @@ class Adapter:
                     "reason": "; ".join(decision["reasons"]) or ("first plan" if not self.history else "re-plan"),
                 }
                 self.history.append(entry)
+                entry["noise"] = decision.get("noise")
+                vb = self.config.variance_budget
                 log.info("llm_act: iteration %d: plan changed: %s | predicted memory %.3f MiB of the "
-                         "%.3f MiB budget (activations %.3f MiB), overhead %.3f ms/iteration | why: %s",
+                         "%.3f MiB budget (activations %.3f MiB), predicted noise %s (noise budget %s), "
+                         "overhead %.3f ms/iteration | why: %s | plan now, per block:\n%s",
                          it, entry["changes"], entry["predicted_bytes"] / 2**20, self.budget / 2**20,
-                         entry["activation_bytes"] / 2**20, entry["overhead_ms"], entry["reason"])
+                         entry["activation_bytes"] / 2**20,
+                         "unknown" if entry["noise"] is None else f"{entry['noise']:.3g}",
+                         "none" if vb is None else f"{vb:.3g}", entry["overhead_ms"], entry["reason"],
+                         plans.describe(new))
+        reset = bool(decision["reasons"])
+        if g is not None:  # every stage keeps the same schedule (they track together)
+            reset = bool(agreement.reduce_dict({"r": float(reset)}, "max", g.world)["r"])
         in_force = c.pending_plan or c.plan
         if self.sensitivity and self.sampling_noise is not None:
             self.noise_ratio = check_noise(profile.noise(in_force, self.sensitivity), self.sampling_noise,
@@ -330,7 +402,26 @@ class Adapter:
             self.resets.append((it, list(decision["reasons"])))
             log.info("llm_act: iteration %d: statistics shifted (%s); tracking interval back to 1",
                      it, "; ".join(decision["reasons"]))
-        self._schedule(it, reset=bool(decision["reasons"]))
+        self._schedule(it, reset=reset)
+
+    def sensitivity_sites(self) -> Optional[list[str]]:
+        """The site types whose c is measured at this tracking point: all of them the
+        first time, then `SENS_SITES_PER_TRACK` in rotation (GACT's c is stable along
+        training; each measured type costs two forward/backward passes)."""
+        from llm_act.sensitivity import sensitive_sites
+
+        every = sensitive_sites(self.controller)
+        if not self.sensitivity or len(every) <= SENS_SITES_PER_TRACK:
+            return every
+        start = self.sens_next % len(every)
+        self.sens_next = start + SENS_SITES_PER_TRACK
+        return [every[(start + i) % len(every)] for i in range(SENS_SITES_PER_TRACK)]
+
+    def _sens_rounds(self) -> int:
+        """Measurements it takes for every site type to be measured SENS_WINDOW times."""
+        from llm_act.sensitivity import sensitive_sites
+
+        return max(1, -(-len(sensitive_sites(self.controller)) // SENS_SITES_PER_TRACK))
 
     def _shifts(self, stats: dict[str, dict[str, float]]) -> list[str]:
         """Sharp shifts against the last tracking (and remember these statistics)."""
@@ -354,14 +445,20 @@ class Adapter:
 
     def _static_bytes(self) -> int:
         """Memory that is not activations: on a GPU what is allocated between iterations;
-        on CPU the parameters and their gradients (+ the attached optimizer's state)."""
+        on CPU the weights and gradients of every parameter of the watched model
+        (`Controller.watch`: embeddings and output layer included; under ZeRO-3 this rank's
+        partition), else of the controlled layers."""
         if torch.cuda.is_available():
             return int(torch.cuda.memory_allocated())
+        roots = self.replay.roots or self.first.roots
+        params = ([p for root in roots for p in root.parameters()] if roots
+                  else self.controller.probe_params())
         seen, total = set(), 0
-        for p in self.controller.probe_params():
+        for p in params:
             if id(p) not in seen:
                 seen.add(id(p))
-                total += 2 * p.numel() * p.element_size()
+                local = getattr(p, "ds_tensor", None)  # ZeRO-3: this rank's partition
+                total += 2 * int(local.numel() if local is not None else p.numel()) * p.element_size()
         return total
 
     def unmeasured(self, profile: Any, layer: int) -> dict[str, str]:
@@ -439,7 +536,11 @@ class Adapter:
             try:
                 sol = solve(budget)
             except InfeasibleBudget as err:
-                if self.config.budget is not None and not self._run_tracks:
+                # a budget the first step accepted against the analytic minimum is not refused
+                # again here (the measured minimum can be a little higher: the real outlier
+                # counts): it gets the tightest plan and one warning
+                accepted = self.first.result is not None and self.first.result.get("min") is not None
+                if self.config.budget is not None and not self._run_tracks and not accepted:
                     out["refused"] = (int(err.budget_bytes), int(err.static_bytes), int(err.min_budget_bytes))
                     return out
                 self._warn_once("tightest", "llm_act: iteration %d: no plan fits the %s budget of %d bytes "
@@ -456,13 +557,29 @@ class Adapter:
             return out
         self.solution = sol
         out.update(plan=profile.plan_from_choice(sol.choice), predicted_bytes=sol.activation_bytes + static,
+                   noise=float(sol.variance) if self.sensitivity else None,
                    activation_bytes=sol.activation_bytes, overhead_ms=sol.overhead_ms)
         return out
 
+    def measuring_fraction(self) -> Optional[float]:
+        """Share of this run's wall time (since its first training forward, or since the
+        first tracking point) spent measuring and planning; None before any."""
+        import time
+
+        start = self.replay.first_forward_time or self._run_start
+        if start is None:
+            return None
+        elapsed = time.perf_counter() - start
+        return self.measure_seconds / elapsed if elapsed > 0 else None
+
     def summary(self) -> str:
-        """One line for the end of a run: trackings, plan changes, solver failures."""
+        """One line for the end of a run: trackings, plan changes, solver failures, and the
+        share of the run's time spent measuring."""
+        frac = self.measuring_fraction()
+        spent = "" if frac is None or not self.track_count else (
+            f"; measuring and planning took {self.measure_seconds:.2f} s, {100 * frac:.1f}% of the run's time")
         return (f"re-planning: {self.track_count} tracking points, {len(self.history)} plan changes, "
-                f"{self.solver_failures} solver failures (plan kept)")
+                f"{self.solver_failures} solver failures (plan kept){spent}")
 
     # ---- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -474,6 +591,7 @@ class Adapter:
             "sensitivity": dict(self.sensitivity), "c_recent": [dict(m) for m in self.c_recent],
             "sampling_noise": self.sampling_noise,
             "budget": self.budget, "times": self.times, "solver_failures": self.solver_failures,
+            "sens_next": self.sens_next,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -490,6 +608,7 @@ class Adapter:
         self.budget = state["budget"]
         self.times = state["times"]
         self.solver_failures = int(state.get("solver_failures", 0))
+        self.sens_next = int(state.get("sens_next", 0))
 
 
 def interval_sequence(n: int, interval_max: int) -> list[int]:
@@ -663,22 +782,11 @@ class FirstForward:
 
     # ---- the check -----------------------------------------------------------------------
     def _static_now(self) -> int:
-        """Static memory: on a GPU what is allocated between iterations (before the first
-        forward where no boundary was seen: no optimizer state yet); on CPU the weights and
-        gradients of every parameter of the watched model (embeddings and output layer
-        included; under ZeRO-3 this rank's partition), not only the controlled layers'."""
-        if torch.cuda.is_available():
-            if self.static_before is not None and not self.boundary_seen:
-                return self.static_before
-            return self.adapter._static_bytes()
-        seen, total = set(), 0
-        for root in self.roots:
-            for p in root.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    local = getattr(p, "ds_tensor", None)  # ZeRO-3: this rank's partition
-                    total += 2 * int(local.numel() if local is not None else p.numel()) * p.element_size()
-        return total or self.adapter._static_bytes()
+        """Static memory (`Adapter._static_bytes`); on a GPU before the first forward where no
+        boundary was seen: what was allocated then (no optimizer state yet)."""
+        if torch.cuda.is_available() and self.static_before is not None and not self.boundary_seen:
+            return self.static_before
+        return self.adapter._static_bytes()
 
     def check_at_boundary(self) -> None:
         """The first step boundary without a probe (see the class docstring)."""
@@ -730,11 +838,10 @@ class FirstForward:
         if minimum is not None:
             if budget < minimum:
                 raise BudgetTooSmall(budget, static_all, minimum)
-            if need > budget and c._probe is None:
-                a._warn_once("auto_stuck", "llm_act: plan 'auto' fits the activation budget of %d bytes (the "
-                             "smallest is %d bytes), but it cannot re-plan without a probe (pass "
-                             "controller.set_probe(fn)) and the plan in force holds %d bytes (static "
-                             "memory included): this run goes over the budget", budget, minimum, need)
+            if need > budget:
+                log.info("llm_act: plan 'auto' fits the activation budget of %d bytes (the smallest is %d "
+                         "bytes); the plan in force holds %d bytes (static memory included) and is "
+                         "re-planned at the first tracking point", budget, minimum, need)
             return
         a._warn_once("auto_unchecked", "llm_act: plan 'auto': the smallest activation budget any plan "
                      "fits is not known here (%s), so the budget of %d bytes is not checked against it; "
@@ -754,8 +861,6 @@ class FirstForward:
         kv = getattr(tconfig, "kv_channels", None)
         if kv is not None and int(kv) * heads != int(tconfig.hidden_size):
             raise ValueError(f"kv_channels={kv} is not hidden_size / num_attention_heads")
-        if getattr(tconfig, "qk_layernorm", False):
-            raise ValueError("qk_layernorm has no analytic sites yet")
         act = getattr(getattr(tconfig, "activation_func", None), "__name__", "gelu")
         if act not in ACTIVATIONS:
             raise ValueError(f"activation {act!r} has no analytic model")
@@ -768,7 +873,7 @@ class FirstForward:
             count, int(tconfig.hidden_size), heads, s_local * tp if sp else s_local, b,
             ffn_hidden_size=tconfig.ffn_hidden_size, num_query_groups=tconfig.num_query_groups,
             gated_linear_unit=bool(tconfig.gated_linear_unit), activation=act, dtype=dtype, tp=tp,
-            sequence_parallel=sp,
+            sequence_parallel=sp, qk_layernorm=bool(getattr(tconfig, "qk_layernorm", False)),
             dropout=float(max(tconfig.hidden_dropout or 0.0, tconfig.attention_dropout or 0.0)),
             bias=bool(tconfig.add_bias_linear), normalization=str(tconfig.normalization),
             position_embedding="rope" if rope else "learned_absolute",

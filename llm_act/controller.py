@@ -18,14 +18,13 @@ Under plan "auto" the Controller re-plans during training (`llm_act.adapt`): at 
 iterations 1, 2, 4, ... (up to `adapt_interval_max` apart, back to 1 after a sharp shift in
 the statistics) it measures the sites on the current batch, reduces the statistics over
 the ranks, solves the MILP on one rank, broadcasts the plan and switches at that step
-boundary on every rank. Measuring needs a probe: `with controller.step(probe=fn)` or
-`set_probe(fn)`, `fn()` running one forward over the iteration's batch and returning the
-loss (per sample or per token, for the sampling-noise estimate).
-
-Without a probe, a user budget (`ActConfig.budget`) is still checked on the first training
-step: `watch(model)` (called by `apply` and by the DeepSpeed door) installs hooks that
-measure the first forward with the ledger and check the budget at the first step boundary,
-or at the end of that forward where nothing advances the controller (`adapt.FirstForward`).
+boundary on every rank. It measures from the training step itself: `watch(model)` (called
+by `apply` and by the DeepSpeed door) installs hooks that record the forward of a tracking
+iteration and the gradient its backward sends into the output (`llm_act.replay`); a probe
+(`with controller.step(probe=fn)`, `set_probe(fn)`) may be given instead. The same hooks
+measure the first forward with the ledger for the budget check (`adapt.FirstForward`), and
+where nothing else advances the controller, any torch `optimizer.step()` after a training
+forward of the watched model is the step boundary: no loop needs a call of ours.
 """
 from __future__ import annotations
 
@@ -48,6 +47,8 @@ DP_SEED_STRIDE = 10_000_000
 #: distance between the codec seeds of tensor-parallel ranks at a site whose stored tensor
 #: differs across them (more than any data-parallel replica's offset, below 100 000 replicas)
 TP_SEED_STRIDE = 1_000_000_000_000
+#: `Controller.boundary` where any torch optimizer's step advances it (`watch`)
+ANY_OPTIMIZER = "optimizer.step() (any torch optimizer after a training forward)"
 
 
 def replica_seed(base: int, dp_rank: Optional[int] = None) -> int:
@@ -146,6 +147,7 @@ class Controller:
         #: what advances this controller besides `step()`: "optimizer.step()" after
         #: `attach_optimizer`, "engine.step()" in the DeepSpeed door; None: nothing known
         self.boundary: Optional[str] = None
+        self._any_optimizer: Any = None  # the global optimizer-step hook of `watch`
         from llm_act.adapt import Adapter
 
         self.adapter = Adapter(self)
@@ -249,15 +251,58 @@ class Controller:
         self._probe_params = params
 
     def watch(self, model: Any, layers: Any = None) -> None:
-        """Install the hooks that measure the first training step on `model` (a module or a
-        list of pipeline chunks) for the budget check of the doors without a probe
-        (`llm_act.adapt.FirstForward`); `layers`: its megatron-core TransformerLayers (their
-        TransformerConfig gives the analytic profile of plan "auto"). Idempotent; the hooks
-        remove themselves after the first measured forward of every root."""
+        """Measure from the training steps of `model` (a module or a list of pipeline
+        chunks), whatever loop runs them:
+
+        - the first training step is measured for the budget check
+          (`llm_act.adapt.FirstForward`; `layers`: the megatron-core TransformerLayers, whose
+          TransformerConfig gives the analytic profile of plan "auto"); those hooks remove
+          themselves after the first measured forward of every root;
+        - plan "auto" records the training step of every tracking iteration and measures
+          with it at the step boundary (`llm_act.replay`): no probe is needed;
+        - where nothing else advances the controller (no `step()`, no attached optimizer, no
+          DeepSpeed engine), every `optimizer.step()` of any torch optimizer that follows a
+          training forward of `model` is the step boundary: a plain loop or Megatron-LM's
+          `pretrain()` needs no call of ours.
+
+        Idempotent."""
         if not self.enabled:
             return
         roots = list(model) if isinstance(model, (list, tuple)) else [model]
         self.adapter.first.install(roots, list(layers) if layers is not None else None)
+        self.adapter.replay.install(roots)
+        if self._any_optimizer is None:
+            from llm_act.logs import default_handler
+
+            default_handler()
+            start = ("'auto' starts from 'compress' and re-plans at iterations 1, 2, 4, ..."
+                     if self.config.plan == "auto" else repr(self.config.plan))
+            log.info("llm_act: plan in force at the start (%s), layers %s:\n%s", start,
+                     _spans(self.layers), plans.describe(self._plan))
+            import weakref
+
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            ref = weakref.ref(self)
+
+            def stepped(*_args: Any, **_kwargs: Any) -> None:
+                controller = ref()
+                if controller is not None:
+                    controller._any_optimizer_stepped()
+
+            self._any_optimizer = register_optimizer_step_post_hook(stepped)
+            weakref.finalize(self, self._any_optimizer.remove)
+
+    def _any_optimizer_stepped(self) -> None:
+        """A torch optimizer stepped (the global hook of `watch`): the step boundary when
+        nothing else drives this controller and a training forward of the watched model
+        ran since the last boundary."""
+        if self._in_step or self._hooks or self.boundary not in (None, ANY_OPTIMIZER):
+            return
+        if not self.adapter.replay.forward_seen:
+            return  # an optimizer that does not train this model, or a second one of this step
+        self.boundary = ANY_OPTIMIZER
+        self._advance()
 
     def probe_params(self) -> list:
         from llm_act.probing import params_of
@@ -494,6 +539,12 @@ class Controller:
         if not self.enabled:
             return f"Controller(disabled, iteration={self.iteration})"
         return f"Controller(iteration={self.iteration}, layers={list(self.layers)},\n{plans.describe(self._plan)})"
+
+
+def _spans(layers) -> str:
+    layers = list(layers)
+    return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) \
+        else ",".join(map(str, layers))
 
 
 def _config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:

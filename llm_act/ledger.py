@@ -13,15 +13,19 @@ holds, not the bytes of process memory. The ledger counts them while a forward r
   includes the pipeline offset; modules without one get an index in order of first
   call) and which of its submodules, and they tag the storages of known module inputs
   and outputs with the site they *are* (the input of `linear_fc2` is `mlp.fc2_input`
-  whichever op saves it);
+  whichever op saves it). A copy of a tagged input made inside its module by re-views,
+  expands and clones alone (the K/V heads stock attention repeats under GQA) belongs to
+  the input's site: the autograd graph links it to the tagged tensor;
 - parameters are excluded by storage: a storage of a `Parameter` (views, dtype copies
   made by autograd-tracked casts, and ZeRO-3 gathered buffers of the running module
   included; `register_parameter_storage` adds others, e.g. flat buffers).
 
 Where a saved tensor's site comes from, first match wins: a storage reported by a
-compressed layer (`report`), the storage tags above, an explicit `scope(layer, site)`,
-then the innermost known submodule (see `_ROLE_SITES`); what none of these owns is
-`(None, "other")` (RoPE cos/sin, the causal mask, token ids).
+compressed layer (`report`), the storage tags above, an explicit `scope(layer, site)`, a
+copy of a tagged module input, then the innermost known submodule (see `_ROLE_SITES`);
+what none of these owns is `(None, "other")`: only what is saved outside the blocks (token
+ids, the loss's bookkeeping).
+Inside a block every saved tensor has a site.
 
 Only the innermost `saved_tensors_hooks` context fires. A compressed layer that installs
 its own hooks hides the raw tensors from the ledger, so it must `report` what it stores:
@@ -55,9 +59,17 @@ SiteKey = tuple[Optional[int], str]
 #: what is saved inside them by default. None: nothing by default (goes to "other").
 _ROLE_SITES: dict[str, Optional[str]] = {
     "input_layernorm": "ln1.input",
-    "self_attention": None,
+    # saved by SelfAttention itself: RoPE's cos/sin tables for q and k (computed per call
+    # from the positions alone). They stay whatever Q and K store or recompute, so they are
+    # booked with the block's checkpoint, which is never recomputed: a measured profile
+    # keeps them beside every choice there
+    "self_attention": "ln1.input",
     "self_attention.linear_qkv": "attn.qkv_input",
+    "self_attention.q_layernorm": "attn.q_norm_input",
+    "self_attention.k_layernorm": "attn.k_norm_input",
     "self_attention.core_attention": None,
+    # the masked softmax: its output and the boolean causal mask the torch path saves (built
+    # per call, so one per layer)
     "self_attention.core_attention.scale_mask_softmax": "attn.softmax",
     "self_attention.core_attention.attention_dropout": "attn.dropout_mask",
     "self_attention.linear_proj": "attn.out",
@@ -66,13 +78,12 @@ _ROLE_SITES: dict[str, Optional[str]] = {
     "mlp.linear_fc1": "mlp.fc1_input",
     "mlp.linear_fc2": "mlp.fc2_input",
 }
-#: Roles whose default site takes floating-point tensors only (the softmax scope also
-#: saves the boolean attention mask, which is an input, not the softmax).
-_FLOAT_ONLY = {"self_attention.core_attention.scale_mask_softmax"}
 #: Roles whose first positional input(s) are tagged with a site (pre-hook).
 _INPUT_TAGS: dict[str, tuple[str, ...]] = {
     "input_layernorm": ("ln1.input",),
     "self_attention.linear_qkv": ("attn.qkv_input",),
+    "self_attention.q_layernorm": ("attn.q_norm_input",),
+    "self_attention.k_layernorm": ("attn.k_norm_input",),
     "self_attention.core_attention": ("attn.q", "attn.k", "attn.v"),
     "self_attention.linear_proj": ("attn.out",),
     "pre_mlp_layernorm": ("ln2.input",),
@@ -97,6 +108,13 @@ _PASS_NODES = (
     "UnsafeViewBackward", "ReshapeAliasBackward", "CloneBackward", "ToCopyBackward",
     "SliceBackward", "SelectBackward", "SplitBackward", "SqueezeBackward", "UnsqueezeBackward",
     "AliasBackward", "AsStridedBackward",
+)
+#: the subset that keeps every element of its input (no slicing): a tensor made from a
+#: tagged input through these alone is a copy of that input (`_source`)
+_COPY_NODES = (
+    "ViewBackward", "TransposeBackward", "TBackward", "PermuteBackward", "ExpandBackward",
+    "UnsafeViewBackward", "ReshapeAliasBackward", "CloneBackward", "ToCopyBackward",
+    "SqueezeBackward", "UnsqueezeBackward", "AliasBackward",
 )
 
 
@@ -139,35 +157,43 @@ def register_parameter_storage(t: Any) -> None:
     _extra_param_storages[id(st)] = st
 
 
+def _source(t: torch.Tensor, passes: tuple[str, ...], depth: int = 8) -> Optional[tuple[Any, int]]:
+    """(autograd node, output index) that made `t`, looking through up to `depth` nodes whose
+    names start with `passes` (single-input re-views and copies); None without one."""
+    node, index = t.grad_fn, t.output_nr
+    for _ in range(depth):
+        if node is None:
+            return None
+        if not type(node).__name__.startswith(passes):
+            return node, index
+        nexts = [edge for edge in node.next_functions if edge[0] is not None]
+        if len(nexts) != 1:
+            return None
+        node, index = nexts[0]
+    return None
+
+
 def param_derived(t: torch.Tensor) -> bool:
     """`t` is a Parameter, a view of one, or a re-view/copy/cast of one tracked by autograd."""
     if isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter):
         return True
-    node = t.grad_fn
-    for _ in range(8):
-        if node is None:
-            return False
-        name = type(node).__name__
-        if name == "AccumulateGrad":
-            return isinstance(node.variable, torch.nn.Parameter)
-        if not name.startswith(_PASS_NODES):
-            return False
-        nexts = [n for n, _ in node.next_functions if n is not None]
-        if len(nexts) != 1:
-            return False
-        node = nexts[0]
-    return False
+    src = _source(t, _PASS_NODES)
+    return (src is not None and type(src[0]).__name__ == "AccumulateGrad"
+            and isinstance(src[0].variable, torch.nn.Parameter))
 
 
 # ---- where the forward is ----------------------------------------------------------------
 
 
 class _Frame:
-    __slots__ = ("module", "layer", "role", "done")
+    __slots__ = ("module", "layer", "role", "done", "sources")
 
     def __init__(self, module, layer, role):
         self.module, self.layer, self.role = module, layer, role
         self.done: set[str] = set()
+        #: (id(node), output index) of the tagged inputs -> (site key, node): the nodes stay
+        #: alive (and their ids unique) while the module runs
+        self.sources: Optional[dict[tuple[int, int], tuple[SiteKey, Any]]] = None
 
 
 def _is_layer(m: torch.nn.Module) -> bool:
@@ -367,6 +393,10 @@ class SavedTensorLedger:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             for site, t in zip(_INPUT_TAGS[role], tensors):
                 self._tag(t, (layer, site))
+                src = _source(t, _COPY_NODES)
+                if src is not None:
+                    frame.sources = frame.sources if frame.sources is not None else {}
+                    frame.sources.setdefault((id(src[0]), src[1]), ((layer, site), src[0]))
 
     def _post(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         while self._frames:
@@ -406,6 +436,9 @@ class SavedTensorLedger:
         explicit = _SCOPE.get()
         if explicit is not None:
             return explicit
+        copied = self._copied_site(t)
+        if copied is not None:
+            return copied
         for frame in reversed(self._frames):
             role = frame.role
             if role is None:
@@ -428,10 +461,23 @@ class SavedTensorLedger:
             site = _ROLE_SITES.get(role, "unknown")
             if site == "unknown":
                 continue  # a deeper submodule: its nearest known ancestor decides
-            if site is None or (role in _FLOAT_ONLY and not t.is_floating_point()):
+            if site is None:
                 return (None, OTHER)
             return (frame.layer, site)
         return (None, OTHER)
+
+    def _copied_site(self, t: torch.Tensor) -> Optional[SiteKey]:
+        """The site of the tagged module input `t` copies (re-views, expands, clones), if any
+        running module has such an input."""
+        frames = [f for f in reversed(self._frames) if f.sources]
+        src = _source(t, _COPY_NODES) if frames else None
+        if src is None:
+            return None
+        for frame in frames:
+            hit = frame.sources.get((id(src[0]), src[1]))
+            if hit is not None:
+                return hit[0]
+        return None
 
     def _is_param(self, t: torch.Tensor, st) -> bool:
         sid = id(st)

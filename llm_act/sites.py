@@ -20,7 +20,14 @@ SITES: tuple[str, ...] = (
     "mlp.act_input",
     "mlp.fc2_input",
     "mlp.hidden_dropout_mask",
+    # qk-layernorm (Qwen3, OLMo 2): the inputs of SelfAttention's q_layernorm / k_layernorm,
+    # per head [s, b, heads, head_dim] (before rotary)
+    "attn.q_norm_input",
+    "attn.k_norm_input",
 )
+
+#: Sites only some blocks have (megatron-core `qk_layernorm=True`).
+QK_NORM_SITES: tuple[str, ...] = ("attn.q_norm_input", "attn.k_norm_input")
 
 MASK_SITES: frozenset[str] = frozenset(
     {"attn.dropout_mask", "attn.hidden_dropout_mask", "mlp.hidden_dropout_mask"}
@@ -45,6 +52,8 @@ DEFAULT_CODECS: dict[str, str] = {
     "mlp.act_input": "fewbit3",
     "mlp.fc2_input": "outlier_int4",
     "mlp.hidden_dropout_mask": "regen",
+    "attn.q_norm_input": "outlier_int4",
+    "attn.k_norm_input": "outlier_int4",
 }
 
 
@@ -59,7 +68,8 @@ DEFAULT_CODECS: dict[str, str] = {
 #:   and `TransformerBlock.forward` runs the layers in the RNG tracker's fork (each shard
 #:   draws its own dropout).
 #: - "heads": the rank's attention heads (`num_attention_heads_per_partition`, K/V
-#:   `num_query_groups_per_partition`; attention dropout in the RNG tracker's fork).
+#:   `num_query_groups_per_partition`; attention dropout in the RNG tracker's fork; the
+#:   qk-layernorm inputs [s, b, heads, head_dim] of the rank's query heads / query groups).
 #: - "hidden": the rank's slice of the hidden dim, the row-parallel `linear_proj` input
 #:   [s, b, h/tp] (`input_is_parallel`; sequence parallelism leaves it whole in s).
 #: - "ffn": the rank's slice of the MLP dim, [s, b, ffn/tp] (fc1 is column-parallel with
@@ -79,6 +89,8 @@ TP_LAYOUT: dict[str, str] = {
     "mlp.act_input": "ffn",
     "mlp.fc2_input": "ffn",
     "mlp.hidden_dropout_mask": "replicated",
+    "attn.q_norm_input": "heads",
+    "attn.k_norm_input": "heads",
 }
 assert set(TP_LAYOUT) == set(SITES), "every site needs its tensor-parallel layout"
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 
 #: above the static memory of the test GPT (weights and gradients, 1.03 MB), below what any
 #: plan needs on top of it
-BUDGET = 1_200_000
+BUDGET = 1_060_000
 
 
 def _ds_env():
@@ -47,12 +47,12 @@ def _ds_env():
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
 
 
-def _engine(model, section):
+def _engine(model, section, zero=None):
     from llm_act.patches.deepspeed import initialize
 
     _ds_env()
     config = {"train_micro_batch_size_per_gpu": R.BATCH, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 0}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": zero or {"stage": 0}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10**6, "activation_compression": section}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return initialize(model=model, optimizer=optimizer, config=config)[0]
@@ -274,25 +274,32 @@ def test_every_data_parallel_rank_stops_with_the_same_figure():
     T.spawn(_dp_worker, 2, timeout=120)
 
 
+def pp2_run(cwd, extra, timeout=300, env=None):
+    """`launch/pretrain_gpt.py` on two pipeline stages (torchrun, gloo), a 2-layer GPT with
+    --act-compress --act-compress-plan auto and `extra` flags; the finished process."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(T.free_port()),
+         os.path.join(root, "launch", "pretrain_gpt.py"), "--lr-warmup-iters", "0",
+         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--eval-iters", "0", "--pipeline-model-parallel-size", "2", "--act-compress",
+         "--act-compress-plan", "auto", *extra],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
 def test_pipeline_stages_of_our_loop_stop_together_without_a_probe(tmp_path):
     """PP=2 in `pretrain_gpt.py` (torchrun): the loop gives the controller no probe under
     pipeline parallelism; the first step's hooks measure each stage (through the loop's own
     ledger) and, at the step boundary, every rank of every stage exits with code 2 and the
     same line: the figure is the largest stage's."""
     import re
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(T.free_port()),
-         os.path.join(root, "launch", "pretrain_gpt.py"), "--train-iters", "3", "--lr-warmup-iters", "0",
-         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--eval-iters", "0", "--pipeline-model-parallel-size", "2", "--act-compress",
-         "--act-compress-plan", "auto", "--act-compress-budget", "1MB"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    proc = pp2_run(tmp_path, ["--train-iters", "3", "--act-compress-budget", "1MB"])
     lines = re.findall(r"pretrain_gpt\.py: error: the activation budget of 1000000 bytes .*", proc.stderr)
     assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]
     assert "smallest budget any plan fits is" in lines[0] and " iteration        2/" not in proc.stdout

@@ -100,7 +100,9 @@ def test_plan_switches_between_iterations_and_is_logged(caplog):
     lines = [r.getMessage() for r in caplog.records if "plan changed" in r.getMessage()]
     assert len(lines) == 1 and "iteration 1" in lines[0] and "predicted memory" in lines[0]
     assert "MiB budget" in lines[0] and "why: " in lines[0]
-    assert "mlp.fc2_input: outlier_int4->keep (layers 0-1)" in lines[0] and "\n" not in lines[0]
+    head, *table = lines[0].split("\n")  # the change on one line, then the plan per block
+    assert "mlp.fc2_input: outlier_int4->keep (layers 0-1)" in head and "plan now, per block:" in head
+    assert table and all(row.startswith("layers [") for row in table), table
     # a tighter budget at the next tracking point moves the plan again, between iterations
     profile = controller.adapter.profile
     blocks = profile.blocks()

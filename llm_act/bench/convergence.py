@@ -31,7 +31,8 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def train_args(steps: int, seed: int, quick: bool):
+def train_args(steps: int, seed: int, quick: bool, extra=()):
+    """The bench GPT's flags (`extra`: more flags, e.g. `--act-compress`)."""
     from llm_act.train.args import build_parser, check
 
     p = build_parser()
@@ -41,7 +42,7 @@ def train_args(steps: int, seed: int, quick: bool):
             "--train-iters", str(steps), "--lr", "2e-3", "--min-lr", "2e-4",
             "--lr-warmup-iters", str(max(2, steps // 20)), "--eval-iters", "4",
             "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--seed", str(seed),
-            "--log-interval", "1000000", "--vocab-size", "256"]
+            "--log-interval", "1000000", "--vocab-size", "256", *extra]
     return check(p, p.parse_args(argv), world_size=1)
 
 

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
-from llm_act.sites import DEFAULT_CODECS, MASK_SITES, SITES
+from llm_act.sites import DEFAULT_CODECS, MASK_SITES, QK_NORM_SITES, SITES
 
 #: bits per element GACT's adaptive allocation averages (the paper's headline setting)
 GACT_BITS = 4
@@ -377,10 +377,11 @@ def plans_table(rows: list[dict]) -> str:
     """The choice each scheme makes per site (first shape with dropout, else the first)."""
     drop = max(r["shape"].dropout for r in rows)
     picked = [r for r in rows if r["shape"].dropout == drop]
-    lines = ["| scheme | " + " | ".join(SITES) + " |", "|---|" + "---|" * len(SITES)]
+    sites = [s for s in SITES if s not in QK_NORM_SITES or getattr(picked[0]["shape"], "qk_layernorm", False)]
+    lines = ["| scheme | " + " | ".join(sites) + " |", "|---|" + "---|" * len(sites)]
     for r in picked:
         c = r["choice"]
         lines.append(f"| {r['scheme']} | " + " | ".join(
             ("full" if r["scheme"] == "megatron full" and c.get(s) == RECOMPUTE else c.get(s, KEEP))
-            for s in SITES) + " |")
+            for s in sites) + " |")
     return "\n".join(lines)

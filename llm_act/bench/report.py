@@ -136,8 +136,9 @@ def convergence_section(result: dict, command: str, plot: Optional[str]) -> str:
 
 
 def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: str, wall_s: float,
-                    shape_desc: str, distinct_rows: Optional[list[dict]] = None) -> str:
-    from llm_act.bench import planner as P
+                    shape_desc: str, distinct_rows: Optional[list[dict]] = None,
+                    overhead: Optional[dict] = None) -> str:
+    from llm_act.bench import overhead as O, planner as P
 
     return "\n".join([
         "## 3. Planner", "",
@@ -166,6 +167,11 @@ def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: s
         "once in the model dtype (megatron keeps an fp32 softmax and a bf16 copy) and dropout masks at 1 byte (megatron on CPU keeps them in "
         "the model dtype); the measured profile (`llm_act.planner.measure`) replaces it "
         "during training.",
+        *(["", "What measuring costs: plan \"auto\" (no budget: the compress plan's memory) on the "
+           "bench GPT of the convergence section, in our loop, measuring from its own training steps "
+           "(`llm_act.replay`) as in every door; the share of the run's wall time spent at its "
+           "tracking points (profile, sparse sensitivity passes, agreement, solve), target at most 2% "
+           "over 300 steps:", "", O.table(overhead)] if overhead else []),
     ])
 
 
@@ -246,9 +252,12 @@ def run_planner(quick: bool, command: str, memory_rows: Optional[list[dict]] = N
     shape = (M.Shape(s=128, b=2, h=256, a=8, dropout=0.1) if quick else M.Shape(dropout=0.1))
     names = ("stock", "megatron full", "compress (Adacc)", "planner middle") if quick else P.COMPARED
     comp = P.compare(shape, memory_rows, names=names, log=log)
-    text = planner_section(solve, comp, command, time.perf_counter() - t0, shape.describe(), distinct)
+    from llm_act.bench import overhead as O
+
+    over = O.run(steps=20 if quick else 300, quick=quick)
+    text = planner_section(solve, comp, command, time.perf_counter() - t0, shape.describe(), distinct, over)
     log(text)
-    return {"solve": solve, "distinct": distinct, "compare": comp, "shape": shape}, text
+    return {"solve": solve, "distinct": distinct, "compare": comp, "shape": shape, "overhead": over}, text
 
 
 def run_gpu(command: str, log=print, output_dir: Optional[str] = None) -> tuple[Optional[dict], str]:

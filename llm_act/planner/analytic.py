@@ -8,11 +8,14 @@ module derives one from the model's shape and a device model:
   tensors a norm or a dropout sees also split over TP along s under sequence
   parallelism); a codec's bytes come from its own `nbytes_for`. What stock megatron-core
   keeps beside a site's tensor is counted with it: a norm's fp32 statistics per row (with the
-  norm's output, `attn.qkv_input` / `mlp.fc1_input`: recomputing it drops them), and on
-  the unfused ("stock") attention the probabilities probs @ V reads beside the softmax output
-  (5as^2b in 16 bits with dropout, Korthikanti et al.). `DeviceModel` says what differs on
-  CPU: no fused softmax kernel (an fp32 softmax is stored) and dropout masks in the model
-  dtype. tests/planner/test_budget_analytic_ledger.py checks every site against the ledger.
+  norm's output, `attn.qkv_input` / `mlp.fc1_input`: recomputing it drops them), RoPE's
+  cos/sin tables (with `ln1.input`, the block's checkpoint, as the ledger books them), and on the unfused
+  ("stock") attention the probabilities probs @ V reads beside the softmax output (5as^2b in
+  16 bits with dropout, Korthikanti et al.) and, under GQA, K and V repeated to every query
+  head. With qk-layernorm the per-head norm inputs are sites (`attn.q_norm_input`,
+  `attn.k_norm_input`). `DeviceModel` says what differs on CPU: no fused softmax kernel (an
+  fp32 softmax and the bool causal mask are stored) and dropout masks in the model dtype.
+  tests/planner/test_budget_analytic_ledger.py checks every site against the ledger.
 - times: the producer op's forward time (what recomputing the site costs) from its FLOPs
   at `DeviceModel.matmul_tflops`, or from the bytes it moves at `DeviceModel.hbm_gbs`, plus
   one launch latency per op and the TP collective it contains at `DeviceModel.link_gbs`;
@@ -125,7 +128,8 @@ class ModelShape:
     """The shape of a GPT-style model and how it is split, which is all the analytic
     profile needs. `ffn_hidden_size` None = 4 * hidden; `num_query_groups` None = one per
     head (no GQA); `gated_linear_unit` = SwiGLU-style MLP (fc1 emits 2 * ffn); `dropout`
-    is both the hidden and the attention dropout; `attention` as in ActConfig."""
+    is both the hidden and the attention dropout; `attention` as in ActConfig;
+    `qk_layernorm` = per-head norms on the queries and keys before rotary (Qwen3, OLMo 2)."""
 
     num_layers: int
     hidden_size: int
@@ -147,6 +151,7 @@ class ModelShape:
     position_embedding: str = "learned_absolute"
     tie_embeddings: bool = True
     attention: str = "auto"
+    qk_layernorm: bool = False
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -157,7 +162,7 @@ class ModelShape:
             4 * h if self.ffn_hidden_size is None else self.ffn_hidden_size, "ffn_hidden_size"))
         object.__setattr__(self, "num_query_groups", _positive_int(
             a if self.num_query_groups is None else self.num_query_groups, "num_query_groups"))
-        for f in ("gated_linear_unit", "sequence_parallel", "bias", "tie_embeddings"):
+        for f in ("gated_linear_unit", "sequence_parallel", "bias", "tie_embeddings", "qk_layernorm"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f}: expected True or False, got {getattr(self, f)!r}")
         from llm_act.codecs.fewbit import ACTIVATIONS
@@ -351,7 +356,8 @@ def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
     mask_dt = torch.bool if device.rng_device == "cuda" else dt
     # a norm keeps fp32 statistics per row for its backward (LayerNorm mean and rstd, RMSNorm
     # rstd); booked with its output, whose recomputation re-runs the norm and drops them
-    norm_stats = (2 if shape.normalization == "LayerNorm" else 1) * 4 * sl * b
+    stats_per_row = (2 if shape.normalization == "LayerNorm" else 1) * 4
+    norm_stats = stats_per_row * sl * b
 
     def gather(nbytes):  # SP: the linear's input is all-gathered from the shards
         return link(_collective_bytes(shape, nbytes, "all_gather")) if shape.sequence_parallel and t > 1 else 0.0
@@ -364,18 +370,32 @@ def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
         share = heads / (a + 2 * g)
         return gemm(2 * tokens * h * heads * d) + share * qkv_gather
 
+    # with RoPE or qk-layernorm, Q and K are new tensors and V is the last view of the fused
+    # QKV output: keeping V keeps that whole buffer (a codec or recompute stores V's share
+    # only). The stock attention under GQA saves K and V repeated to every query head
+    # instead (the view of V is not saved, but the qk-layernorm's saved K input holds it).
+    buffer = tokens * (a + 2 * g) * d * e
+    repeated = not shape.fused_attention and a > g
+    if repeated:
+        k_keep, v_keep = tokens * a * d * e, tokens * a * d * e + (buffer if shape.qk_layernorm else 0)
+    else:
+        k_keep, v_keep = None, buffer if rope or shape.qk_layernorm else None
+    qk_ops = (1 if rope else 0) + (1 if shape.qk_layernorm else 0)  # elementwise passes over Q, K
+
+    def qk_ms(heads):
+        return qk_ops * mem(2 * tokens * heads * d * e) if qk_ops else 0.0
+    # RoPE's cos and sin tables [s, 1, 1, d] for Q and for K, saved by the rotation whatever
+    # Q and K store or recompute; the ledger books them with the block's checkpoint
+    rope_tables = 4 * s * d * e if rope else 0
     sites = [
-        _Site("ln1.input", hid, dt, None),
+        _Site("ln1.input", hid, dt, None, extra=rope_tables),
         _Site("attn.qkv_input", hid, dt, norm_ms, ("ln1.input",), extra=norm_stats),
-        _Site("attn.q", (s, b, a, d), dt, proj(a) + (mem(2 * tokens * a * d * e) if rope else 0.0),
-              ("attn.qkv_input",)),
-        _Site("attn.k", (s, b, g, d), dt, proj(g) + (mem(2 * tokens * g * d * e) if rope else 0.0),
-              ("attn.qkv_input",)),
-        # with RoPE, Q and K are new tensors and V is the last view of the fused QKV output:
-        # keeping V keeps that whole buffer (a codec or recompute stores V's share only)
-        _Site("attn.v", (s, b, g, d), dt, proj(g), ("attn.qkv_input",),
-              keep_bytes=tokens * (a + 2 * g) * d * e if rope else None),
+        _Site("attn.q", (s, b, a, d), dt, proj(a) + qk_ms(a), ("attn.qkv_input",)),
+        _Site("attn.k", (s, b, g, d), dt, proj(g) + qk_ms(g), ("attn.qkv_input",), keep_bytes=k_keep),
+        _Site("attn.v", (s, b, g, d), dt, proj(g), ("attn.qkv_input",), keep_bytes=v_keep),
     ]
+    if shape.qk_layernorm:
+        sites += _qk_norm_sites(shape, stats_per_row, proj)
     scores = b * a * s * s
     # the memory-efficient kernel draws its attention-dropout mask from the RNG inside the
     # kernel (a generator state, no tensor): no softmax and no attn.dropout_mask site
@@ -392,6 +412,8 @@ def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
         softmax_bytes = e if device.fused_softmax else 4
         copy = drop or softmax_bytes != e  # probs @ V reads another tensor: dropped, or the 16-bit cast
         kept = scores * (softmax_bytes + (e if copy else 0))
+        if not device.fused_softmax:
+            kept += s * s  # the torch path's masked_fill keeps megatron's [s, s] bool causal mask
         sites.append(_Site("attn.softmax", (b, a, s, s), dt,
                            gemm(2 * scores * d) + mem(3 * scores * e), ("attn.q", "attn.k"), keep_bytes=kept))
         out_inputs = ("attn.softmax", "attn.v")
@@ -419,6 +441,25 @@ def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
     if drop:
         sites.append(_Site("mlp.hidden_dropout_mask", hid, mask_dt, mem(n_hid)))
     return sites
+
+
+def _qk_norm_sites(shape: ModelShape, stats_per_row: int, proj) -> list[_Site]:
+    """`attn.q_norm_input`, `attn.k_norm_input`: the per-head inputs [s, b, heads, d] of
+    SelfAttention's q/k norms, with the norms' fp32 statistics per (token, head) row (kept beside
+    a codec's record too: `extra`). K's input is a view of the fused QKV output, which `attn.v`
+    already books whole (keeping it adds the statistics alone); so is Q's, except under GQA
+    with several query groups, where megatron's reshape of a group's query slice copies."""
+    s, b, d, e = shape.seq_length, shape.micro_batch_size, shape.head_dim, shape.elem_bytes
+    a, g = shape.num_attention_heads // shape.tp, shape.num_query_groups // shape.tp
+    dt, tokens = shape.torch_dtype, s * b
+    q_stats, k_stats = stats_per_row * tokens * a, stats_per_row * tokens * g
+    q_copied = 1 < g < a
+    return [
+        _Site("attn.q_norm_input", (s, b, a, d), dt, proj(a), ("attn.qkv_input",), extra=q_stats,
+              keep_bytes=(tokens * a * d * e if q_copied else 0) + q_stats),
+        _Site("attn.k_norm_input", (s, b, g, d), dt, proj(g), ("attn.qkv_input",), extra=k_stats,
+              keep_bytes=k_stats),
+    ]
 
 
 def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
@@ -509,6 +550,8 @@ def parameters_per_rank(shape: ModelShape, stage: int) -> int:
              + a * d // t * h + (h if bias else 0)
              + h * (shape.fc1_width // t) + (shape.fc1_width // t if bias else 0)
              + shape.ffn_hidden_size // t * h + (h if bias else 0))
+    if shape.qk_layernorm:  # the q and k norms over head_dim, replicated
+        layer += 2 * norm // h * d
     total = shape.layers_per_stage * layer
     emb = shape.padded_vocab_size // t * h
     if stage == 0:

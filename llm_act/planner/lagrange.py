@@ -4,8 +4,9 @@ then a greedy pass in exact arithmetic.
 
 With the memory row priced at mu and the noise row at lam, every site of every block picks
 its option alone: argmin cost + lam * noise + mu * inflight * stored. Two couplings stay
-exact: the transient peak is held at the peak of a reference plan (a site that plan keeps
-stays kept, so no block's transient exceeds it) and a recomputed site's few-bit inputs are
+exact: the transient peak is held at a bound from a reference plan (a site that plan keeps
+stays kept and one it does not recompute is not recomputed, so no block's transient
+exceeds the bound) and a recomputed site's few-bit inputs are
 settled per block by trying both sides (few-bit allowed at the input, or recompute
 forbidden at its readers) and taking the cheaper. Bisection on mu (memory met) inside a
 bisection on lam (noise met) gives a plan that fits both budgets; a greedy pass then
@@ -86,11 +87,21 @@ class LagrangeProblem:
                 for o, x in enumerate(opts):
                     self.noise[k, i, o] = x.noise
         self.nbytes = [s.nbytes for s in first.sites]
-        # the peak is held at the reference plan's: a site it keeps stays kept
-        kept = [all(classes[k].options[i][p[i]].name == KEEP for k, p in enumerate(reference))
-                for i in range(nsite)]
-        self.peak = max(sum(n for n, opts, pi in zip(self.nbytes, c.options, p)
-                            if opts[pi].name != KEEP) for c, p in zip(classes, reference))
+        # the transient is held at a bound of the reference plan's: a site it keeps stays
+        # kept and a site it does not recompute is not recomputed, so no block's transient
+        # (recomputed sites + one decode group, `milp.transient_bytes`) exceeds the
+        # reference's recomputed bytes + the largest group of the sites it does not keep
+        from llm_act.planner.milp import decode_groups
+
+        def held(i: int, name: str) -> bool:
+            return all(classes[k].options[i][p[i]].name == name for k, p in enumerate(reference))
+
+        kept = [held(i, KEEP) for i in range(nsite)]
+        recomputed = [any(classes[k].options[i][p[i]].name == RECOMPUTE for k, p in enumerate(reference))
+                      for i in range(nsite)]
+        groups = decode_groups([s.name for s in first.sites])
+        self.peak = (sum(n for n, r in zip(self.nbytes, recomputed) if r)
+                     + max((sum(self.nbytes[i] for i in g if not kept[i]) for g in groups), default=0))
         masks = _variants(first)
         if masks is None:
             raise ValueError("too many few-bit sites for the fast path")
@@ -98,6 +109,8 @@ class LagrangeProblem:
             for i, keep_only in enumerate(kept):
                 if keep_only:
                     mask[i, 1:] = False
+                elif not recomputed[i] and first.options[i][-1].name == RECOMPUTE:
+                    mask[i, len(first.options[i]) - 1] = False
         self.masks = masks
 
     def choose(self, lam: float, mu: float) -> np.ndarray:

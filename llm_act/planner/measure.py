@@ -381,7 +381,7 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
         snap.restore()
         probes = {(layer, site): _Capture(captured, (layer, site))
                   for layer in controller.layers for site in controller.sites(layer)
-                  if site not in QKV_SITES}
+                  if not _qkv_by_hook(controller, layer, site)}
         probing.install(controller, probes)
         handles = _attention_hooks(controller, attn_call) if times_from is None else []
         handles += _qkv_hooks(controller, captured)
@@ -466,12 +466,18 @@ def _layer_of(controller: Any, layer: int):
     return controller.layer_modules.get(layer)
 
 
+def _qkv_by_hook(controller: Any, layer: int, site: str) -> bool:
+    """Whether `site` is captured by `_qkv_hooks`: q, k, v stored by a core-attention module
+    (the generic path's saved-tensor hooks see them as any other site)."""
+    return site in QKV_SITES and isinstance(controller.module(layer, site), torch.nn.Module)
+
+
 def _qkv_hooks(controller: Any, sink: dict) -> list:
     """Forward pre-hooks that capture the core attention's q, k, v (after rotary; GQA K/V
     un-expanded) into `sink[(layer, "attn.q")]` etc. for the layers that plan those sites."""
     handles = []
     for layer in controller.layers:
-        planned = [s for s in QKV_SITES if s in controller.sites(layer)]
+        planned = [s for s in QKV_SITES if s in controller.sites(layer) and _qkv_by_hook(controller, layer, s)]
         if not planned:
             continue
         core = controller.module(layer, planned[0])

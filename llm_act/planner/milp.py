@@ -7,15 +7,18 @@ counts add up) and site i, binary x[k,i,o] over o in {keep, codec..., recompute}
 
     minimise   sum_k count_k * sum_i,o cost(i,o) x[k,i,o]
     s.t.       sum_o x[k,i,o] = 1
-               peak >= sum_i nbytes_i * (1 - x[k,i,keep])          for every k
+               peak >= sum_i nbytes_i x[k,i,recompute]
+                       + sum_{j in G} nbytes_j * sum_{o codec} x[k,j,o]  for every k, group G
                sum_k count_k * inflight_k * sum_i,o stored(i,o) x[k,i,o] + peak <= budget - static
                sum_k count_k * sum_i,o sensitivity_i * S(o) x[k,i,o] <= variance_budget
 
 cost: keep 0, codec encode+decode, recompute the producer's forward time (once: an input
 that is itself recomputed is charged on its own site, never again by its readers).
 stored: keep nbytes, codec option.nbytes, recompute 0. `peak` is the transient of the
-block being backpropagated: its decoded and recomputed tensors at full precision, all
-live at once. A recomputed site needs each input available in backward: kept, decoded,
+block being backpropagated: its recomputed tensors (the region is rebuilt at once) plus
+the largest group of tensors decoded together (`DECODE_GROUPS`: the attention's q, k, v
+and output feed one backward; every other site is decoded by its own op's backward and
+freed after it), at full precision. A recomputed site needs each input available in backward: kept, decoded,
 or itself recomputed first (in the order of the input DAG, the block input always
 there). Keep, recompute and value codecs all qualify; a few-bit codec does not (its
 decode yields f'(x), not x), hence the row
@@ -140,6 +143,28 @@ class Plan:
         return json.dumps(self.to_dict(first_layer), indent=indent)
 
 
+#: sites whose decoded copies one backward op needs at once (any other site is its own group)
+DECODE_GROUPS: tuple[frozenset[str], ...] = (frozenset({"attn.q", "attn.k", "attn.v", "attn.out"}),)
+
+
+def decode_groups(names: Sequence[str]) -> list[list[int]]:
+    """Indices of `names` grouped by what is decoded at once (`DECODE_GROUPS`), in order."""
+    groups: dict[Any, list[int]] = {}
+    for i, name in enumerate(names):
+        key = next((g for g in DECODE_GROUPS if name in g), name)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def transient_bytes(nbytes: Sequence[int], choices: Sequence[str], names: Sequence[str]) -> int:
+    """The backward transient of one block under `choices`: the recomputed sites' bytes
+    plus the largest decode group's compressed sites' bytes (see the module docstring)."""
+    rec = sum(n for n, c in zip(nbytes, choices) if c == RECOMPUTE)
+    dec = max((sum(nbytes[i] for i in g if choices[i] not in (KEEP, RECOMPUTE))
+               for g in decode_groups(names)), default=0)
+    return rec + dec
+
+
 @dataclass
 class _Option:
     name: str
@@ -192,7 +217,8 @@ def _evaluate(classes: list[_Class], picks: list[list[int]]) -> tuple[int, int, 
     for cls, pick in zip(classes, picks):
         opts = [cls.options[i][o] for i, o in enumerate(pick)]
         stored += cls.count * cls.inflight * sum(o.stored for o in opts)
-        peak = max(peak, sum(s.nbytes for s, o in zip(cls.sites, opts) if o.name != KEEP))
+        peak = max(peak, transient_bytes([s.nbytes for s in cls.sites], [o.name for o in opts],
+                                         [s.name for s in cls.sites]))
         ms += cls.count * sum(o.cost_ms for o in opts)
         noise += cls.count * sum(o.noise for o in opts)
     return stored, peak, ms, noise
@@ -319,11 +345,12 @@ class _Model:
                         self.prob += self.x[k][i][-1] + pulp.lpSum(blind) <= 1, f"dep_{k}_{i}_{j}"
         self.peak = _variable(self.prob, "peak", "Continuous")
         for k, cls in enumerate(classes):
-            self.prob += self.peak >= pulp.lpSum(
-                (s.nbytes / _MIB) * v
-                for s, row, opts in zip(cls.sites, self.x[k], cls.options)
-                for v, opt in zip(row, opts) if opt.name != KEEP
-            ), f"peak_{k}"
+            rec = [(s.nbytes / _MIB) * row[o] for s, row, opts in zip(cls.sites, self.x[k], cls.options)
+                   for o, opt in enumerate(opts) if opt.name == RECOMPUTE]
+            for g, group in enumerate(decode_groups([s.name for s in cls.sites])):
+                dec = [(cls.sites[i].nbytes / _MIB) * v for i in group
+                       for v, opt in zip(self.x[k][i], cls.options[i]) if opt.name not in (KEEP, RECOMPUTE)]
+                self.prob += self.peak >= pulp.lpSum(rec + dec), f"peak_{k}_{g}"
         self.memory = self._sum(lambda c, o: c.count * c.inflight * o.stored / _MIB) + self.peak
         self.mem_row = self.var_row = None
         if mem_limit is not None:

@@ -90,14 +90,21 @@ def _controller_log(say: Callable[[str], None]):
             elif record.levelno >= logging.WARNING:
                 print(msg, file=sys.stderr, flush=True)
 
+    from llm_act.logs import default_handlers
+
     logger = logging.getLogger("llm_act")
     handler, level = Say(logging.INFO), logger.level
+    defaults = default_handlers()  # the run log replaces them (no line twice)
+    for h in defaults:
+        logger.removeHandler(h)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
         yield
     finally:
         logger.removeHandler(handler)
+        for h in defaults:
+            logger.addHandler(h)
         logger.setLevel(level)
 
 

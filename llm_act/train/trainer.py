@@ -4,8 +4,8 @@ An iteration runs the global batch through megatron-core's schedule
 (`get_forward_backward_func`: 1F1B under pipeline parallelism, plain accumulation
 otherwise) as `num_micro_batches` micro-batches, then the optimizer step and the LR
 schedule; with `--act-compress` the iteration runs inside `controller.step()`, so plans
-switch only between iterations, and on a single pipeline stage the controller gets a probe
-(`Trainer.probe`) for plan "auto" to measure with. On iterations asked to measure, the first micro-batch's
+switch only between iterations; plan "auto" measures from the training steps themselves
+(`llm_act.replay`), on every pipeline stage. On iterations asked to measure, the first micro-batch's
 forward runs inside a `SavedTensorLedger`, giving the bytes it leaves for backward per
 (layer, site). The loop (`loop.py`) and `llm-act train` (`compare.py`) drive Trainers.
 """
@@ -72,10 +72,8 @@ class Trainer:
         self.forward_backward = get_forward_backward_func()
         self.ledger = None  # the last SavedTensorLedger measurement
         self._measure_next = False
-        if self.controller is not None and len(self.chunks) == 1 and ps.get_pipeline_model_parallel_world_size() == 1:
-            # plan "auto" measures with it; under pipeline parallelism a forward spans the
-            # stages (a schedule, not a call), so there the adapter warns and keeps its plan
-            self.controller.set_probe(self.probe)
+        # plan "auto" measures from the training steps (`Controller.watch`, installed by
+        # `apply`): the same way on one stage and under pipeline parallelism
 
     # ---- one iteration ---------------------------------------------------------------
     def _batches(self, samples: Samples, start: int) -> list[Batch]:
@@ -99,19 +97,6 @@ class Trainer:
         else:
             output = run()
         return output, functools.partial(_loss_func, batch.loss_mask)
-
-    def probe(self) -> torch.Tensor:
-        """The controller's probe (single stage only): the per-token losses of one forward
-        over the first micro-batch of the iteration being run, read again by its sample
-        indices (no data iterator, RNG stream or gradient buffer of the run is touched: the
-        controller runs its passes inside `llm_act.probing.isolated`, backward included)."""
-        a = self.args
-        batch = micro_batch(self.train_samples, self.consumed_samples, 0, a.micro_batch_size,
-                            self.dp_rank, a.data_parallel_size)
-        if self.cuda:
-            batch = Batch(*(t.cuda(non_blocking=True) for t in
-                            (batch.tokens, batch.labels, batch.loss_mask, batch.position_ids)))
-        return self.chunks[0](batch.tokens, batch.position_ids, None, labels=batch.labels)
 
     def _run_schedule(self, batches: list[Batch], forward_only: bool):
         a = self.args

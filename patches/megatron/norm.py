@@ -16,8 +16,10 @@ import torch
 
 from llm_act.patches.megatron.act_module import ActModule
 from llm_act.patches.megatron.functions import EncodedLayerNorm, EncodedRMSNorm
+from llm_act.sites import QK_NORM_SITES
 
-NORM_SITES = ("ln1.input", "ln2.input")
+#: the block's norms and, with `qk_layernorm`, SelfAttention's per-head q/k norms
+NORM_SITES = ("ln1.input", "ln2.input") + QK_NORM_SITES
 
 
 def _check_config(config) -> None:
@@ -39,6 +41,11 @@ class _ActNorm(ActModule):
             for p in self.parameters(recurse=False):
                 setattr(p, "sequence_parallel", bool(sequence_parallel))
         ActModule._act_init(self)
+
+    def act_report(self, site: str, record, nbytes: int, replaces: Optional[torch.Tensor] = None) -> None:
+        # a q/k norm's input is a view of the fused QKV output, which V may still hold raw:
+        # the encoded record does not stand in for that storage
+        ActModule.act_report(self, site, record, nbytes, None if site in QK_NORM_SITES else replaces)
 
     def _site_codec(self, *tensors):
         if self.act_site is None:

@@ -25,8 +25,8 @@ its inputs kept or encoded): the core attention (`attn.softmax`, `attn.dropout_m
 recomputed: Megatron's "selective", q/k/v stored per their choices) and the whole block
 ("full": every site but `ln1.input` recomputed, GACT's CB1: the block input kept or encoded,
 and backward re-runs the block from its decoded copy at full precision).
-`attn.q/k/v` are recomputed only with the whole block. Masks chosen "recompute" are
-regenerated from the recorded generator state (the `regen` codec).
+`attn.q/k/v` and the qk-layernorm inputs are recomputed only with the whole block. Masks
+chosen "recompute" are regenerated from the recorded generator state (the `regen` codec).
 
 A recomputed region holds collectives under tensor parallelism: every rank of a TP group
 must bind the same choices.
@@ -41,7 +41,7 @@ import torch
 
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.registry import KEEP, RECOMPUTE, check_choice
-from llm_act.sites import MASK_SITES, SITES
+from llm_act.sites import MASK_SITES, QK_NORM_SITES, SITES
 from llm_act.patches.megatron.act_module import report_to_ledger
 
 CHECKPOINT_SITE = "ln1.input"
@@ -83,9 +83,10 @@ def named_plan(name: str, **kwargs: Any) -> dict[str, str]:
     return NAMED_PLANS[name](**kwargs)
 
 
-def is_full(choice: Mapping[str, str]) -> bool:
-    """Whether `choice` recomputes every site but the block input."""
-    return all(choice.get(s, KEEP) == RECOMPUTE for s in SITES if s != CHECKPOINT_SITE)
+def is_full(choice: Mapping[str, str], absent: frozenset = frozenset()) -> bool:
+    """Whether `choice` recomputes every site but the block input (and the `absent` sites, which
+    the layer does not have: the qk-layernorm inputs of a block without them)."""
+    return all(choice.get(s, KEEP) == RECOMPUTE for s in SITES if s != CHECKPOINT_SITE and s not in absent)
 
 
 # ---- RNG: megatron's own helpers --------------------------------------------------------------
@@ -316,11 +317,12 @@ class LayerRecompute:
         for s, name in choice.items():
             check_choice(s, name)
         recomputed = {s for s, c in choice.items() if c == RECOMPUTE}
-        if not is_full(choice):
+        full = is_full(choice, frozenset(QK_NORM_SITES) - set(self.sites))
+        if not full:
             self._validate(choice, recomputed)  # before anything changes
         self._unhook()
         self.choice = choice
-        if is_full(choice):
+        if full:
             self._bind_full(choice, codec_of)
             return
         self._attention_region = bool(recomputed & set(ATTENTION_INTERNAL))
@@ -344,7 +346,7 @@ class LayerRecompute:
 
     def _validate(self, choice: Mapping[str, str], recomputed: set) -> None:
         where = f"layer {self.index}"
-        qkv = recomputed & set(QKV_SITES)
+        qkv = recomputed & set(QKV_SITES + QK_NORM_SITES)
         if qkv:
             raise NotImplementedError(
                 f"{where}: {sorted(qkv)} can be recomputed only with the whole block (plan "

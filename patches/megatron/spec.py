@@ -77,11 +77,17 @@ def layer_spec(
     mlp = layer.mlp
     if mlp.module.__name__ != "MLP":
         raise NotImplementedError(f"layer_spec: the local spec's MLP is {mlp.module.__name__}; only the dense MLP is supported")
+    # qk_layernorm: the q/k norm slots hold the spec's own norm class (an identity or L2Norm
+    # otherwise, left as they are)
+    qk_norms = {attr: slot(ActNorm, site)
+                for attr, site in (("q_layernorm", "attn.q_norm_input"), ("k_layernorm", "attn.k_norm_input"))
+                if getattr(attn.submodules, attr, None) is layer.input_layernorm}
     attn_sub = dataclasses.replace(
         attn.submodules,
         linear_qkv=slot(ActColumnParallelLinear, "attn.qkv_input"),
         core_attention=ActCoreAttention,
         linear_proj=slot(ActRowParallelLinear, "attn.out"),
+        **qk_norms,
     )
     mlp_sub = dataclasses.replace(
         mlp.submodules,

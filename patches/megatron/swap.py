@@ -51,12 +51,20 @@ def _is_identity(module) -> bool:
     return module is None or isinstance(module, (IdentityOp, IdentityFuncOp))
 
 
+def _is_l2_norm(module) -> bool:
+    """megatron's parameter-free L2Norm (`qk_l2_norm`): left stock, the ledger books what it
+    saves at its site."""
+    from megatron.core.transformer.torch_norm import L2Norm
+
+    return isinstance(module, L2Norm)
+
+
 def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = False) -> dict[str, ActModule]:
     """Convert `layer` (a TransformerLayer) in place; return site -> the module storing it.
 
     Idempotent (a converted layer is re-initialised: every site back to "keep").
     `attention=True` also converts the core attention (`convert_attention`).
-    Sites whose module is an identity (e.g. no pre-MLP norm) are left out.
+    Sites whose module is an identity (e.g. no pre-MLP norm, no qk-layernorm) are left out.
     """
     if isinstance(layer_index, bool) or not isinstance(layer_index, int) or layer_index < 0:
         raise ValueError(f"layer_index: expected a non-negative int, got {layer_index!r}")
@@ -65,6 +73,10 @@ def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = Fa
         sites["ln1.input"] = _norm(layer.input_layernorm, "ln1.input")
     attn = layer.self_attention
     sites["attn.qkv_input"] = _linear(attn.linear_qkv, "attn.qkv_input", column=True)
+    for attr, site in (("q_layernorm", "attn.q_norm_input"), ("k_layernorm", "attn.k_norm_input")):
+        norm = getattr(attn, attr, None)
+        if not _is_identity(norm) and not _is_l2_norm(norm):  # qk_layernorm (Qwen3, OLMo 2)
+            sites[site] = _norm(norm, site)
     sites["attn.out"] = _linear(attn.linear_proj, "attn.out", column=False)
     if not _is_identity(layer.pre_mlp_layernorm):
         sites["ln2.input"] = _norm(layer.pre_mlp_layernorm, "ln2.input")

@@ -52,7 +52,15 @@ def _block_figures(sites, names):
         if names[s.name] == "recompute" and not all(opts[d][names[d]][4] for d in s.inputs):
             return None
     picked = [opts[s.name][names[s.name]] for s in sites]
-    transient = sum(s.nbytes for s in sites if names[s.name] != "keep")
+    # backward transient: every recomputed tensor, plus the largest set decoded at once (the
+    # attention's q, k, v and output together; any other site alone)
+    rec = sum(s.nbytes for s in sites if names[s.name] == "recompute")
+    decoded = {}
+    for s in sites:
+        if names[s.name] not in ("keep", "recompute"):
+            key = "attention" if s.name in ("attn.q", "attn.k", "attn.v", "attn.out") else s.name
+            decoded[key] = decoded.get(key, 0) + s.nbytes
+    transient = rec + max(decoded.values(), default=0)
     return (sum(o[1] for o in picked), transient, sum(o[2] for o in picked), sum(o[3] for o in picked))
 
 

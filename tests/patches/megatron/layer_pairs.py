@@ -15,14 +15,16 @@ from llm_act.codecs.base import Codec, Encoded
 
 
 def twin_layers(config, dtype=torch.float32, state=None):
-    """(stock, converted, sites) TransformerLayers with equal weights (in `dtype`)."""
+    """(stock, converted, sites) TransformerLayers with equal weights (in `dtype`); with
+    `config.qk_layernorm` from the local spec with q/k norms."""
     from llm_act.patches.megatron.swap import convert_layer
 
-    stock = testing.transformer_layer(config)
+    spec = testing.local_layer_spec(qk_layernorm=True) if getattr(config, "qk_layernorm", False) else None
+    stock = testing.transformer_layer(config, spec=spec)
     if state is not None:
         stock.load_state_dict(state)
     stock = stock.to(dtype)
-    act = testing.transformer_layer(config).to(dtype)
+    act = testing.transformer_layer(config, spec=spec).to(dtype)
     act.load_state_dict(stock.state_dict())
     sites = convert_layer(act, 0)
     return stock, act, sites
@@ -38,6 +40,8 @@ def submodule(layer, site: str):
         "mlp.fc1_input": lambda: layer.mlp.linear_fc1,
         "mlp.act_input": lambda: layer.mlp,
         "mlp.fc2_input": lambda: layer.mlp.linear_fc2,
+        "attn.q_norm_input": lambda: layer.self_attention.q_layernorm,
+        "attn.k_norm_input": lambda: layer.self_attention.k_layernorm,
     }[site]()
 
 
@@ -46,6 +50,8 @@ def input_width(config, site: str) -> int:
         return config.ffn_hidden_size
     if site == "attn.out":
         return config.kv_channels * config.num_attention_heads
+    if site in ("attn.q_norm_input", "attn.k_norm_input"):  # per head
+        return config.kv_channels
     return config.hidden_size
 
 

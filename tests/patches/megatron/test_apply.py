@@ -71,6 +71,40 @@ def test_keep_is_stock_bit_for_bit(dtype):
     R.assert_same(grads0, grads2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keep_is_stock_bit_for_bit_with_qk_layernorm(dtype):
+    """A Qwen3-style GPT (qk-layernorm, RMSNorm, GQA): "keep" through `apply` and through
+    `layer_spec` is the stock model bit for bit; "compress" encodes the q/k norm inputs."""
+    kw = dict(dtype=dtype, qk_layernorm=True, normalization="RMSNorm", num_query_groups=2)
+    stock_spec = T.local_layer_spec(normalization="RMSNorm", qk_layernorm=True)
+    loss0, grads0, led0 = R.step(R.build(spec=stock_spec, **kw), ledger=True)
+    after0 = torch.get_rng_state()
+    model = R.build(spec=stock_spec, **kw)
+    ctl = apply(model, ActConfig(plan="keep"))
+    attn = model.decoder.layers[0].self_attention
+    assert type(attn.q_layernorm).__name__ == type(attn.k_layernorm).__name__ == "ActRMSNorm"
+    assert {"attn.q_norm_input", "attn.k_norm_input"} <= set(ctl.sites(0))
+    loss1, grads1, led1 = R.step(model, ledger=True)
+    assert torch.equal(loss0, loss1)
+    R.assert_same(grads0, grads1)
+    assert torch.equal(after0, torch.get_rng_state())
+    assert led0.by_site() == led1.by_site()
+    built = R.build(spec=layer_spec(ActConfig(plan="keep"), normalization="RMSNorm", qk_layernorm=True), **kw)
+    assert type(built.decoder.layers[1].self_attention.k_layernorm).__name__ == "ActRMSNorm"
+    assert built.state_dict().keys() == model.state_dict().keys()
+    apply(built, ActConfig(plan="keep"))
+    loss2, grads2, _ = R.step(built)
+    assert torch.equal(loss0, loss2)
+    R.assert_same(grads0, grads2)
+    ctl.set_plan("compress")
+    with ctl.step():
+        loss_c, _, led_c = R.step(model, ledger=True)
+    assert abs(float(loss_c) - float(loss0)) < 0.05
+    for site in ("attn.q_norm_input", "attn.k_norm_input"):
+        assert ctl.codec(1, site).name == "outlier_int4"
+        assert led_c.by_site()[(1, site)] < led0.by_site()[(1, site)]
+
+
 def test_lossless_mask_codecs_are_stock_bit_for_bit():
     stock = R.build(dropout=0.2)
     _, grads0, _ = R.step(stock)

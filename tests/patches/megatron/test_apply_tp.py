@@ -108,3 +108,39 @@ def _sp_worker(rank, world_size, port):
 
 def test_sequence_parallel_model_builds_from_block_spec():
     T.spawn(_sp_worker, 2, timeout=180)
+
+
+def _qk_layernorm_worker(rank, world_size, port):
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    from llm_act import ActConfig
+    from llm_act.ledger import SavedTensorLedger
+    from llm_act.patches.megatron import apply
+    from tests.patches.megatron import gpt_runs as R
+
+    T.init_parallel(tp=2, rank=rank, world_size=world_size, port=port)
+    kw = dict(dropout=0.0, qk_layernorm=True, normalization="RMSNorm", num_query_groups=2,
+              spec=T.local_layer_spec(normalization="RMSNorm", qk_layernorm=True))
+    loss0, grads0, _ = R.step(R.build(**kw))
+    model = R.build(**kw)
+    ctl = apply(model, ActConfig(plan="keep"))
+    loss1, grads1, _ = R.step(model)
+    assert torch.equal(loss0, loss1), rank
+    R.assert_same(grads0, grads1)
+    # "compress" encodes the per-head norm inputs of this rank's heads
+    ctl.set_plan("compress")
+    with ctl.step():
+        loss_c, grads_c, led = R.step(model, ledger=True)
+    assert abs(float(loss_c) - float(loss0)) < 0.05
+    assert all(torch.isfinite(g).all() for g in grads_c.values())
+    sites = led.by_site()
+    for site in ("attn.q_norm_input", "attn.k_norm_input"):
+        assert ctl.codec(0, site).name == "outlier_int4" and (0, site) in sites
+    assert not [k for k in sites if k[0] is not None and k[1] == "other"]
+
+
+def test_qk_layernorm_under_tp2():
+    T.spawn(_qk_layernorm_worker, 2, timeout=180)

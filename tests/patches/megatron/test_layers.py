@@ -45,6 +45,7 @@ LINEAR_NORM_CODECS = ("int8", "int4", "int2", "outlier_int4", "fp8_e4m3", "dual2
 VALUE_SITES = ("ln1.input", "attn.qkv_input", "attn.out", "mlp.fc1_input", "mlp.fc2_input")
 ALL_SITES = VALUE_SITES + ("ln2.input", "mlp.act_input")
 DROP_SITES = ("attn.hidden_dropout_mask", "mlp.hidden_dropout_mask")
+QK_SITES = ("attn.q_norm_input", "attn.k_norm_input")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,6 +86,38 @@ def test_keep_is_stock_bit_for_bit(dtype):
     assert stock.state_dict().keys() == act.state_dict().keys()
     x = torch.randn(S, B, H, dtype=dtype)
     assert_identical(layer_step(stock, x), layer_step(act, x))
+
+
+QK_CONFIGS = [{}, {"normalization": "RMSNorm", "num_query_groups": 2}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", QK_CONFIGS)
+def test_keep_is_stock_bit_for_bit_with_qk_layernorm(dtype, cfg):
+    """qk-layernorm (Qwen3, OLMo 2): the q/k norms are converted (same class swap as ln1/ln2),
+    and kept they are stock bit for bit, ledger included."""
+    stock, act, sites = twin_layers(config(dropout=0.1, qk_layernorm=True, **cfg), dtype)
+    assert set(sites) == set(ALL_SITES + DROP_SITES + QK_SITES)
+    norm = "ActRMSNorm" if cfg.get("normalization") == "RMSNorm" else "ActLayerNorm"
+    assert type(act.self_attention.q_layernorm).__name__ == type(act.self_attention.k_layernorm).__name__ == norm
+    assert stock.state_dict().keys() == act.state_dict().keys()
+    x = torch.randn(S, B, H, dtype=dtype)
+    with SavedTensorLedger() as stock_ledger:
+        ref = layer_step(stock, x)
+    with SavedTensorLedger() as ledger:
+        got = layer_step(act, x)
+    assert_identical(ref, got)
+    assert ledger.by_site() == stock_ledger.by_site()
+    assert {(0, s) for s in QK_SITES} <= set(ledger.by_site())
+
+
+@pytest.mark.parametrize("site", QK_SITES)
+@pytest.mark.parametrize("cfg", QK_CONFIGS)
+def test_lossy_qk_norm_sites(site, cfg):
+    """The default codec (outlier_int4) at a per-head norm input, within the bound."""
+    errs = site_errors(site, "outlier_int4", config(qk_layernorm=True, **cfg))
+    check_bound(errs)
+    assert max(errs[0]) > 0  # the codec is really used
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,164 @@
+"""Measure from the training steps themselves: plan "auto" without a probe.
+
+No loop we do not own (DeepSpeed's engine, Megatron-LM's `pretrain()`, a plain PyTorch
+loop, our own loop under pipeline parallelism) will call a probe. So the controller takes
+what it needs from the training step that is running anyway, through hooks it installs on
+the model (`Controller.watch`):
+
+- on an iteration where the backoff schedule measures, a forward pre-hook on each root
+  module keeps a reference to the arguments of that root's first training forward (and,
+  on a later pipeline stage, the activation megatron handed it with `set_input_tensor`);
+- a forward hook puts a tensor hook on what that forward returns (the loss, or the logits
+  or hidden states a loss outside the model reads), which keeps the gradient the real
+  backward sends into it;
+- at the step boundary the adapter measures with `probe()`: the same forward on the same
+  batch, whose "loss" is <output, recorded gradient> -- the real loss linearised at the
+  step's output, so its parameter gradient is the training gradient of that batch,
+  whatever loss (and loss scale) the loop applies outside the model. It runs inside
+  `llm_act.probing.isolated` like every probe: no RNG stream, gradient buffer or codec
+  stream of the run moves.
+
+On every other iteration the hooks only note that a training forward ran (that is how an
+`optimizer.step()` is told apart from an optimizer that does not train this model) and
+return. The time spent measuring is booked by the adapter (`Adapter.measure_seconds`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def _loss_outputs(out: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output whose gradient the real backward computes: a
+    `loss` entry alone where there is one (a Hugging Face output: its logits feed that
+    loss, so counting both would count the loss twice), else every floating tensor that
+    requires grad."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return [loss]
+    return [t for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+
+
+def _unwrap(module: Any) -> Any:
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
+class _Call:
+    """One recorded root forward: its arguments, its pipeline input and the gradients the
+    real backward sent into its outputs."""
+
+    def __init__(self, root: torch.nn.Module, args: tuple, kwargs: dict):
+        self.root, self.args, self.kwargs = root, args, kwargs
+        self.inputs = [(m, m.input_tensor) for m in root.modules()
+                       if isinstance(getattr(m, "input_tensor", None), torch.Tensor)]
+        self.grads: dict[int, torch.Tensor] = {}
+        self.n_outputs = 0
+        # a later pipeline stage's hidden states are [s, b, h]: the batch is dim 1 there
+        self.batch_dim = 1 if getattr(_unwrap(root), "post_process", True) is False else 0
+
+    @property
+    def complete(self) -> bool:
+        return self.n_outputs > 0 and len(self.grads) > 0
+
+    def run(self) -> torch.Tensor:
+        """The linearised loss of this call, per sample (scaled so its mean is the sum)."""
+        saved = [(m, m.input_tensor) for m, _ in self.inputs]
+        try:
+            for m, t in self.inputs:
+                m.input_tensor = t.detach()
+            outs = _loss_outputs(self.root(*self.args, **self.kwargs))
+        finally:
+            for m, t in saved:
+                m.input_tensor = t
+        terms = []
+        for i, out in enumerate(outs):
+            g = self.grads.get(i)
+            if g is None or g.shape != out.shape:
+                continue
+            prod = out.float() * g.float()
+            if prod.dim() == 0:
+                terms.append(prod.reshape(1))
+                continue
+            dim = min(self.batch_dim, prod.dim() - 1)
+            per = prod.transpose(0, dim).reshape(prod.shape[dim], -1).sum(dim=1)
+            terms.append(per * per.numel())
+        if not terms:
+            raise RuntimeError("the recorded step has no output gradient to measure with")
+        if len({t.numel() for t in terms}) == 1:
+            return torch.stack(terms).sum(0)
+        return sum(t.sum() for t in terms).reshape(1)
+
+
+class StepReplay:
+    """Records one training step per measuring iteration (see the module docstring).
+
+    `due()` tells whether the forward about to run belongs to an iteration the schedule
+    measures."""
+
+    def __init__(self, due: Callable[[], bool]):
+        self.due = due
+        self.roots: list[torch.nn.Module] = []
+        self.handles: list[Any] = []
+        self.calls: dict[int, _Call] = {}
+        self.forward_seen = False
+        """a training forward of a watched root ran since the last step boundary"""
+        self.first_forward_time: Optional[float] = None
+
+    def install(self, roots: list[Any]) -> None:
+        for root in roots:
+            if not isinstance(root, torch.nn.Module) or any(r is root for r in self.roots):
+                continue
+            self.roots.append(root)
+            self.handles.append(root.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(root.register_forward_hook(self._post, with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.roots = [], []
+
+    def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation
+        if self.first_forward_time is None:
+            import time
+
+            self.first_forward_time = time.perf_counter()
+        self.forward_seen = True
+        if id(module) in self.calls or not self.due():
+            return
+        self.calls[id(module)] = _Call(module, args, dict(kwargs))
+
+    def _post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        call = self.calls.get(id(module))
+        if call is None or call.n_outputs or not torch.is_grad_enabled():
+            return
+        outs = _loss_outputs(output)
+        call.n_outputs = len(outs)
+        for i, t in enumerate(outs):
+            t.register_hook(lambda g, i=i, call=call: call.grads.setdefault(i, g.detach()))
+
+    def probe(self) -> Optional[Callable[[], torch.Tensor]]:
+        """The measuring closure over the recorded step, or None when none was recorded
+        completely (no training forward ran, or its backward never reached the output)."""
+        calls = [c for c in self.calls.values() if c.complete]
+        if not calls:
+            return None
+
+        def forward() -> torch.Tensor:
+            terms = [c.run() for c in calls]
+            if len({t.numel() for t in terms}) == 1:
+                return torch.stack(terms).sum(0)
+            return sum(t.sum() for t in terms).reshape(1)
+
+        return forward
+
+    def clear(self) -> None:
+        """Drop the recorded step (its inputs and gradients) after the boundary."""
+        self.calls = {}
+        self.forward_seen = False

@@ -60,10 +60,9 @@ SiteKey = tuple[Optional[int], str]
 _ROLE_SITES: dict[str, Optional[str]] = {
     "input_layernorm": "ln1.input",
     # saved by SelfAttention itself: RoPE's cos/sin tables for q and k (computed per call
-    # from the positions alone). They stay whatever Q and K store or recompute, so they are
-    # booked with the block's checkpoint, which is never recomputed: a measured profile
-    # keeps them beside every choice there
-    "self_attention": "ln1.input",
+    # from the positions alone). They stay whatever Q and K store, and go only when the
+    # whole block is recomputed, as Q does: they are booked with Q, beside every codec there
+    "self_attention": "attn.q",
     "self_attention.linear_qkv": "attn.qkv_input",
     "self_attention.q_layernorm": "attn.q_norm_input",
     "self_attention.k_layernorm": "attn.k_norm_input",

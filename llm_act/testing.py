@@ -75,6 +75,26 @@ def destroy_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _forget_deepspeed_groups()
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed caches the process groups its first engine used (`deepspeed.utils.groups`);
+    once the process group is destroyed they are stale, and the next engine, on a new
+    group, would be handed them. Forget them (only if DeepSpeed was imported)."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                 "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mpu"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
 
 
 def small_config(

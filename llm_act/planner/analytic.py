@@ -9,7 +9,7 @@ module derives one from the model's shape and a device model:
   parallelism); a codec's bytes come from its own `nbytes_for`. What stock megatron-core
   keeps beside a site's tensor is counted with it: a norm's fp32 statistics per row (with the
   norm's output, `attn.qkv_input` / `mlp.fc1_input`: recomputing it drops them), RoPE's
-  cos/sin tables (with `ln1.input`, the block's checkpoint, as the ledger books them), and on the unfused
+  cos/sin tables (with `attn.q`, as the ledger books them), and on the unfused
   ("stock") attention the probabilities probs @ V reads beside the softmax output (5as^2b in
   16 bits with dropout, Korthikanti et al.) and, under GQA, K and V repeated to every query
   head. With qk-layernorm the per-head norm inputs are sites (`attn.q_norm_input`,
@@ -385,12 +385,12 @@ def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
     def qk_ms(heads):
         return qk_ops * mem(2 * tokens * heads * d * e) if qk_ops else 0.0
     # RoPE's cos and sin tables [s, 1, 1, d] for Q and for K, saved by the rotation whatever
-    # Q and K store or recompute; the ledger books them with the block's checkpoint
+    # Q and K store (gone only when the whole block is recomputed); the ledger books them with Q
     rope_tables = 4 * s * d * e if rope else 0
     sites = [
-        _Site("ln1.input", hid, dt, None, extra=rope_tables),
+        _Site("ln1.input", hid, dt, None),
         _Site("attn.qkv_input", hid, dt, norm_ms, ("ln1.input",), extra=norm_stats),
-        _Site("attn.q", (s, b, a, d), dt, proj(a) + qk_ms(a), ("attn.qkv_input",)),
+        _Site("attn.q", (s, b, a, d), dt, proj(a) + qk_ms(a), ("attn.qkv_input",), extra=rope_tables),
         _Site("attn.k", (s, b, g, d), dt, proj(g) + qk_ms(g), ("attn.qkv_input",), keep_bytes=k_keep),
         _Site("attn.v", (s, b, g, d), dt, proj(g), ("attn.qkv_input",), keep_bytes=v_keep),
     ]

@@ -11,10 +11,11 @@ streams, gradients and the real codecs untouched):
 2. a capture codec at every site: the real tensor each site stores, and, from the ledger,
    the exact side tensors the compressed path keeps beside the encoding (a norm's mean
    and rstd);
-3. on those tensors, every codec the site admits: its stored bytes (`encode(x).nbytes`, so
-   outlier channels count), its error model (`expected_error`, relative to the tensor's
-   power: S of GACT sec. 4, in the units of the analytic prior), its encode and decode
-   times; and each site's producer op re-run on its captured input (the cost of
+3. on those tensors, every codec the site admits: its stored bytes (the size formula at the
+   tensor's shape, `nbytes_for`, with the outlier channels the data has), its error model (`expected_error`, relative to the tensor's
+   power: S of GACT sec. 4, in the units of the analytic prior) -- errors and outlier
+   channels on a sample of the tensor's token rows (`token_sample`, sparse sampling keeps
+   a tracking point cheap) -- its encode and decode times on the whole tensor; and each site's producer op re-run on its captured input (the cost of
    recomputing it).
 
 Times: CUDA events on a GPU, wall clock on CPU, medians of a few runs; only their ratios
@@ -331,8 +332,39 @@ def derivative_power(x: torch.Tensor, activation: str) -> float:
     return _power(derivative(activation)(x.detach().float()))
 
 
-def _option(codec: Codec, name: str, x: torch.Tensor, side: int, power: float, dpower: float,
-            timed: bool, repeats: int) -> tuple[OptionStats, Optional[Encoded]]:
+#: codec statistics (errors, outlier channels) are taken on at most about this many elements
+#: of a site's tensor: evenly spaced token rows (dim 0), every channel kept; the stored
+#: bytes still come from the whole tensor's shape (`nbytes_for`)
+SAMPLE_ELEMS = 1 << 14
+
+
+def token_sample(x: torch.Tensor) -> torch.Tensor:
+    """Every k-th row of `x` along dim 0 (tokens in megatron's [s, b, ...] layout), k such
+    that about `SAMPLE_ELEMS` elements remain; `x` itself when it is small."""
+    if x.dim() < 2 or x.numel() <= SAMPLE_ELEMS:
+        return x
+    step = -(-x.numel() // SAMPLE_ELEMS)
+    step = min(step, x.shape[0])
+    return x[::step].contiguous() if step > 1 else x
+
+
+def _full_nbytes(codec: Codec, x: torch.Tensor, xs: torch.Tensor, enc: Encoded) -> int:
+    """Stored bytes of `codec` on the whole `x`, from the encoding `enc` of its sample `xs`
+    (the size formula at x's shape; outlier channels as many as the sample has)."""
+    if xs is x:
+        return enc.nbytes
+    try:
+        if "n_outliers" in enc.meta:
+            return codec.nbytes_for(x.shape, x.dtype, n_outliers=int(enc.meta["n_outliers"]))
+        return codec.nbytes_for(x.shape, x.dtype)
+    except (NotImplementedError, TypeError):
+        return codec.encode(x).nbytes
+
+
+def _option(codec: Codec, name: str, x: torch.Tensor, xs: torch.Tensor, side: int, power: float,
+            dpower: float, timed: bool, repeats: int) -> tuple[OptionStats, Optional[Encoded]]:
+    """`codec` on site tensor `x`: bytes on all of it, errors on its sample `xs`, times (on
+    all of it) when `timed`."""
     if name == "regen":
         nbytes = codec.nbytes_for(x.shape, x.dtype, device=x.device)
         st = OptionStats(nbytes + side, 0.0, 0.0)
@@ -340,13 +372,14 @@ def _option(codec: Codec, name: str, x: torch.Tensor, side: int, power: float, d
             st.decode_ms = probing.time_ms(lambda: torch.rand(x.shape, device=x.device) >= 0.5,
                                            x.device, repeats)
         return st, None
-    enc = codec.encode(x)
-    err = 0.0 if codec.lossless else float(codec.expected_error(x))
+    enc = codec.encode(xs)
+    err = 0.0 if codec.lossless else float(codec.expected_error(xs))
     rel = err / (dpower if name in FEWBIT_CODECS else power)
-    st = OptionStats(enc.nbytes + side, err, rel)
+    st = OptionStats(_full_nbytes(codec, x, xs, enc) + side, err, rel)
     if timed:
+        full = enc if xs is x else codec.encode(x)
         st.encode_ms = probing.time_ms(lambda: codec.encode(x), x.device, repeats)
-        st.decode_ms = probing.time_ms(lambda: codec.decode(enc), x.device, repeats)
+        st.decode_ms = probing.time_ms(lambda: codec.decode(full), x.device, repeats)
     return st, enc
 
 
@@ -399,8 +432,10 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
     for key in sorted(captured, key=lambda k: (k[0], SITES.index(k[1]))):
         layer, site = key
         x = captured[key]
-        # q/k/v: a codec encodes the view alone (the QKV buffer behind v is freed)
-        side = 0 if site in QKV_SITES else max(0, held.get(key, 0) - x.numel() * x.element_size())
+        # q/k/v: a codec encodes the view alone (the QKV buffer behind a view is freed), so
+        # what the site holds beyond its tensor's whole storage is side bytes (RoPE's tables)
+        own = x.untyped_storage().nbytes() if site in QKV_SITES else x.numel() * x.element_size()
+        side = max(0, held.get(key, 0) - own)
         sites[key] = SiteStats(layer, site, tuple(x.shape), x.dtype, keep.get(key, 0), side)
     profile = MeasuredProfile(sites, other, str(probing.device_of(controller)),
                               {layer: _no_recompute(controller, layer) for layer in controller.layers})
@@ -412,16 +447,17 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
         for key, st in sites.items():
             layer, site = key
             x = captured[key]
+            xs = token_sample(x)
             timed = times_from is None and layer in groups_first
-            power = _power(x) if x.is_floating_point() else 1.0
+            power = _power(xs) if x.is_floating_point() else 1.0
             few = site == "mlp.act_input" and any(n in FEWBIT_CODECS
                                                  for n in site_codec_names(controller, layer, site, x))
-            dpower = derivative_power(x, activation[layer]) if few else 1.0
+            dpower = derivative_power(xs, activation[layer]) if few else 1.0
             for name in site_codec_names(controller, layer, site, x):
                 if codecs is not None and name not in codecs:
                     continue
                 codec = _codec(name, activation[layer])
-                opt, enc = _option(codec, name, x, st.side_bytes, power, dpower, timed, repeats)
+                opt, enc = _option(codec, name, x, xs, st.side_bytes, power, dpower, timed, repeats)
                 st.options[name] = opt
                 if name == "outlier_int4" and enc is not None and x.shape:
                     st.outlier_rate = enc.meta["n_outliers"] / max(1, x.shape[-1])

@@ -195,7 +195,7 @@ def expected_per_sbh(dtype, dropout, s, b, h, a):
       attention probs and both hidden dropouts;
     - the GELU saves its 4h input (4e);
     - RoPE's cos and sin for Q and for K (4 x s x h/a x e bytes), saved by SelfAttention
-      itself, are booked at ln1.input (the block's checkpoint); the s x s bool causal mask the torch softmax saves at
+      itself, are booked at attn.q; the s x s bool causal mask the torch softmax saves at
       attn.softmax. Nothing is "other".
     """
     e = torch.finfo(dtype).bits // 8
@@ -203,9 +203,9 @@ def expected_per_sbh(dtype, dropout, s, b, h, a):
     d = 1.0 if dropout > 0 else 0.0
     probs_copy = e * r if (dtype != torch.float32 or dropout > 0) else 0.0
     return {
-        "ln1.input": e + 8 / h + 4 * e / (a * b),
+        "ln1.input": e + 8 / h,
         "attn.qkv_input": e,
-        "attn.q": e,
+        "attn.q": e + 4 * e / (a * b),
         "attn.k": e,
         "attn.v": 3 * e,
         "attn.softmax": 4 * r + probs_copy + s / (b * h),

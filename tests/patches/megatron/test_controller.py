@@ -185,9 +185,9 @@ def test_nothing_is_encoded_under_no_grad_or_in_eval():
     sites = led.by_site()
     s_b_h = R.SEQ * R.BATCH * 64 * 4
     assert sites[(0, "mlp.fc1_input")] == s_b_h  # the raw fp32 input, as stock stores it
-    rope = 4 * R.SEQ * 16 * 4  # RoPE's fp32 cos/sin for Q and K, booked with the block's checkpoint
+    rope = 4 * R.SEQ * 16 * 4  # RoPE's fp32 cos/sin for Q and K, booked with Q
     assert sites[(1, "attn.qkv_input")] == s_b_h
-    assert sites[(1, "ln1.input")] >= s_b_h + rope
+    assert sites[(1, "attn.q")] >= rope
     model.train()
     with SavedTensorLedger() as led:
         model(ids, pos, None, labels=labels).float().mean().backward()

@@ -56,17 +56,24 @@ log = logging.getLogger("llm_act.controller")
 SHIFT_FACTOR = 2.0
 #: the share of device memory left free when the budget comes from the free memory
 GPU_MARGIN = 0.05
-#: outlier rates are compared as (a + eps) / (b + eps), eps = this many channels' share
+#: outlier rates are compared as (a + eps) / (b + eps), eps = this many channels' share, at
+#: least _OUTLIER_EPS_RATE (a change of a few channels of many, within the scatter of a
+#: token sample, is not a shift)
 _OUTLIER_EPS_CHANNELS = 2
+_OUTLIER_EPS_RATE = 0.01
 #: the planner uses the median of the last this many sensitivity measurements (a two-draw
 #: estimate can be off by 10x on a small batch; one wild draw must not move the plan)
 SENS_WINDOW = 3
 #: a sensitivity shift counts only for a site carrying at least this share of the plan's
 #: predicted noise (two-draw estimates of minor sites fluctuate without consequence)
 SENS_SHARE = 0.1
+#: every this many tracking points every codec is measured again on every site; in between,
+#: only the codecs whose bytes depend on the data (outlier channels) and those in force
+#: (their errors feed the noise check), the others' figures carried over
+FULL_PROFILE_EVERY = 4
 #: after the first measurement of every site type, this many types are measured again at
 #: each sensitivity point, in rotation (sparse sampling: the cost of a point stays small)
-SENS_SITES_PER_TRACK = 3
+SENS_SITES_PER_TRACK = 2
 
 
 class BudgetTooSmall(InfeasibleBudget):
@@ -323,7 +330,12 @@ class Adapter:
         c = self.controller
         it = c.iteration
         g = agreement.groups()
-        profile = agreement.agree_profile(measure_profile(c, probe, times_from=self.times), g)
+        refresh = self.profile is None or self.track_count % FULL_PROFILE_EVERY == 0
+        fresh = None if refresh else sorted(self.data_codecs())
+        profile = measure_profile(c, probe, times_from=self.times, codecs=fresh, keep_from=self.profile)
+        if not refresh:
+            profile.carry_options(self.profile)
+        profile = agreement.agree_profile(profile, g)
         if self.times is None:
             self.times = profile.times()
         stats = {"outlier": profile.outlier_rates(),
@@ -404,14 +416,22 @@ class Adapter:
                      it, "; ".join(decision["reasons"]))
         self._schedule(it, reset=reset)
 
+    def data_codecs(self) -> set[str]:
+        """Codecs re-measured at every tracking point (see FULL_PROFILE_EVERY)."""
+        c = self.controller
+        return {"outlier_int4"} | ({n for choice in c.plan.values() for n in choice.values()}
+                                   - {KEEP, RECOMPUTE})
+
     def sensitivity_sites(self) -> Optional[list[str]]:
-        """The site types whose c is measured at this tracking point: all of them the
-        first time, then `SENS_SITES_PER_TRACK` in rotation (GACT's c is stable along
-        training; each measured type costs two forward/backward passes)."""
+        """The site types whose c is measured at this tracking point: `SENS_SITES_PER_TRACK`
+        in rotation (GACT's c is stable along training; each measured type costs two
+        forward/backward passes), all of them the first time when a noise budget
+        (`variance_budget`) makes the plan depend on every c."""
         from llm_act.sensitivity import sensitive_sites
 
         every = sensitive_sites(self.controller)
-        if not self.sensitivity or len(every) <= SENS_SITES_PER_TRACK:
+        first = not self.sensitivity and self.config.variance_budget is not None
+        if first or len(every) <= SENS_SITES_PER_TRACK:
             return every
         start = self.sens_next % len(every)
         self.sens_next = start + SENS_SITES_PER_TRACK
@@ -428,7 +448,7 @@ class Adapter:
         reasons = []
         for site, rate in stats["outlier"].items():
             before = self.last.get("outlier", {}).get(site)
-            eps = _OUTLIER_EPS_CHANNELS / max(1, stats["channels"].get(site, 1))
+            eps = max(_OUTLIER_EPS_CHANNELS / max(1, stats["channels"].get(site, 1)), _OUTLIER_EPS_RATE)
             if before is not None and _ratio(rate, before, eps) > SHIFT_FACTOR:
                 reasons.append(f"outlier rate of {site} {before:.3f}->{rate:.3f}")
         if "c" in stats and self.last.get("c"):

@@ -141,6 +141,17 @@ class MeasuredProfile:
         minus what the layer's configuration rules out)."""
         return site in RECOMPUTABLE and site not in self.no_recompute.get(layer, ())
 
+    def carry_options(self, old: "MeasuredProfile") -> None:
+        """Codec figures this profile did not measure, taken from `old` (an earlier
+        profile of the same model) for the same layer and site."""
+        for key, st in self.sites.items():
+            before = old.sites.get(key)
+            if before is None or before.shape != st.shape:
+                continue
+            for name, opt in before.options.items():
+                st.options.setdefault(name, opt)
+            st.options = {n: st.options[n] for n in CODEC_NAMES if n in st.options}  # registry order
+
     # ---- statistics the controller tracks ----------------------------------------------
     def outlier_rates(self) -> dict[str, float]:
         """Mean share of outlier channels per site type (sites with an outlier_int4 option)."""
@@ -363,8 +374,9 @@ def _full_nbytes(codec: Codec, x: torch.Tensor, xs: torch.Tensor, enc: Encoded) 
 
 def _option(codec: Codec, name: str, x: torch.Tensor, xs: torch.Tensor, side: int, power: float,
             dpower: float, timed: bool, repeats: int) -> tuple[OptionStats, Optional[Encoded]]:
-    """`codec` on site tensor `x`: bytes on all of it, errors on its sample `xs`, times (on
-    all of it) when `timed`."""
+    """`codec` on site tensor `x`: bytes on all of it, errors on its sample `xs`, times when
+    `timed` (on a GPU on all of it; on CPU, where the reference codecs' time is linear in the
+    size, on the sample, scaled up by the size ratio)."""
     if name == "regen":
         nbytes = codec.nbytes_for(x.shape, x.dtype, device=x.device)
         st = OptionStats(nbytes + side, 0.0, 0.0)
@@ -377,19 +389,25 @@ def _option(codec: Codec, name: str, x: torch.Tensor, xs: torch.Tensor, side: in
     rel = err / (dpower if name in FEWBIT_CODECS else power)
     st = OptionStats(_full_nbytes(codec, x, xs, enc) + side, err, rel)
     if timed:
-        full = enc if xs is x else codec.encode(x)
-        st.encode_ms = probing.time_ms(lambda: codec.encode(x), x.device, repeats)
-        st.decode_ms = probing.time_ms(lambda: codec.decode(full), x.device, repeats)
+        tx = x if x.device.type == "cuda" else xs
+        scale = x.numel() / max(1, tx.numel())
+        full = enc if tx is xs else codec.encode(tx)
+        st.encode_ms = scale * probing.time_ms(lambda: codec.encode(tx), x.device, repeats)
+        st.decode_ms = scale * probing.time_ms(lambda: codec.decode(full), x.device, repeats)
     return st, enc
 
 
 def measure_profile(controller: Any, forward: Callable[[], Any], *,
                     times_from: Optional[Any] = None, repeats: int = 3,
-                    codecs: Optional[Sequence[str]] = None) -> MeasuredProfile:
+                    codecs: Optional[Sequence[str]] = None,
+                    keep_from: Optional[MeasuredProfile] = None) -> MeasuredProfile:
     """Measure every site the controller drives on the batch `forward()` runs (see the module
     docstring). `times_from`: reuse the times of that profile or of its `times()` dict
     (same model and shapes) instead of measuring them;
-    `codecs`: restrict the codecs measured (default: all the registry admits)."""
+    `codecs`: restrict the codecs measured (default: all the registry admits);
+    `keep_from`: an earlier profile whose keep bytes (and bytes outside the sites) are
+    taken where every site has the same shape and dtype again -- they depend on nothing
+    else -- so the keep-everything pass is skipped."""
     if not callable(forward):
         raise TypeError(f"forward: expected a callable running one forward pass, got {forward!r}")
     if not controller.layers:
@@ -404,14 +422,18 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
         wanted = controller.config.attention
         controller.set_attention_mode("auto" if wanted == "auto" else wanted)
         finder = _find_layers(controller)
-        try:
+
+        def keep_pass() -> dict:
             with SavedTensorLedger() as keep_ledger:
                 out = forward()
+            del out
+            snap.restore()
+            return keep_ledger.by_site()
+
+        try:
+            keep = None if keep_from is not None else keep_pass()
         finally:
             finder.remove()
-        keep = keep_ledger.by_site()
-        del out
-        snap.restore()
         probes = {(layer, site): _Capture(captured, (layer, site))
                   for layer in controller.layers for site in controller.sites(layer)
                   if not _qkv_by_hook(controller, layer, site)}
@@ -426,6 +448,13 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
         finally:
             for h in handles:
                 h.remove()
+        if keep is None and not _same_shapes(keep_from, captured):
+            snap.restore()
+            probing.install(controller, {})
+            keep = keep_pass()
+    if keep is None:
+        keep = {key: st.keep_bytes for key, st in keep_from.sites.items()}
+        keep[(None, "other")] = keep_from.other_bytes
     planned = set(captured)
     other = sum(n for key, n in keep.items() if key not in planned)
     sites: dict[tuple[int, str], SiteStats] = {}
@@ -467,6 +496,12 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
             _copy_times(profile, times_from)
     snap.restore()
     return profile
+
+
+def _same_shapes(old: Optional[MeasuredProfile], captured: dict) -> bool:
+    """Whether `old` has exactly the captured sites, with the same shapes and dtypes."""
+    return old is not None and set(old.sites) == set(captured) and all(
+        old.sites[k].shape == tuple(x.shape) and old.sites[k].dtype == x.dtype for k, x in captured.items())
 
 
 def _copy_times(profile: MeasuredProfile, old: Any) -> None:

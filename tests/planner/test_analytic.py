@@ -99,7 +99,7 @@ def test_gqa_and_swiglu():
     llama = model_shape("llama-8b", seq_length=2048, tp=2)
     got = _bytes(block_profile(llama))
     tokens = 2048
-    assert got["attn.q"] == 2 * tokens * (32 // 2) * 128
+    assert got["attn.q"] == 2 * tokens * (32 // 2) * 128 + 4 * tokens * 128 * 2  # + RoPE's cos/sin
     assert got["attn.k"] == 2 * tokens * (8 // 2) * 128  # un-expanded K/V
     # RoPE makes Q and K new tensors; V stays a view of the fused QKV output, so keeping V
     # holds that whole buffer, while its codecs store V's share alone

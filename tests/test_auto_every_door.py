@@ -190,12 +190,17 @@ def test_deepspeed_zero_replans(figures, stage):
 
 
 @pytest.mark.dist
-def test_pipeline_stages_of_our_loop_replan_together(tmp_path):
-    """PP=2 in `pretrain_gpt.py` (torchrun): each stage records its own steps (the first
-    stage's token batch, the second stage's received activations), measures and plans its
-    own blocks; both keep the same tracking schedule (their collectives pair up: no rank
-    waits), and the run ends normally."""
-    proc = pp2_run(tmp_path, ["--train-iters", "4"], timeout=400, env={"LLM_ACT_COLLECTIVE_TIMEOUT": "120"})
+@pytest.mark.parametrize("parallel", [("--pipeline-model-parallel-size", "2"),
+                                      ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+                                      ()], ids=["pp2", "tp2-sp", "dp2"])
+def test_our_loop_replans_under_every_parallelism(tmp_path, parallel):
+    """`pretrain_gpt.py` on two ranks (torchrun): PP=2 (each stage records its own steps --
+    the first stage's token batch, the second stage's received activations -- and plans its
+    own blocks; both keep the same tracking schedule, so their collectives pair up), TP=2
+    with sequence parallelism (each rank measures its shard; statistics reduced, one plan
+    broadcast), DP=2 (each replica its own batch). No rank waits; the run ends normally."""
+    proc = pp2_run(tmp_path, ["--train-iters", "4"], timeout=400, env={"LLM_ACT_COLLECTIVE_TIMEOUT": "120"},
+                   parallel=parallel)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "could not measure" not in proc.stdout + proc.stderr
     assert re.search(r"re-planning: 3 tracking points, [1-9]\d* plan changes, 0 solver failures", proc.stdout), \

@@ -274,9 +274,10 @@ def test_every_data_parallel_rank_stops_with_the_same_figure():
     T.spawn(_dp_worker, 2, timeout=120)
 
 
-def pp2_run(cwd, extra, timeout=300, env=None):
-    """`launch/pretrain_gpt.py` on two pipeline stages (torchrun, gloo), a 2-layer GPT with
-    --act-compress --act-compress-plan auto and `extra` flags; the finished process."""
+def pp2_run(cwd, extra, timeout=300, env=None, parallel=("--pipeline-model-parallel-size", "2")):
+    """`launch/pretrain_gpt.py` on two ranks (torchrun, gloo; by default two pipeline
+    stages, else the `parallel` flags), a 2-layer GPT with --act-compress
+    --act-compress-plan auto and `extra` flags; the finished process."""
     import subprocess
     import sys
 
@@ -287,7 +288,7 @@ def pp2_run(cwd, extra, timeout=300, env=None):
          "--master_port", str(T.free_port()),
          os.path.join(root, "launch", "pretrain_gpt.py"), "--lr-warmup-iters", "0",
          "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--eval-iters", "0", "--pipeline-model-parallel-size", "2", "--act-compress",
+         "--eval-iters", "0", *parallel, "--act-compress",
          "--act-compress-plan", "auto", *extra],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 

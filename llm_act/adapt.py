@@ -399,7 +399,7 @@ class Adapter:
                          entry["activation_bytes"] / 2**20,
                          "unknown" if entry["noise"] is None else f"{entry['noise']:.3g}",
                          "none" if vb is None else f"{vb:.3g}", entry["overhead_ms"], entry["reason"],
-                         plans.describe(new))
+                         c.describe(new))
         reset = bool(decision["reasons"])
         if g is not None:  # every stage keeps the same schedule (they track together)
             reset = bool(agreement.reduce_dict({"r": float(reset)}, "max", g.world)["r"])

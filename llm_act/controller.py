@@ -201,6 +201,11 @@ class Controller:
         if self.enabled:
             self._apply(self._plan)
 
+    def describe(self, plan: plans.Plan) -> str:
+        """`plans.describe` of `plan` over the sites the layers really store."""
+        return plans.describe({layer: {s: n for s, n in choice.items() if s in self._modules.get(layer, {})}
+                               for layer, choice in plan.items()})
+
     def module(self, layer: int, site: str) -> Any:
         """The module that stores `site` of `layer` (KeyError if none)."""
         return self._modules[layer][site]
@@ -278,7 +283,7 @@ class Controller:
             start = ("'auto' starts from 'compress' and re-plans at iterations 1, 2, 4, ..."
                      if self.config.plan == "auto" else repr(self.config.plan))
             log.info("llm_act: plan in force at the start (%s), layers %s:\n%s", start,
-                     _spans(self.layers), plans.describe(self._plan))
+                     _spans(self.layers), self.describe(self._plan))
             import weakref
 
             from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -249,6 +249,17 @@ def _store_values(out_ptr, idx, val, valid, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
+def _scale_zero(scale_ptr, zero_ptr, offs, mask, SYM: tl.constexpr):
+    """The scale and zero point of the groups (or channels) at `offs`; zero 0 if symmetric."""
+    scale = tl.load(scale_ptr + offs, mask=mask, other=0.0)
+    if SYM:
+        zero = scale * 0.0
+    else:
+        zero = tl.load(zero_ptr + offs, mask=mask, other=0.0)
+    return scale, zero
+
+
+@triton.jit
 def _decode_groups_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
                           GS: tl.constexpr, BLOCK_G: tl.constexpr, GPP: tl.constexpr,
                           BITS: tl.constexpr, LOG_PER: tl.constexpr, SYM: tl.constexpr,
@@ -260,11 +271,7 @@ def _decode_groups_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
     idx = g[:, None] * GS + e[None, :]
     valid = gmask[:, None] & (e[None, :] < GS) & (idx < n)
     codes = _code_at(packed_ptr, idx, valid, BITS, LOG_PER)
-    scale = tl.load(scale_ptr + g, mask=gmask, other=0.0)
-    if SYM:
-        zero = scale * 0.0
-    else:
-        zero = tl.load(zero_ptr + g, mask=gmask, other=0.0)
+    scale, zero = _scale_zero(scale_ptr, zero_ptr, g, gmask, SYM)
     val = _values(codes, scale[:, None], zero[:, None], BITS, SYM)
     _store_values(out_ptr, idx, val, valid, BF16_BITS)
 
@@ -280,11 +287,7 @@ def _decode_axis_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, rows, C,
     idx = r[:, None] * C + c[None, :]
     valid = (r < rows)[:, None] & cmask[None, :]
     codes = _code_at(packed_ptr, idx, valid, BITS, LOG_PER)
-    scale = tl.load(scale_ptr + c, mask=cmask, other=0.0)
-    if SYM:
-        zero = scale * 0.0
-    else:
-        zero = tl.load(zero_ptr + c, mask=cmask, other=0.0)
+    scale, zero = _scale_zero(scale_ptr, zero_ptr, c, cmask, SYM)
     val = _values(codes, scale[None, :], zero[None, :], BITS, SYM)
     _store_values(out_ptr, idx, val, valid, BF16_BITS)
 

@@ -47,11 +47,13 @@ def _ds_env():
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
 
 
-def _engine(model, section, zero=None):
+def _engine(model, section, zero=None, micro_batch=R.BATCH):
+    """A DeepSpeed engine (our `initialize`, a torch AdamW) over `model` with the
+    activation_compression `section` (ZeRO stage 0 unless `zero` says)."""
     from llm_act.patches.deepspeed import initialize
 
     _ds_env()
-    config = {"train_micro_batch_size_per_gpu": R.BATCH, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
               "zero_optimization": zero or {"stage": 0}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10**6, "activation_compression": section}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -197,15 +199,10 @@ def test_apply_with_an_attached_optimizer_checks_at_its_step():
 
 
 def _hf_engine(section):
-    from llm_act.patches.deepspeed import hf_decoder, initialize
+    from llm_act.patches.deepspeed import hf_decoder
 
-    _ds_env()
     model = hf_decoder.build("llama", hidden_size=64, num_layers=2, max_positions=64, seed=7)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 0}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 10**6, "activation_compression": section}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return initialize(model=model, optimizer=optimizer, config=config)[0]
+    return _engine(model, section, micro_batch=2)
 
 
 def _hf_steps(engine, steps):
@@ -240,18 +237,12 @@ def _dp_worker(rank, world, port):
     import deepspeed
 
     from llm_act import agreement
-    from llm_act.patches.deepspeed import initialize
 
     deepspeed.init_distributed(dist_backend="gloo")
     T.init_parallel(rank=rank, world_size=world)
 
     def engine(section):
-        model = R.build(num_layers=2)
-        config = {"train_micro_batch_size_per_gpu": R.BATCH, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-                  "steps_per_print": 10**6, "activation_compression": section}
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        return initialize(model=model, optimizer=optimizer, config=config)[0]
+        return _engine(R.build(num_layers=2), section, zero={"stage": 2})
 
     def steps(eng, n):
         for i in range(n):

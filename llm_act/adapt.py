@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -238,8 +239,6 @@ class Adapter:
     def _after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
         it = self.controller.iteration
         if self._run_start is None:
-            import time
-
             self._run_start = time.perf_counter()
         if not self._started:
             self._started = True
@@ -270,8 +269,6 @@ class Adapter:
                 self._warned_no_probe = True
             self.next_track = it + 1
             return
-        import time
-
         start = time.perf_counter()
         try:
             self.track(probe)
@@ -584,8 +581,6 @@ class Adapter:
     def measuring_fraction(self) -> Optional[float]:
         """Share of this run's wall time (since its first training forward, or since the
         first tracking point) spent measuring and planning; None before any."""
-        import time
-
         start = self.replay.first_forward_time or self._run_start
         if start is None:
             return None

@@ -144,7 +144,7 @@ def _describe(group: Any) -> str:
     if group is None or group is dist.group.WORLD:
         return f"the world group ({dist.get_world_size()} ranks)"
     ranks = dist.get_process_group_ranks(group)
-    return f"the group of global ranks {_spans(ranks)}"
+    return f"the group of global ranks {spans(ranks)}"
 
 
 def timed(start: Callable[[], Any], op: str, group: Any = None) -> None:
@@ -281,7 +281,7 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=repr)
 
 
-def _spans(numbers: list[int]) -> str:
+def spans(numbers: list[int]) -> str:
     """[0, 2, 3, 4] -> '0, 2-4'."""
     runs: list[list[int]] = []
     for n in sorted(numbers):
@@ -300,7 +300,7 @@ def _per_rank(holders: list[tuple[int, Any]]) -> str:
         key = _canonical(value)
         by_value.setdefault(key, []).append(rank)
         shown.setdefault(key, value)
-    return ", ".join(f"rank{'s' if len(r) > 1 else ''} {_spans(r)} {shown[k]!r}" for k, r in by_value.items())
+    return ", ".join(f"rank{'s' if len(r) > 1 else ''} {spans(r)} {shown[k]!r}" for k, r in by_value.items())
 
 
 def _differences(parts: list[dict]) -> list[str]:
@@ -315,7 +315,7 @@ def _differences(parts: list[dict]) -> list[str]:
         grouped.setdefault((name, _per_rank(holders)), []).append(layer)
     lines = []
     for (name, values), layers in grouped.items():
-        where = "" if layers == [None] else f" (layer{'s' if len(layers) > 1 else ''} {_spans(layers)})"
+        where = "" if layers == [None] else f" (layer{'s' if len(layers) > 1 else ''} {spans(layers)})"
         lines.append(f"{name}{where}: {values}")
     return lines
 

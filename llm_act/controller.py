@@ -277,13 +277,14 @@ class Controller:
         self.adapter.first.install(roots, list(layers) if layers is not None else None)
         self.adapter.replay.install(roots)
         if self._any_optimizer is None:
+            from llm_act.agreement import spans
             from llm_act.logs import default_handler
 
             default_handler()
             start = ("'auto' starts from 'compress' and re-plans at iterations 1, 2, 4, ..."
                      if self.config.plan == "auto" else repr(self.config.plan))
             log.info("llm_act: plan in force at the start (%s), layers %s:\n%s", start,
-                     _spans(self.layers), self.describe(self._plan))
+                     spans(list(self.layers)), self.describe(self._plan))
             import weakref
 
             from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -544,12 +545,6 @@ class Controller:
         if not self.enabled:
             return f"Controller(disabled, iteration={self.iteration})"
         return f"Controller(iteration={self.iteration}, layers={list(self.layers)},\n{plans.describe(self._plan)})"
-
-
-def _spans(layers) -> str:
-    layers = list(layers)
-    return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) \
-        else ",".join(map(str, layers))
 
 
 def _config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:

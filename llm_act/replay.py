@@ -42,6 +42,14 @@ def _loss_outputs(out: Any) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
 
 
+def _add(terms: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sample losses added sample by sample when they all have the same batch, else
+    one total (then the sampling-noise estimate has no samples to split)."""
+    if len({t.numel() for t in terms}) == 1:
+        return torch.stack(terms).sum(0)
+    return sum(t.sum() for t in terms).reshape(1)
+
+
 def _unwrap(module: Any) -> Any:
     while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
         module = module.module
@@ -89,9 +97,7 @@ class _Call:
             terms.append(per * per.numel())
         if not terms:
             raise RuntimeError("the recorded step has no output gradient to measure with")
-        if len({t.numel() for t in terms}) == 1:
-            return torch.stack(terms).sum(0)
-        return sum(t.sum() for t in terms).reshape(1)
+        return _add(terms)
 
 
 class StepReplay:
@@ -151,10 +157,7 @@ class StepReplay:
             return None
 
         def forward() -> torch.Tensor:
-            terms = [c.run() for c in calls]
-            if len({t.numel() for t in terms}) == 1:
-                return torch.stack(terms).sum(0)
-            return sum(t.sum() for t in terms).reshape(1)
+            return _add([c.run() for c in calls])
 
         return forward
 

@@ -198,12 +198,19 @@ class Adapter:
         """the first forward's measurement, from hooks on the model (no probe needed)"""
         from llm_act.replay import StepReplay
 
-        self.replay = StepReplay(self.measure_due)
+        self.replay = StepReplay(lambda: self.measure_due() or self.fidelity_due())
         """the training step recorded for measuring where no probe is given"""
         self.measure_seconds = 0.0
         """wall time spent measuring and planning at tracking points (this run)"""
         self.sens_next = 0
         """where the rotation of sparsely sampled sensitivity sites continues"""
+        self.sampling_recent: list[float] = []
+        """the last SENS_WINDOW measurements of the mini-batch sampling noise"""
+        self.fidelity: list[Any] = []
+        """the last `fidelity.HISTORY` gradient-fidelity reports (`FidelityReport`)"""
+        self.fidelity_requested = False
+        self.fidelity_next = 0
+        """where the rotation of the sites a fidelity report measures alone continues"""
 
     @property
     def config(self):
@@ -228,13 +235,58 @@ class Adapter:
                 and (self.track_count == 0 or self.config.adapt)
                 and c._probe is None and c._step_probe is None)
 
+    def fidelity_due(self) -> bool:
+        """Whether the iteration running now (not yet counted) ends with a gradient-fidelity
+        report (`ActConfig.fidelity_every`, or `Controller.request_fidelity()`)."""
+        c = self.controller
+        every = self.config.fidelity_every
+        return (c.enabled and self.measurable
+                and (self.fidelity_requested or (every > 0 and (c.iteration + 1) % every == 0)))
+
     def after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
-        """Called after every iteration; tracks when one is due (with `probe`, else with
-        the training step the hooks recorded)."""
+        """Called after every iteration; reports the gradient fidelity and tracks when due
+        (with `probe`, else with the training step the hooks recorded)."""
         try:
+            self._report_fidelity(probe)
             self._after_iteration(probe)
         finally:
             self.replay.clear()
+
+    def _report_fidelity(self, probe: Optional[Callable[[], Any]]) -> None:
+        """The gradient-fidelity report of the iteration just ended (`llm_act.fidelity`),
+        when one is due: logged, kept in `fidelity`, averaged over the ranks."""
+        from llm_act import fidelity
+
+        c = self.controller
+        c.iteration -= 1  # fidelity_due speaks of the iteration running; this one has just ended
+        try:
+            due = self.fidelity_due()
+        finally:
+            c.iteration += 1
+        if not due:
+            return
+        probe = probe or self.replay.probe()
+        g = agreement.groups()
+        if g is not None:  # every rank reports or none does: the collectives inside must pair up
+            have = agreement.reduce_dict({"p": float(probe is not None)}, "min", g.world)["p"]
+            probe = probe if have else None
+        if probe is None:
+            return
+        self.fidelity_requested = False
+        lossy = fidelity.lossy_sites(c.plan)
+        sites = [lossy[(self.fidelity_next + i) % len(lossy)]
+                 for i in range(min(fidelity.SITES_PER_REPORT, len(lossy)))]
+        self.fidelity_next += len(sites)
+        start = time.perf_counter()
+        try:
+            named = fidelity.named_params(self.replay.roots, c.probe_params())
+            sums = fidelity.measure_sums(c, probe, named, c.plan, sites, seed=self.config.seed + 31 * c.iteration)
+            sums = agreement.reduce_dict(sums, "mean", g.world if g else None)
+        finally:
+            self.measure_seconds += time.perf_counter() - start
+        report = fidelity.FidelityReport.from_sums(c.iteration, sums)
+        self.fidelity = (self.fidelity + [report])[-fidelity.HISTORY:]
+        log.info("llm_act: %s", report.format())
 
     def _after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
         it = self.controller.iteration
@@ -321,6 +373,7 @@ class Adapter:
 
     # ---- one tracking point ----------------------------------------------------------------
     def track(self, probe: Callable[[], Any]) -> None:
+        from llm_act import fidelity
         from llm_act.planner.measure import measure_profile
         from llm_act.sensitivity import check_noise, measure_sensitivity
 
@@ -338,8 +391,10 @@ class Adapter:
         stats = {"outlier": profile.outlier_rates(),
                  "channels": {site: st.shape[-1] for (_, site), st in profile.sites.items() if st.shape}}
         if self.config.sensitivity and self.track_count % 2 == 0:
-            sens = measure_sensitivity(c, probe, c.probe_params(), seed=self.config.seed + it,
-                                       sites=self.sensitivity_sites())
+            named = fidelity.named_params(self.replay.roots, c.probe_params())
+            sens = measure_sensitivity(c, probe, [p for _, p in named], seed=self.config.seed + it,
+                                       sites=self.sensitivity_sites(),
+                                       groups=[fidelity.group_name(n) for n, _ in named])
             fresh = agreement.reduce_dict(sens.c, "mean", g.world if g else None)
             self.c_recent = (self.c_recent + [fresh])[-SENS_WINDOW * self._sens_rounds():]
             seen = {site for m in self.c_recent for site in m}
@@ -347,7 +402,9 @@ class Adapter:
                                 for site in seen}
             sn = agreement.reduce_dict({} if sens.sampling_noise is None else {"s": sens.sampling_noise},
                                        "mean", g.world if g else None)
-            self.sampling_noise = sn.get("s")
+            if "s" in sn:  # one micro-batch's halves: a rough estimate, hence the median
+                self.sampling_recent = (self.sampling_recent + [sn["s"]])[-SENS_WINDOW:]
+            self.sampling_noise = _median(self.sampling_recent) if self.sampling_recent else None
             stats["c"] = dict(self.sensitivity)
             by_site = profile.noise_by_site(c.plan, self.sensitivity)
             total = sum(by_site.values())
@@ -388,7 +445,7 @@ class Adapter:
                 }
                 self.history.append(entry)
                 entry["noise"] = decision.get("noise")
-                vb = self.config.variance_budget
+                vb = decision.get("noise_budget")
                 log.info("llm_act: iteration %d: plan changed: %s | predicted memory %.3f MiB of the "
                          "%.3f MiB budget (activations %.3f MiB), predicted noise %s (noise budget %s), "
                          "overhead %.3f ms/iteration | why: %s | plan now, per block:\n%s",
@@ -427,7 +484,7 @@ class Adapter:
         from llm_act.sensitivity import sensitive_sites
 
         every = sensitive_sites(self.controller)
-        first = not self.sensitivity and self.config.variance_budget is not None
+        first = not self.sensitivity and self.noise_bounded()
         if first or len(every) <= SENS_SITES_PER_TRACK:
             return every
         start = self.sens_next % len(every)
@@ -507,7 +564,7 @@ class Adapter:
         from llm_act.planner import solve_plan
 
         blocks, static = self.problem(profile)
-        sol = solve_plan(blocks, budget, static_bytes=static, variance_budget=self.config.variance_budget)
+        sol = solve_plan(blocks, budget, static_bytes=static, variance_budget=self.noise_budget())
         return profile.plan_from_choice(sol.choice)
 
     def _budget(self, profile: Any, static: int) -> int:
@@ -546,8 +603,17 @@ class Adapter:
                                "refused": None, "failure": None}
         it = self.controller.iteration
 
+        noise = self.noise_budget()
+
         def solve(b: int):
-            return solve_plan(blocks, b, static_bytes=static, variance_budget=self.config.variance_budget)
+            try:
+                return solve_plan(blocks, b, static_bytes=static, variance_budget=noise)
+            except InfeasibleVariance as err:
+                # memory is the hard limit: the least noisy plan that fits it, said once
+                self._warn_once("variance", "llm_act: iteration %d: no plan within the memory budget meets "
+                                "the noise budget (%s); using the least noisy plan that fits (said once). "
+                                "Fix: a larger budget, or a larger noise_fraction / variance_budget", it, err)
+                return solve_plan(blocks, b, static_bytes=static, objective="variance")
 
         try:
             try:
@@ -565,18 +631,32 @@ class Adapter:
                                 "given" if self.config.budget is not None else "derived", budget,
                                 budget / 2**30, err.min_budget_bytes, err.min_budget_bytes / 2**30)
                 sol = solve(err.min_budget_bytes)
-        except InfeasibleVariance as err:
-            self._warn_once("variance", "llm_act: iteration %d: no plan meets the noise budget (%s); the "
-                            "plan stays (said once)", it, err)
-            return out
         except Exception as err:  # a re-planning step must never end the run
             out["failure"] = f"{type(err).__name__}: {err}"
             return out
         self.solution = sol
         out.update(plan=profile.plan_from_choice(sol.choice), predicted_bytes=sol.activation_bytes + static,
-                   noise=float(sol.variance) if self.sensitivity else None,
+                   noise=float(sol.variance) if self.sensitivity else None, noise_budget=noise,
                    activation_bytes=sol.activation_bytes, overhead_ms=sol.overhead_ms)
         return out
+
+    def noise_bounded(self) -> bool:
+        """Whether plans are held to a noise budget (given, or a fraction of the sampling
+        noise): then every site's sensitivity is measured at the first tracking."""
+        return self.config.sensitivity and (self.config.variance_budget is not None
+                                            or self.config.noise_fraction is not None)
+
+    def noise_budget(self) -> Optional[float]:
+        """The summed gradient noise a plan may add: `ActConfig.variance_budget`, else
+        `noise_fraction` times the measured mini-batch sampling noise (median of the last
+        measurements); None when neither applies or nothing is measured yet."""
+        if self.config.variance_budget is not None:
+            return self.config.variance_budget
+        if self.config.noise_fraction is None or not self.sensitivity or not self.sampling_noise:
+            return None
+        if not math.isfinite(self.sampling_noise):
+            return None
+        return self.config.noise_fraction * self.sampling_noise
 
     def measuring_fraction(self) -> Optional[float]:
         """Share of this run's wall time (since its first training forward, or since the
@@ -593,8 +673,11 @@ class Adapter:
         frac = self.measuring_fraction()
         spent = "" if frac is None or not self.track_count else (
             f"; measuring and planning took {self.measure_seconds:.2f} s, {100 * frac:.1f}% of the run's time")
+        fid = "" if not self.fidelity else (
+            f"; gradient fidelity at iteration {self.fidelity[-1].iteration}: relative error "
+            f"{self.fidelity[-1].total:.3g}")
         return (f"re-planning: {self.track_count} tracking points, {len(self.history)} plan changes, "
-                f"{self.solver_failures} solver failures (plan kept){spent}")
+                f"{self.solver_failures} solver failures (plan kept){spent}{fid}")
 
     # ---- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -606,7 +689,8 @@ class Adapter:
             "sensitivity": dict(self.sensitivity), "c_recent": [dict(m) for m in self.c_recent],
             "sampling_noise": self.sampling_noise,
             "budget": self.budget, "times": self.times, "solver_failures": self.solver_failures,
-            "sens_next": self.sens_next,
+            "sens_next": self.sens_next, "sampling_recent": list(self.sampling_recent),
+            "fidelity": [r.to_dict() for r in self.fidelity], "fidelity_next": self.fidelity_next,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -624,6 +708,11 @@ class Adapter:
         self.times = state["times"]
         self.solver_failures = int(state.get("solver_failures", 0))
         self.sens_next = int(state.get("sens_next", 0))
+        self.sampling_recent = [float(v) for v in state.get("sampling_recent", [])]
+        from llm_act.fidelity import FidelityReport
+
+        self.fidelity = [FidelityReport.from_dict(r) for r in state.get("fidelity", [])]
+        self.fidelity_next = int(state.get("fidelity_next", 0))
 
 
 def interval_sequence(n: int, interval_max: int) -> list[int]:

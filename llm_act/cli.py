@@ -82,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                            help="reuse a convergence result saved by `bench convergence "
                                 "--save-json` instead of training again")
         if suite == "convergence":
-            sp.add_argument("--save-json", default=None, help="also save the result as JSON")
+            sp.add_argument("--save-json", default=None,
+                            help="save the result as JSON after every run; if the file holds an "
+                                 "unfinished result of the same settings, its runs are kept")
     from llm_act.plan_cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
@@ -120,16 +122,22 @@ def _check_user_input(parser: argparse.ArgumentParser, args: argparse.Namespace)
         path = getattr(args, flag, None)
         if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             fail(parser, f"--{flag.replace('_', '-')} {path}: its folder does not exist; create it first")
-    path = getattr(args, "convergence_json", None)
-    if path is not None:
+    for flag in ("convergence_json", "save_json"):  # read back: an existing one must be ours
+        path = getattr(args, flag, None)
+        if path is None or (flag == "save_json" and not os.path.exists(path)):
+            continue
+        name = "--" + flag.replace("_", "-")
         try:
             with open(path) as f:
-                json.load(f)
+                saved = json.load(f)
         except OSError as err:
-            fail(parser, f"--convergence-json {path}: cannot read it ({err.strerror})")
+            fail(parser, f"{name} {path}: cannot read it ({err.strerror})")
         except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
-            fail(parser, f"--convergence-json {path}: not a JSON file saved by `llm-act bench "
-                              f"convergence --save-json` ({err})")
+            fail(parser, f"{name} {path}: not a JSON file saved by `llm-act bench "
+                         f"convergence --save-json` ({err})")
+        if not isinstance(saved, dict) or "models" not in saved:
+            fail(parser, f"{name} {path}: not a result of this version of `llm-act bench convergence "
+                         f"--save-json` (no 'models'); remove it or name another file")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ values with a `ValueError` that names the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -14,6 +15,9 @@ from typing import Any, Optional, Union
 
 PLAN_MODES = ("auto", "keep", "compress", "recompute")
 ATTENTION_MODES = ("auto", "stock", "sdpa", "chunked")
+#: plan "auto"'s default noise budget, as a fraction of the measured sampling noise
+#: (`llm-act bench convergence`, docs/benchmarks.md, is the evidence behind it)
+NOISE_FRACTION = 0.25
 
 _UNITS = {
     "": 1,
@@ -85,10 +89,20 @@ class ActConfig:
     """Measure GACT gradient sensitivity per site and spend bits where they matter."""
 
     variance_budget: Optional[float] = None
-    """Upper bound on the summed gradient noise sum_i c_i * S_i; None: no bound."""
+    """Upper bound on the summed gradient noise sum_i c_i * S_i (in the units of the
+    squared gradient norm); None: `noise_fraction` of the measured sampling noise."""
 
     seed: int = 1234
     """Seed of the codecs' private generator for stochastic rounding."""
+
+    noise_fraction: Optional[float] = NOISE_FRACTION
+    """Plan "auto"'s noise budget when `variance_budget` is None: this fraction of the
+    gradient's own mini-batch sampling variance, measured during training (GACT sec. 4:
+    below it, compression noise is lost in sampling noise). None: no noise budget."""
+
+    fidelity_every: int = 250
+    """Report the gradient fidelity (compressed against exact gradient on one
+    micro-batch, `llm_act.fidelity`) every this many iterations; 0: only on request."""
 
     def __post_init__(self) -> None:
         self._check_bool("enabled")
@@ -128,6 +142,19 @@ class ActConfig:
                     f"variance_budget: expected a non-negative number or None, got {self.variance_budget!r}"
                 )
             self.variance_budget = float(self.variance_budget)
+        if self.noise_fraction is not None:
+            if isinstance(self.noise_fraction, bool) or not isinstance(self.noise_fraction, (int, float)) \
+                    or not 0 < self.noise_fraction < math.inf:
+                raise ValueError(
+                    f"noise_fraction: expected a positive number (a fraction of the sampling noise, "
+                    f"e.g. {NOISE_FRACTION}) or None, got {self.noise_fraction!r}"
+                )
+            self.noise_fraction = float(self.noise_fraction)
+        if isinstance(self.fidelity_every, bool) or not isinstance(self.fidelity_every, int) \
+                or self.fidelity_every < 0:
+            raise ValueError(
+                f"fidelity_every: expected an integer >= 0 (0: reports only on request), got {self.fidelity_every!r}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed: expected an integer, got {self.seed!r}")
 

@@ -310,6 +310,12 @@ class Controller:
         self.boundary = ANY_OPTIMIZER
         self._advance()
 
+    def request_fidelity(self) -> None:
+        """Report the gradient fidelity (`llm_act.fidelity`) at the end of the next
+        iteration, besides the ones `ActConfig.fidelity_every` schedules; the report is
+        logged and appended to `adapter.fidelity`."""
+        self.adapter.fidelity_requested = True
+
     def probe_params(self) -> list:
         from llm_act.probing import params_of
 
@@ -428,12 +434,15 @@ class Controller:
         key = (layer, site, name)
         codec = self._codecs.get(key)
         if codec is None:
-            kwargs = {}
-            if site == "mlp.act_input":
-                kwargs["activation"] = self._activation(layer, site)
-            codec = make_codec(name, seed=self._codec_seed(layer, site), **kwargs)
+            codec = self.new_codec(layer, site, name, self._codec_seed(layer, site))
             self._codecs[key] = codec
         return codec
+
+    def new_codec(self, layer: int, site: str, name: str, seed: int) -> Codec:
+        """A codec `name` for (layer, site) with its own generator seeded `seed` (the plan's
+        are built here once; the fidelity report builds fresh ones)."""
+        kwargs = {"activation": self._activation(layer, site)} if site == "mlp.act_input" else {}
+        return make_codec(name, seed=seed, **kwargs)
 
     def _codec_seed(self, layer: int, site: str) -> int:
         """`codec_seed` of (layer, site) in this process (its DP and TP rank, and whether

@@ -25,6 +25,19 @@ rounding, few-bit tables) enter the planner with their bias^2, which is what the
 no optimizer), rewind every RNG stream and never call the real codecs
 (`llm_act.probing.isolated`).
 
+Per parameter group (an optimizer that normalises each parameter, as Adam does): GACT
+bounds the noise of the whole gradient, but Adam divides every parameter's update by that
+parameter's own gradient scale, so a small group (a norm's weight) whose gradient the
+codec drowns is hurt although the total looks fine. With `groups` (a group name per
+parameter, `llm_act.fidelity.group_name`), c_i is measured per group G as well, and the
+c the planner uses is the worst group's, each group's measured against its own sampling
+noise and rescaled to the whole gradient's:
+
+    c_i = max_G c_iG * samp / samp_G,
+
+so "sum_i c_i S_i <= f * samp" implies "sum_i c_iG S_i <= f * samp_G" for every group G.
+`Sensitivity.c_whole` keeps GACT's whole-gradient c.
+
 Predicting failure (GACT sec. 4.2): the mini-batch sampling noise of the gradient is
 estimated from the same batch split in halves, Var[g] ~ ||g_a - g_b||^2 / 4 (each half's
 mean has twice the variance of the full batch's, and they are independent); when the
@@ -64,6 +77,10 @@ class Sensitivity:
     """sum over layers of the probe's relative error S_il"""
     sampling_noise: Optional[float] = None
     """Var of the full-batch gradient from data sampling (None: batch of one)"""
+    c_whole: dict[str, float] = field(default_factory=dict)
+    """GACT's c of the whole gradient (equal to `c` without groups)"""
+    sampling_by_group: dict[str, float] = field(default_factory=dict)
+    """the sampling noise per parameter group (with groups)"""
 
 
 class _ValueProbe(Codec):
@@ -140,19 +157,32 @@ def sensitive_sites(controller: Any) -> list[str]:
     return out
 
 
+def _by_group(a: list[torch.Tensor], b: list[torch.Tensor], groups: Sequence[str]) -> dict[str, float]:
+    """||a - b||^2 per group name (float64)."""
+    out: dict[str, float] = {}
+    for x, y, g in zip(a, b, groups):
+        out[g] = out.get(g, 0.0) + float((x.double() - y.double()).pow(2).sum())
+    return out
+
+
 def measure_sensitivity(controller: Any, forward: Callable[[], Any], params: Any, *,
                         sites: Optional[Sequence[str]] = None, seed: int = 0,
-                        sampling: bool = True) -> Sensitivity:
+                        sampling: bool = True, groups: Optional[Sequence[str]] = None) -> Sensitivity:
     """c_i for each site type in `sites` (default: all that carry noise), from two
     backward passes per site type on the batch `forward()` runs (see the module docstring).
     `params`: the parameters whose gradient counts (a module, modules or tensors).
     `sampling`: also estimate the mini-batch sampling noise (needs a loss with a batch
-    dimension of at least 2: `forward()` returning per-sample or per-token losses)."""
+    dimension of at least 2: `forward()` returning per-sample or per-token losses).
+    `groups`: a parameter-group name per parameter: c becomes the worst group's, each
+    against its own sampling noise (needs `sampling`)."""
     params = probing.params_of(params)
     if not params:
         raise ValueError("params: no trainable parameter given")
+    if groups is not None and len(groups) != len(params):
+        raise ValueError(f"groups: expected one name per parameter ({len(params)}), got {len(groups)}")
     sites = list(sensitive_sites(controller) if sites is None else sites)
     out = Sensitivity()
+    per_group: dict[str, dict[str, float]] = {}
     with probing.isolated(controller, params) as snap, torch.enable_grad():
         for site in sites:
             grads, s_sum = [], 0.0
@@ -173,17 +203,40 @@ def measure_sensitivity(controller: Any, forward: Callable[[], Any], params: Any
             out.diff_sq[site] = d2
             out.probe_s[site] = s_sum
             out.c[site] = d2 / (2.0 * s_sum) if s_sum > 0 else 0.0
+            if groups is not None and s_sum > 0:
+                per_group[site] = {g: v / (2.0 * s_sum) for g, v in _by_group(grads[0], grads[1], groups).items()}
             del grads
         if sampling:
             probing.install(controller, {})
-            out.sampling_noise = _sampling_noise(forward, params, snap)
+            halves = _sampling_halves(forward, params, snap)
+            if halves is not None:
+                out.sampling_noise = probing.sq_distance(*halves) / 4.0
+                if groups is not None:
+                    out.sampling_by_group = {g: v / 4.0 for g, v in _by_group(*halves, groups).items()}
+    out.c_whole = dict(out.c)
+    if per_group and out.sampling_noise:
+        out.c = {site: worst_group(per_group.get(site), out.sampling_by_group, out.sampling_noise, c)
+                 for site, c in out.c.items()}
     return out
 
 
-def _sampling_noise(forward: Callable[[], Any], params: list[torch.Tensor],
-                    snap: probing.RngSnapshot) -> Optional[float]:
-    """||g_a - g_b||^2 / 4 from the two halves of the batch (exact passes; one forward per
-    half, as some losses -- megatron's cross entropy -- cannot backpropagate twice)."""
+def worst_group(c_by_group: Optional[dict[str, float]], sampling_by_group: dict[str, float],
+                sampling: float, whole: float) -> float:
+    """max over groups G of c_iG * samp / samp_G (groups with no sampling noise left out),
+    and never less than the whole gradient's c."""
+    worst = whole
+    for g, c in (c_by_group or {}).items():
+        s = sampling_by_group.get(g, 0.0)
+        if s > 0 and math.isfinite(c):
+            worst = max(worst, c * sampling / s)
+    return worst
+
+
+def _sampling_halves(forward: Callable[[], Any], params: list[torch.Tensor],
+                     snap: probing.RngSnapshot) -> Optional[list[list[torch.Tensor]]]:
+    """The gradients of the two halves of the batch, each scaled as a full batch's (exact
+    passes; one forward per half, as some losses -- megatron's cross entropy -- cannot
+    backpropagate twice); ||g_a - g_b||^2 / 4 is the sampling noise. None for a batch of one."""
     halves = []
     for part in range(2):
         snap.restore()
@@ -195,7 +248,7 @@ def _sampling_noise(forward: Callable[[], Any], params: list[torch.Tensor],
         per = loss.float().reshape(loss.shape[0], -1).mean(dim=1)
         halves.append(probing.optional_grad(per[part * half:(part + 1) * half].mean(), params))
         del out, loss, per
-    return probing.sq_distance(halves[0], halves[1]) / 4.0
+    return halves
 
 
 def check_noise(noise: float, sampling_noise: Optional[float], warn_ratio: float = 1.0,

@@ -17,6 +17,8 @@ BRIEF_FIELDS = {
     "sensitivity": True,
     "variance_budget": None,
     "seed": 1234,
+    "noise_fraction": 0.25,
+    "fidelity_every": 250,
 }
 
 

@@ -126,3 +126,29 @@ def test_probe_passes_never_write_main_grad():
         for m in fused:
             m.gradient_accumulation_fusion = False
             del m.weight.main_grad
+
+
+def test_per_group_c_is_the_worst_group_against_its_own_sampling_noise():
+    """With parameter groups (Adam normalises each parameter), c is the worst group's c
+    rescaled by the sampling noise: never below GACT's whole-gradient c, equal to the
+    arithmetic on the measured pieces, and the sampling noise splits over the groups."""
+    from llm_act.fidelity import group_name
+    from llm_act.sensitivity import worst_group
+
+    model, controller, fwd = _gpt()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [group_name(n) for n, _ in named]
+    sites = ["ln1.input", "mlp.fc2_input"]
+    s = measure_sensitivity(controller, fwd, [p for _, p in named], sites=sites, groups=groups, seed=3)
+    whole = measure_sensitivity(controller, fwd, [p for _, p in named], sites=sites, seed=3)
+    assert s.c_whole == pytest.approx(whole.c) and s.sampling_noise == pytest.approx(whole.sampling_noise)
+    assert sum(s.sampling_by_group.values()) == pytest.approx(s.sampling_noise)
+    assert set(s.sampling_by_group) == set(groups)
+    for site in sites:
+        assert s.c[site] >= s.c_whole[site] > 0
+    # a norm's weight sees ln1.input's noise against its own small sampling noise
+    assert s.c["ln1.input"] > 2 * s.c_whole["ln1.input"], (s.c, s.c_whole)
+    assert worst_group({"a": 1.0, "b": 2.0}, {"a": 0.5, "b": 4.0, "c": 0.0}, 1.0, 0.1) == 2.0
+    assert worst_group({"a": 1.0, "z": 9.0}, {"a": 10.0}, 1.0, 0.5) == 0.5  # no sampling noise: left out
+    with pytest.raises(ValueError, match="groups"):
+        measure_sensitivity(controller, fwd, [p for _, p in named], sites=sites, groups=groups[:-1])

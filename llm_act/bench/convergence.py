@@ -1,27 +1,78 @@
-"""Convergence: a small GPT on the embedded corpus, each scheme against stock, same steps.
+"""Convergence: does a plan train to stock's validation loss? Paired runs on two models.
 
-Every run is a `llm_act.train.Trainer` (megatron-core GPTModel, torch AdamW on CPU) with
-the same flags and seed, so the same initial weights and batches; a scheme's run converts
-the model's layers and binds the scheme's fixed plan (`llm_act.bench.memory.bind_layer`).
-Validation loss (the same held-out batches every time) is taken every `eval_every` steps.
-Stock runs with 2-3 seeds give the seed-to-seed spread to read the differences against.
-The corpus's unigram entropy (nats per byte) is the loss of a model that learned only the
-byte frequencies: stock must end well below it.
+Every run is a `llm_act.train.Trainer` (megatron-core GPTModel, torch AdamW, CPU) on the
+embedded corpus. At one seed every plan starts from the same initial weights and sees the
+same batches as stock at that seed, so the per-seed differences are paired; their mean,
+standard error and stock's own seed-to-seed spread are what a result is read against.
+
+Plans (`PLANS`):
+- "auto X": our planner under a budget of X of stock's activation bytes in the blocks
+  (plus what is not activations: static memory and the bytes stored outside the blocks,
+  which no plan changes), with its default noise budget (`ActConfig.noise_fraction` of the
+  measured sampling noise), measuring from its own training steps;
+- "compress": the fixed default plan ("auto" starts from it);
+- "GACT 4-bit avg": GACT's per-tensor bit widths at a 4-bit average (`bench.memory`).
+
+Memory is the saved-tensor ledger of the last training step's first micro-batch, summed over
+the transformer layers, as a fraction of stock's; the measuring share is the time the run
+spent measuring, planning and reporting fidelity (`Adapter.measure_seconds`) over its wall
+time. The corpus's unigram entropy is the loss of a model that learned only the byte
+frequencies: stock must end well below it.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
-from typing import Callable
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
 
 import numpy as np
 
 from llm_act.bench import memory as M
+from llm_act.planner.milp import DECODE_GROUPS
 
-#: schemes trained besides stock (names of llm_act.bench.memory's schemes)
-SCHEMES = ("compress (Adacc)", "ActNN int2", "GACT 4-bit avg", "DIVISION dual2",
-           "Few-bit GELU 3-bit", "planner middle")
-DEFAULT_PLAN = "compress (Adacc)"
+
+@dataclass(frozen=True)
+class Model:
+    """A GPT of the bench: layers, hidden, heads, sequence, micro-batch (bf16, RoPE,
+    dropout 0.1, AdamW lr 2e-3 cosine to 2e-4, vocab 256)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    micro_batch: int
+
+    def describe(self) -> str:
+        return (f"GPT {self.layers} layers, hidden {self.hidden}, {self.heads} heads, seq {self.seq}, "
+                f"micro-batch {self.micro_batch}, bf16, dropout 0.1, RoPE, AdamW lr 2e-3 cosine")
+
+    def shape(self) -> "M.Shape":
+        return M.Shape(s=self.seq, b=self.micro_batch, h=self.hidden, a=self.heads, dropout=0.1)
+
+
+MODELS = (Model("small", 2, 128, 4, 128, 8), Model("large", 4, 256, 4, 256, 2))
+QUICK_MODEL = Model("quick", 2, 128, 4, 128, 4)
+AUTO_FRACTIONS = (0.10, 0.15, 0.25)
+#: a fixed plan that trades time for bits: 8-bit stochastic rounding where a value is
+#: stored, recompute where the input is there anyway (the price of exactness, measured)
+INT8_RECOMPUTE = {"ln1.input": "int8", "attn.qkv_input": "recompute", "attn.q": "int8", "attn.k": "int8",
+                  "attn.v": "int8", "attn.dropout_mask": "regen", "attn.out": "int8",
+                  "attn.hidden_dropout_mask": "regen", "ln2.input": "int8", "mlp.fc1_input": "recompute",
+                  "mlp.act_input": "int8", "mlp.fc2_input": "recompute", "mlp.hidden_dropout_mask": "regen"}
+PLANS = ("compress", "GACT 4-bit avg", "int8 + recompute") + tuple(f"auto {f:.2f}" for f in AUTO_FRACTIONS)
+SEEDS = (1234, 1235, 1236)
+#: the target: "auto" at this fraction of stock's activation bytes or less ...
+TARGET_FRACTION = 0.15
+#: ... ends within this of stock's validation loss (paired mean)
+TARGET_GAP = 0.003
+DEFAULT_PLAN = "compress"
+#: the sites the planner decodes together in backward: one layer's worth of them at full
+#: precision is the transient an "auto" budget reserves
+TRANSIENT_SITES = tuple(sorted(DECODE_GROUPS[0]))
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
@@ -31,14 +82,16 @@ def unigram_entropy(tokens: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def train_args(steps: int, seed: int, quick: bool, extra=()):
-    """The bench GPT's flags (`extra`: more flags, e.g. `--act-compress`)."""
+def train_args(steps: int, seed: int, quick: bool, extra=(), model: Optional[Model] = None):
+    """The flags of `model` (default: the small bench GPT; `quick`: micro-batch 4);
+    `extra`: more flags, e.g. `--act-compress`."""
     from llm_act.train.args import build_parser, check
 
+    m = model or (QUICK_MODEL if quick else MODELS[0])
     p = build_parser()
-    argv = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
-            "--seq-length", "128", "--micro-batch-size", "8" if not quick else "4",
-            "--position-embedding-type", "rope", "--bf16",
+    argv = ["--num-layers", str(m.layers), "--hidden-size", str(m.hidden),
+            "--num-attention-heads", str(m.heads), "--seq-length", str(m.seq),
+            "--micro-batch-size", str(m.micro_batch), "--position-embedding-type", "rope", "--bf16",
             "--train-iters", str(steps), "--lr", "2e-3", "--min-lr", "2e-4",
             "--lr-warmup-iters", str(max(2, steps // 20)), "--eval-iters", "4",
             "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--seed", str(seed),
@@ -52,128 +105,242 @@ def _layers(trainer):
     return [m for c in trainer.chunks for m in c.modules() if isinstance(m, TransformerLayer)]
 
 
-def train_one(scheme: M.Scheme, steps: int, eval_every: int, seed: int, quick: bool, data) -> dict:
-    """{"steps": [...], "valid": [...], "train": [...]} of one run (process group up)."""
+def static_bytes(trainer) -> int:
+    """Weights and gradients of the model: what plan "auto" counts as static on CPU."""
+    return sum(2 * p.numel() * p.element_size() for c in trainer.chunks for p in c.parameters())
+
+
+def _flags(plan: str, budget: Optional[int], model: Model, folder: str) -> tuple[str, ...]:
+    if plan == "stock" or plan.startswith("GACT"):
+        return ()
+    if plan.startswith("auto"):
+        return ("--act-compress", "--act-compress-plan", "auto", "--act-compress-budget", str(budget))
+    if plan == "int8 + recompute":
+        path = os.path.join(folder, "int8_recompute.json")
+        with open(path, "w") as f:
+            json.dump({"version": 1, "blocks": [{"layers": [0, model.layers - 1], "choice": INT8_RECOMPUTE}]}, f)
+        return ("--act-compress", "--act-compress-plan", path)
+    return ("--act-compress", "--act-compress-plan", plan)
+
+
+def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Optional[int] = None,
+              quick: bool = False, extra: tuple = ()) -> dict:
+    """One run (process group up): validation curve, train losses, the ledger of the last
+    step's first micro-batch (bytes in the layers and outside them), measuring share.
+    `extra`: more flags for the run."""
+    import tempfile
+
     from llm_act.train.trainer import Trainer
 
-    args = train_args(steps, seed, quick)
-    trainer = Trainer(args, data)
-    for layer in _layers(trainer):
-        M.bind_layer(layer, int(layer.layer_number) - 1, scheme)
+    with tempfile.TemporaryDirectory() as folder:
+        args = train_args(steps, seed, quick, extra=_flags(plan, budget, model, folder) + tuple(extra),
+                          model=model)
+        trainer = Trainer(args, data)
+    if plan.startswith("GACT"):
+        scheme = M.gact_scheme(model.shape())
+        for layer in _layers(trainer):
+            M.bind_layer(layer, int(layer.layer_number) - 1, scheme)
+    eval_every = max(1, steps // 10)
     out = {"steps": [0], "valid": [trainer.evaluate()], "train": []}
+    start = time.perf_counter()
     for it in range(1, steps + 1):
-        stats = trainer.train_step()
+        stats = trainer.train_step(measure=it == steps)
         out["train"].append(stats.loss)
         if it % eval_every == 0 or it == steps:
             out["steps"].append(it)
             out["valid"].append(trainer.evaluate())
+    out["wall_s"] = time.perf_counter() - start
+    per_layer = trainer.ledger.per_layer()
+    by_site = trainer.ledger.by_site()
+    first = min((k for k in per_layer if k is not None), default=0)
+    out["transient_bytes"] = int(sum(by_site.get((first, s), 0) for s in TRANSIENT_SITES))
+    out["block_bytes"] = int(sum(v for k, v in per_layer.items() if k is not None))
+    out["other_bytes"] = int(per_layer.get(None, 0))
+    out["static_bytes"] = static_bytes(trainer)
+    c = trainer.controller
+    out["measuring"] = None if c is None else c.adapter.measure_seconds / out["wall_s"]
+    if c is not None and c.adapter.fidelity:
+        out["fidelity"] = c.adapter.fidelity[-1].total
+    if c is not None and plan.startswith("auto"):
+        out["plan"] = c.describe(c.plan)
+        out["noise_budget"] = c.adapter.noise_budget()
+        out["changes"] = len(c.history)
     return out
 
 
-def run(steps: int = 300, quick: bool = False, seeds=(1234, 1235, 1236), schemes=SCHEMES,
-        paired=(DEFAULT_PLAN,), log: Callable[[str], None] = lambda m: None) -> dict:
-    """Stock per seed, every scheme at the first seed and the `paired` schemes at every seed
-    (same initial weights and batches as stock at that seed, so the per-seed differences
-    are paired); returns curves and the corpus entropy."""
+def budget_for(stock: dict, fraction: float) -> int:
+    """The "auto" budget that lets it store `fraction` of stock's activation bytes in the
+    layers, as the fixed plans' fractions count them (the ledger's stored bytes): static
+    memory, the bytes stored outside the layers, and the backward transient the planner
+    also reserves (`milp`'s peak: one layer's q, k, v and attention output decoded at full
+    precision at once) come on top."""
+    return int(stock["static_bytes"] + stock["other_bytes"] + fraction * stock["block_bytes"]
+               + stock["transient_bytes"])
+
+
+def run(steps: int = 300, quick: bool = False, seeds=SEEDS, plans=PLANS, models=MODELS,
+        log: Callable[[str], None] = lambda m: None, previous: Optional[dict] = None,
+        save: Optional[Callable[[dict], None]] = None) -> dict:
+    """Stock and every plan at every seed on every model. `previous`: a result of the same
+    settings whose runs are reused (an interrupted bench goes on where it stopped); `save`
+    is called with the result after every run."""
     from llm_act.train import parallel
     from llm_act.train.data import embedded_corpus
     from llm_act.train.loop import quiet_megatron_warnings
 
     quiet_megatron_warnings()
-    eval_every = max(1, steps // 10)
     data = embedded_corpus()
-    shape = M.Shape(s=128, b=8 if not quick else 4, h=128, a=4, dropout=0.1)
-    by_name = {s.name: s for s in M.all_schemes(shape)}
-    args0 = train_args(steps, seeds[0], quick)
-    parallel.init(args0)
-    runs: dict[str, dict] = {}
+    result = {"steps": steps, "seeds": list(seeds), "plans": list(plans), "sha256": data.sha256,
+              "describe": data.describe(), "entropy": unigram_entropy(data.train), "quick": quick,
+              "models": {}}
+    if previous and previous.get("steps") == steps and previous.get("quick") == quick:
+        result["models"] = {k: v for k, v in previous.get("models", {}).items()}
+    parallel.init(train_args(steps, seeds[0], quick, model=models[0]))
     try:
-        for seed in seeds:
-            runs[f"stock seed {seed}"] = train_one(by_name["stock"], steps, eval_every, seed, quick, data)
-            log(f"  stock seed {seed}: valid {runs[f'stock seed {seed}']['valid'][-1]:.4f}")
-        for name in schemes:
-            runs[name] = train_one(by_name[name], steps, eval_every, seeds[0], quick, data)
-            log(f"  {name}: valid {runs[name]['valid'][-1]:.4f}")
-        for name in (n for n in paired if n in schemes):
-            for seed in seeds[1:]:
-                key = f"{name} seed {seed}"
-                runs[key] = train_one(by_name[name], steps, eval_every, seed, quick, data)
-                log(f"  {key}: valid {runs[key]['valid'][-1]:.4f}")
+        for model in models:
+            entry = result["models"].setdefault(model.name, {"model": asdict(model), "runs": {}})
+            entry["describe"] = model.describe()
+            runs = entry["runs"]
+            for seed in seeds:
+                for plan in ("stock",) + tuple(plans):
+                    key = f"{plan} seed {seed}"
+                    if key in runs:
+                        continue
+                    budget = None
+                    if plan.startswith("auto"):
+                        budget = budget_for(runs[f"stock seed {seeds[0]}"], float(plan.split()[1]))
+                    runs[key] = train_one(model, plan, seed, steps, data, budget, quick)
+                    r, stock = runs[key], runs[f"stock seed {seed}"]
+                    log(f"  {model.name} {key}: valid {r['valid'][-1]:.4f} "
+                        f"({r['valid'][-1] / stock['valid'][-1] - 1:+.2%} vs stock), memory "
+                        f"{r['block_bytes'] / stock['block_bytes']:.3f} of stock, {r['wall_s']:.0f} s")
+                    if save is not None:
+                        save(result)
     finally:
         parallel.teardown()
-    return {"runs": runs, "entropy": unigram_entropy(data.train), "steps": steps,
-            "seeds": tuple(seeds), "sha256": data.sha256, "describe": data.describe(),
-            "model": "GPT 2 layers, hidden 128, 4 heads, seq 128, micro-batch "
-                     f"{args0.micro_batch_size}, bf16, dropout 0.1, RoPE, AdamW lr 2e-3 cosine"}
-
-
-def _seeded(name: str, seeds) -> tuple[str, int]:
-    """("compress (Adacc)", 1235) from "compress (Adacc) seed 1235"; a bare scheme name is
-    the first seed's run."""
-    for seed in seeds:
-        if name.endswith(f" seed {seed}"):
-            return name[: -len(f" seed {seed}")], seed
-    return name, seeds[0]
+    return result
 
 
 def summary(result: dict) -> dict:
-    """Final losses against stock: `rel` against stock at the first seed for every run,
-    `paired[scheme]` the per-seed differences (scheme at seed s against stock at seed s)
-    for schemes trained at several seeds, and their mean."""
-    runs, seeds = result["runs"], tuple(result["seeds"])
-    stock = {seed: runs[f"stock seed {seed}"]["valid"][-1] for seed in seeds if f"stock seed {seed}" in runs}
-    finals = list(stock.values())
-    ref = finals[0]
-    spread = (max(finals) - min(finals)) / ref if len(finals) > 1 else float("nan")
-    rel, per_seed = {}, {}
-    for k, v in runs.items():
-        if k.startswith("stock"):
-            continue
-        name, seed = _seeded(k, seeds)
-        rel[k] = v["valid"][-1] / ref - 1
-        if seed in stock:
-            per_seed.setdefault(name, {})[seed] = v["valid"][-1] / stock[seed] - 1
-    paired = {n: {"per_seed": d, "mean": sum(d.values()) / len(d)} for n, d in per_seed.items() if len(d) > 1}
-    return {"stock_final": ref, "stock_spread": spread, "stock_finals": finals, "rel": rel, "paired": paired}
+    """Per model and plan: the paired differences per seed (plan against stock at that
+    seed), their mean and standard error, the memory fraction and measuring share (means);
+    per model, stock's finals and spread ((max - min) / mean)."""
+    out = {}
+    for name, entry in result["models"].items():
+        runs = entry["runs"]
+        stock = {s: runs[f"stock seed {s}"] for s in result["seeds"] if f"stock seed {s}" in runs}
+        finals = [r["valid"][-1] for r in stock.values()]
+        plans = {}
+        for plan in result["plans"]:
+            per = {s: runs[f"{plan} seed {s}"] for s in stock if f"{plan} seed {s}" in runs}
+            if not per:
+                continue
+            diffs = [per[s]["valid"][-1] / stock[s]["valid"][-1] - 1 for s in per]
+            n = len(diffs)
+            mean = sum(diffs) / n
+            se = (math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else math.nan)
+            mem = [per[s]["block_bytes"] / stock[s]["block_bytes"] for s in per]
+            meas = [per[s]["measuring"] for s in per if per[s].get("measuring") is not None]
+            plans[plan] = {"per_seed": dict(zip(per, diffs)), "mean": mean, "se": se, "n": n,
+                           "memory": sum(mem) / n, "measuring": sum(meas) / len(meas) if meas else None}
+        out[name] = {"stock_finals": finals,
+                     "stock_spread": (max(finals) - min(finals)) / (sum(finals) / len(finals))
+                     if len(finals) > 1 else math.nan, "plans": plans}
+    return out
+
+
+def sentences(result: dict) -> list[str]:
+    """One sentence per model and plan, and the verdict on the target."""
+    lines = []
+    for name, s in summary(result).items():
+        for plan, p in s["plans"].items():
+            per = ", ".join(f"{d:+.2%}" for d in p["per_seed"].values())
+            lines.append(f"- **{name}, {plan}** (memory {p['memory']:.3f} of stock) paired with stock over "
+                         f"{p['n']} seeds ends **{p['mean']:+.2%}** on average (standard error "
+                         f"{p['se']:.2%}; per seed {per}); stock's own spread {s['stock_spread']:.2%}.")
+    for name, ok in target_met(result).items():
+        lines.append(f"- Target (\"auto\" at <= {TARGET_FRACTION} of stock within {TARGET_GAP:.1%}, paired "
+                     f"mean) on {name}: **{'met' if ok else 'not met'}**.")
+    return lines
+
+
+def target_met(result: dict) -> dict[str, bool]:
+    """Per model: whether some "auto" plan storing <= TARGET_FRACTION of stock ends within
+    TARGET_GAP of stock (paired mean over >= 3 seeds)."""
+    out = {}
+    for name, s in summary(result).items():
+        out[name] = any(p["memory"] <= TARGET_FRACTION and abs(p["mean"]) <= TARGET_GAP and p["n"] >= 3
+                        for plan, p in s["plans"].items() if plan.startswith("auto"))
+    return out
 
 
 def table(result: dict) -> str:
-    runs = result["runs"]
-    first = next(iter(runs.values()))
-    steps = first["steps"]
-    pick = sorted({0, steps[len(steps) // 4], steps[len(steps) // 2], steps[-1]})
-    cols = [steps.index(p) for p in pick]
-    s = summary(result)
-    lines = ["| run | " + " | ".join(f"valid @ {steps[c]}" for c in cols) + " | final vs stock seed "
-             f"{result['seeds'][0]} |", "|---|" + "---:|" * (len(cols) + 1)]
-    for name, r in runs.items():
-        rel = "" if name.startswith("stock") else f"{s['rel'][name]:+.2%}"
-        if name.startswith("stock") and name != f"stock seed {result['seeds'][0]}":
-            rel = f"{r['valid'][-1] / s['stock_final'] - 1:+.2%}"
-        base, seed = _seeded(name, tuple(result["seeds"]))
-        if not name.startswith("stock") and seed != result["seeds"][0]:
-            rel += f" ({s['paired'][base]['per_seed'][seed]:+.2%} vs stock seed {seed})"
-        lines.append(f"| {name} | " + " | ".join(f"{r['valid'][c]:.4f}" for c in cols) + f" | {rel} |")
-    return "\n".join(lines)
+    rows = ["| model | plan | memory (of stock) | paired mean | standard error | per seed | "
+            "measuring share | stock spread |", "|---|---|---:|---:|---:|---|---:|---:|"]
+    for name, s in summary(result).items():
+        finals = ", ".join(f"{x:.4f}" for x in s["stock_finals"])
+        rows.append(f"| {name} | stock | 1.000 | | | {finals} | | {s['stock_spread']:.2%} |")
+        for plan, p in s["plans"].items():
+            meas = "" if p["measuring"] is None else f"{p['measuring']:.1%}"
+            rows.append(f"| {name} | {plan} | {p['memory']:.3f} | {p['mean']:+.2%} | {p['se']:.2%} | "
+                        + ", ".join(f"{d:+.2%}" for d in p["per_seed"].values()) + f" | {meas} | |")
+    return "\n".join(rows)
+
+
+def runs_table(result: dict) -> str:
+    """Every run: final validation loss, its paired gap, memory and measuring share."""
+    rows = ["| model | run | valid @ end | vs stock (same seed) | memory (of stock) | measuring share | "
+            "last fidelity report |", "|---|---|---:|---:|---:|---:|---:|"]
+    for name, entry in result["models"].items():
+        runs = entry["runs"]
+        for key, r in runs.items():
+            plan, seed = key.rsplit(" seed ", 1)
+            stock = runs.get(f"stock seed {seed}")
+            gap = "" if stock is None or plan == "stock" else f"{r['valid'][-1] / stock['valid'][-1] - 1:+.2%}"
+            mem = "" if stock is None else f"{r['block_bytes'] / stock['block_bytes']:.3f}"
+            meas = "" if r.get("measuring") is None else f"{r['measuring']:.1%}"
+            fid = "" if r.get("fidelity") is None else f"{r['fidelity']:.3g}"
+            rows.append(f"| {name} | {key} | {r['valid'][-1]:.4f} | {gap} | {mem} | {meas} | {fid} |")
+    return "\n".join(rows)
 
 
 def plot(result: dict, path: str) -> str:
+    """Left: paired loss gap (mean, standard error bars) against memory fraction, per model;
+    right: validation curves of the first seed on the last model."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, r in result["runs"].items():
-        style = dict(color="black", alpha=0.5, linewidth=1) if name.startswith("stock") else {}
-        if not name.startswith("stock") and _seeded(name, tuple(result["seeds"]))[1] != result["seeds"][0]:
-            style = dict(linestyle="--", linewidth=0.8, alpha=0.6)
-        ax.plot(r["steps"], r["valid"], label=name, **style)
-    ax.axhline(result["entropy"], color="gray", linestyle=":", label="unigram entropy")
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(f"convergence, {result['steps']} steps: {result['model']}", fontsize=8)
+    fig, (ax, curves) = plt.subplots(1, 2, figsize=(12, 5))
+    for name, s in summary(result).items():
+        xs = [p["memory"] for p in s["plans"].values()]
+        ys = [100 * p["mean"] for p in s["plans"].values()]
+        es = [100 * p["se"] if math.isfinite(p["se"]) else 0.0 for p in s["plans"].values()]
+        ax.errorbar(xs, ys, yerr=es, fmt="o", capsize=3, label=name)
+        for x, y, plan in zip(xs, ys, s["plans"]):
+            ax.annotate(plan, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        spread = 100 * s["stock_spread"]
+        if math.isfinite(spread):
+            ax.axhspan(-spread / 2, spread / 2, alpha=0.08)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.axhline(100 * TARGET_GAP, color="gray", linestyle=":", label=f"target {TARGET_GAP:.1%}")
+    ax.axvline(TARGET_FRACTION, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("activation memory in the layers (fraction of stock)")
+    ax.set_ylabel("validation loss vs stock, paired mean (%)")
+    ax.set_title(f"{result['steps']} steps, {len(result['seeds'])} seeds (band: stock's spread)", fontsize=9)
     ax.legend(fontsize=7)
+    last = list(result["models"].values())[-1]
+    seed = result["seeds"][0]
+    for key, r in last["runs"].items():
+        if key.endswith(f" seed {seed}"):
+            style = dict(color="black", linewidth=1.5) if key.startswith("stock") else dict(linewidth=0.9)
+            curves.plot(r["steps"], r["valid"], label=key, **style)
+    curves.axhline(result["entropy"], color="gray", linestyle=":", label="unigram entropy")
+    curves.set_xlabel("step")
+    curves.set_ylabel("validation loss (nats/byte)")
+    curves.set_title(last["describe"], fontsize=8)
+    curves.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -184,3 +351,11 @@ def plot(result: dict, path: str) -> str:
 def finite_decreasing(r: dict) -> bool:
     v = r["valid"]
     return all(math.isfinite(x) for x in v + r["train"]) and v[-1] < v[0]
+
+
+def load(path: str) -> Optional[dict]:
+    """A saved result, or None when there is none at `path`."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

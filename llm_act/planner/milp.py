@@ -291,8 +291,9 @@ def _solve(prob, deadline: float) -> str:
                 solver = getattr(pulp, name)(msg=False, gapRel=0.0, timeLimit=seconds, **options)
                 try:
                     status = prob.solve(solver)
-                except pulp.PulpSolverError as err:
-                    log.debug("llm_act: the MILP solver %s failed: %s", name, err)
+                except Exception as err:  # noqa: BLE001 -- pulp's HiGHS reader raises IndexError
+                    # on some infeasible models: a try that decided nothing, like a solver error
+                    log.debug("llm_act: the MILP solver %s failed: %s: %s", name, type(err).__name__, err)
                     continue
             outcome = _status(pulp, prob, status, deadline)
             if outcome is not None:
@@ -614,12 +615,14 @@ def solve_plan(
         min_act = sum(_evaluate(classes, least)[:2])
         if mem_limit < min_act:
             raise InfeasibleBudget(budget, static, min_act + static)
+        if variance_budget is not None:  # the least noise within the memory budget decides
+            quiet = _search(classes, "variance", mem_limit, None, _Limit(limit.seconds))[0]
+            least_noise = _evaluate(classes, quiet)[3]
+            if least_noise > variance_budget * (1 + _VAR_RTOL):
+                raise InfeasibleVariance(variance_budget, least_noise)
         if undecided is not None:
             raise undecided
-        if variance_budget is None:
-            raise SolverError("the MILP solver found no plan although one fits the memory budget")
-        quiet = _search(classes, "variance", mem_limit, None, _Limit(limit.seconds))[0]
-        raise InfeasibleVariance(variance_budget, _evaluate(classes, quiet)[3])
+        raise SolverError("the MILP solver found no plan although one fits the memory budget")
     plan = _plan(blocks, classes, owner, picks)
     plan.num_variables = nvars
     plan.objective = objective

@@ -77,6 +77,10 @@ def _float(text: str) -> float:
         raise ValueError(f"expected a number, got {text!r}") from None
 
 
+def _optional_float(text: str) -> Optional[float]:
+    return None if text.strip().lower() == "none" else _float(text)
+
+
 def _budget(text: str) -> Any:
     return int(text) if text.isdigit() else text
 
@@ -92,6 +96,9 @@ _FLAGS: dict[str, tuple[Optional[Callable[[str], Any]], str]] = {
     "adapt_interval_max": (_int, "longest interval (iterations) between re-planning points"),
     "sensitivity": (None, "measure per-site gradient sensitivity (GACT)"),
     "variance_budget": (_float, "upper bound on the summed gradient noise"),
+    "noise_fraction": (_optional_float, "auto's noise budget as a fraction of the measured "
+                                        "mini-batch sampling noise ('none': no noise budget)"),
+    "fidelity_every": (_int, "report the gradient fidelity every N iterations (0: on request only)"),
     "seed": (_int, "seed of the codecs' private stochastic-rounding generator"),
 }
 

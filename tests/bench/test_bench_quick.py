@@ -105,22 +105,44 @@ def quick_convergence(tmp_path_factory):
 
 def test_convergence_quick(quick_convergence):
     result, text, tmp_path = quick_convergence
-    runs = result["runs"]
-    assert set(C.SCHEMES) <= set(runs) and sum(k.startswith("stock") for k in runs) == 2
-    assert len(runs) == 2 + len(C.SCHEMES) + 1
+    (entry,) = result["models"].values()
+    runs = entry["runs"]
+    assert set(runs) == {f"{p} seed {s}" for p in ("stock", "compress", "auto 0.15") for s in (1234, 1235)}
     for name, r in runs.items():
         assert C.finite_decreasing(r), name
         assert len(r["valid"]) == len(r["steps"]) and r["steps"][-1] == 30
+        assert r["block_bytes"] > 0 and r["static_bytes"] > 0
+    stock = runs["stock seed 1234"]
+    # the plans store a fraction of stock in the layers; auto within its budget's share
+    assert runs["compress seed 1234"]["block_bytes"] < 0.3 * stock["block_bytes"]
+    auto = runs["auto 0.15 seed 1234"]
+    assert auto["block_bytes"] <= 0.15 * stock["block_bytes"], auto["plan"]
+    assert 0 < auto["measuring"] < 1 and auto["changes"] >= 1 and auto["noise_budget"] > 0
     assert 0 < result["entropy"] < math.log(256)
     assert (tmp_path / "convergence.png").stat().st_size > 0
-    assert "unigram entropy" in text
-    # the default plan also trains at the second seed, paired with stock at that seed
-    pair = C.summary(result)["paired"][C.DEFAULT_PLAN]
-    stock = {s: runs[f"stock seed {s}"]["valid"][-1] for s in result["seeds"]}
-    ours = {1234: runs[C.DEFAULT_PLAN]["valid"][-1], 1235: runs[f"{C.DEFAULT_PLAN} seed 1235"]["valid"][-1]}
-    assert pair["per_seed"] == pytest.approx({s: ours[s] / stock[s] - 1 for s in ours})
-    assert pair["mean"] == pytest.approx(sum(pair["per_seed"].values()) / 2)
-    assert "paired with stock over 2 seeds" in text
+    # paired differences: plan at seed s against stock at seed s, their mean and error
+    s = C.summary(result)["quick"]["plans"]["compress"]
+    per = {seed: runs[f"compress seed {seed}"]["valid"][-1] / runs[f"stock seed {seed}"]["valid"][-1] - 1
+           for seed in (1234, 1235)}
+    assert s["per_seed"] == pytest.approx(per) and s["mean"] == pytest.approx(sum(per.values()) / 2)
+    assert s["se"] == pytest.approx(abs(per[1234] - per[1235]) / 2)
+    assert "paired with stock over 2 seeds" in text and "Target" in text
+
+
+def test_an_interrupted_convergence_goes_on_where_it_stopped(quick_convergence, tmp_path):
+    """A saved unfinished result keeps its runs: only what is missing trains again."""
+    import copy
+
+    result = copy.deepcopy(quick_convergence[0])
+    del result["complete"]
+    runs = result["models"]["quick"]["runs"]
+    kept = runs.pop("auto 0.15 seed 1235")
+    trained = []
+    again = C.run(steps=30, quick=True, seeds=(1234, 1235), plans=("compress", "auto 0.15"),
+                  models=(C.QUICK_MODEL,), previous=result, log=trained.append)
+    assert len(trained) == 1 and "auto 0.15 seed 1235" in trained[0]
+    assert again["models"]["quick"]["runs"]["stock seed 1234"] is runs["stock seed 1234"]
+    assert again["models"]["quick"]["runs"]["auto 0.15 seed 1235"]["steps"] == kept["steps"]
 
 
 def test_gpu_section_without_cuda_says_pending():

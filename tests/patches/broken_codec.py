@@ -2,7 +2,7 @@
 of the original), so a test of a lossy path can show that its bound fails when a codec is
 wrong (issue 13 part 6).
 
-Every codec a plan uses comes from `Controller._get_codec`, on the megatron-core layers and on
+Every codec a plan uses (and every one the fidelity report builds) comes from `Controller.new_codec`, on the megatron-core layers and on
 the generic (Hugging Face / DeepSpeed) hooks alike; `install` wraps it, so the models must be
 patched (`apply` / `initialize`) after it. Mask sites are not covered: "regen" rebuilds the
 mask from the RNG without calling decode.
@@ -44,18 +44,18 @@ def install(site: str = ALL, layer: Optional[int] = None) -> Callable[[], None]:
     layer). Returns the function that undoes it."""
     from llm_act.controller import Controller
 
-    original = Controller._get_codec
+    original = Controller.new_codec
 
-    def get_codec(self, at_layer, at_site, name):
-        codec = original(self, at_layer, at_site, name)
+    def new_codec(self, at_layer, at_site, name, seed):
+        codec = original(self, at_layer, at_site, name, seed)
         if site in (ALL, at_site) and layer in (None, at_layer):
             break_codec(codec)
         return codec
 
-    Controller._get_codec = get_codec
+    Controller.new_codec = new_codec
 
     def undo() -> None:
-        Controller._get_codec = original
+        Controller.new_codec = original
 
     return undo
 

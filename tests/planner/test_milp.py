@@ -17,6 +17,7 @@ from llm_act.planner import (
     InfeasibleBudget,
     InfeasibleVariance,
     SiteProfile,
+    SolverError,
     evaluate_plan,
     load_plan_json,
     solve_plan,
@@ -553,3 +554,44 @@ def test_a_solve_error_is_retried_without_presolve(monkeypatch):
     plan = solve_plan([gpt_block(count=2)], 10**12)
     assert plan.optimal and len(seen) == 2
     assert seen[0] == {} and seen[1] == milp._RETRY_OPTIONS[milp._solver_names()[0]]
+
+
+def test_a_solver_that_crashes_is_a_try_that_decided_nothing(monkeypatch):
+    """pulp's HiGHS reader raises IndexError on some infeasible models (seen with a noise
+    budget no plan meets): that try is retried like a solve error; and where the main solve
+    decides nothing under a noise budget that no plan within memory meets, that is named
+    (InfeasibleVariance), not passed on as a solver error."""
+    import pulp
+
+    from llm_act.planner import milp
+
+    calls = []
+
+    def crash(prob, solver=None, **kw):
+        calls.append(1)
+        raise IndexError("list index out of range")
+
+    block = gpt_block(count=2)
+    with pytest.raises(InfeasibleBudget) as edge:
+        solve_plan([block], 1)
+    budget = int(edge.value.min_budget_bytes * 1.05)  # tight: every plan that fits adds noise
+    least = solve_plan([block], budget, objective="variance").variance
+    assert least > 0
+    with monkeypatch.context() as m:
+        m.setattr(pulp.LpProblem, "solve", crash)
+        with pytest.raises(SolverError):
+            solve_plan([block], 10**12, fast=False)
+    assert len(calls) >= 2  # the retry without presolve, and any next solver
+    real = milp._search
+
+    def search(classes, objective, mem_limit, var_limit, limit):
+        if objective == "time":
+            raise SolverError("the solver crashed")
+        return real(classes, objective, mem_limit, var_limit, limit)
+
+    monkeypatch.setattr(milp, "_search", search)
+    with pytest.raises(InfeasibleVariance) as caught:
+        solve_plan([block], budget, variance_budget=least / 2, fast=False)
+    assert caught.value.min_variance == pytest.approx(least)
+    with pytest.raises(SolverError):  # a noise budget that some plan meets: the solver's fault
+        solve_plan([block], budget, variance_budget=least * 2, fast=False)

@@ -1,0 +1,181 @@
+"""Gradient fidelity: the compressed gradient against the exact one, on one micro-batch.
+
+How a user trusts compression on a model we never tested: every `ActConfig.fidelity_every`
+iterations (and on demand, `Controller.request_fidelity()`), the micro-batch of that
+training step is run again from the same state, once with every site exact and once with
+the plan in force, and the relative error ||g_plan - g_exact|| / ||g_exact|| is reported:
+
+- per parameter group (a parameter's name with the layer index taken out, so
+  `decoder.layers.*.mlp.linear_fc1.weight` gathers fc1's weight of every layer) and in total;
+- per site type, for `SITES_PER_REPORT` lossy site types in rotation: the error with only
+  that site compressed (its codec of the plan in every layer), the rest exact.
+
+Both passes run inside `llm_act.probing.isolated` with the RNG streams rewound before each,
+so they draw the same dropout masks and differ only by the codecs; the plan's codecs are
+fresh instances (the real ones and their generators are never touched), sites the plan
+recomputes are run exact (recomputation reproduces them bit for bit). A "keep" plan
+therefore reports exactly 0, and a codec made worse reports more.
+
+The report is logged (`llm_act.fidelity`), kept in `Adapter.fidelity` (the last
+`HISTORY` reports, checkpointed with the controller) and summed over ranks: squared errors
+and squared norms are averaged over the ranks that hold a group before the ratio is taken.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from llm_act import probing
+from llm_act.codecs.registry import KEEP, RECOMPUTE
+from llm_act.sites import MASK_SITES
+
+log = logging.getLogger(__name__)
+
+#: lossy site types measured alone per report (each costs one more forward/backward)
+SITES_PER_REPORT = 2
+#: reports kept in the controller's state
+HISTORY = 64
+_LAYER_INDEX = re.compile(r"\.(layers|h|blocks)\.\d+\.")
+_WRAPPERS = re.compile(r"^(module\.)+")
+
+
+def group_name(name: str) -> str:
+    """The parameter group of `name`: the layer index replaced by `*`, wrappers' `module.`
+    prefixes dropped (`module.decoder.layers.3.mlp.linear_fc1.weight` ->
+    `decoder.layers.*.mlp.linear_fc1.weight`)."""
+    return _LAYER_INDEX.sub(lambda m: f".{m.group(1)}.*.", _WRAPPERS.sub("", name))
+
+
+def named_params(roots: Sequence[torch.nn.Module], fallback: Sequence[torch.Tensor] = ()
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) of every trainable parameter of `roots` (several roots, e.g.
+    virtual pipeline chunks, are told apart by a `chunkN.` prefix), else of `fallback`."""
+    out, seen = [], set()
+    for i, root in enumerate(roots):
+        prefix = f"chunk{i}." if len(roots) > 1 else ""
+        for name, p in root.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append((prefix + name, p))
+    if not out:
+        out = [(f"param{i}", p) for i, p in enumerate(fallback) if p.requires_grad]
+    return out
+
+
+def lossy_sites(plan: dict[int, dict[str, str]]) -> list[str]:
+    """Site types some layer stores with a lossy codec (masks are stored exactly)."""
+    out: list[str] = []
+    for choice in plan.values():
+        for site, name in choice.items():
+            if name not in (KEEP, RECOMPUTE) and site not in MASK_SITES and site not in out:
+                out.append(site)
+    return out
+
+
+def plan_codecs(controller: Any, plan: dict[int, dict[str, str]], seed: int,
+                only: Optional[str] = None) -> dict[tuple[int, str], Any]:
+    """Fresh codecs of `plan` for `probing.install` (recomputed sites exact); with `only`,
+    that site type alone."""
+    codecs = {}
+    for layer in controller.layers:
+        for site in controller.sites(layer):
+            name = plan.get(layer, {}).get(site, KEEP)
+            if name in (KEEP, RECOMPUTE) or (only is not None and site != only):
+                continue
+            codecs[(layer, site)] = controller.new_codec(layer, site, name, seed + 7919 * layer + 104_729 * len(codecs))
+    return codecs
+
+
+def _grad(controller: Any, forward: Callable[[], Any], params: list[torch.Tensor],
+          snap: probing.RngSnapshot, codecs: dict) -> list[torch.Tensor]:
+    snap.restore()
+    probing.install(controller, codecs)
+    loss = probing.scalar_loss(forward())
+    return probing.optional_grad(loss, params)
+
+
+def measure_sums(controller: Any, forward: Callable[[], Any], named: list[tuple[str, torch.Tensor]],
+                 plan: dict[int, dict[str, str]], sites: Sequence[str] = (), seed: int = 0
+                 ) -> dict[str, float]:
+    """The squared sums a report is made of, as one flat mapping (so ranks can combine it):
+    `err:<group>` ||g_plan - g_exact||^2 and `norm:<group>` ||g_exact||^2 per parameter
+    group, and `site:<site>` the total ||g_site - g_exact||^2 with only that site type
+    compressed, for each of `sites`."""
+    params = [p for _, p in named]
+    groups = [group_name(n) for n, _ in named]
+    out: dict[str, float] = {}
+    with probing.isolated(controller, params) as snap, torch.enable_grad():
+        exact = _grad(controller, forward, params, snap, {})
+        for g, e in zip(groups, exact):
+            out[f"norm:{g}"] = out.get(f"norm:{g}", 0.0) + float(e.double().pow(2).sum())
+        comp = _grad(controller, forward, params, snap, plan_codecs(controller, plan, seed))
+        for g, e, c in zip(groups, exact, comp):
+            out[f"err:{g}"] = out.get(f"err:{g}", 0.0) + float((c.double() - e.double()).pow(2).sum())
+        del comp
+        for site in sites:
+            alone = _grad(controller, forward, params, snap, plan_codecs(controller, plan, seed + 1, only=site))
+            out[f"site:{site}"] = probing.sq_distance(alone, exact)
+            del alone
+    return out
+
+
+@dataclass
+class FidelityReport:
+    """Relative gradient errors of the plan in force at `iteration`."""
+
+    iteration: int
+    total: float
+    groups: dict[str, float] = field(default_factory=dict)
+    sites: dict[str, float] = field(default_factory=dict)
+    """site type -> error with that site alone compressed (measured at this report)"""
+
+    @classmethod
+    def from_sums(cls, iteration: int, sums: dict[str, float]) -> "FidelityReport":
+        norm = {k[5:]: v for k, v in sums.items() if k.startswith("norm:")}
+        err = {k[4:]: v for k, v in sums.items() if k.startswith("err:")}
+        whole = sum(norm.values())
+        groups = {g: _rel(err.get(g, 0.0), n) for g, n in norm.items()}
+        sites = {k[5:]: _rel(v, whole) for k, v in sums.items() if k.startswith("site:")}
+        return cls(iteration, _rel(sum(err.values()), whole), groups, sites)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "total": self.total, "groups": dict(self.groups),
+                "sites": dict(self.sites)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FidelityReport":
+        return cls(int(d["iteration"]), float(d["total"]), dict(d.get("groups", {})), dict(d.get("sites", {})))
+
+    def format(self, worst: int = 5) -> str:
+        """One line: the total, the worst parameter groups and the measured sites."""
+        top = sorted(self.groups.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)
+        parts = [f"{g} {v:.3g}" for g, v in top[:worst]]
+        line = (f"gradient fidelity at iteration {self.iteration}: relative error {self.total:.3g} "
+                f"(worst groups: {', '.join(parts) or 'none'})")
+        if self.sites:
+            line += "; alone: " + ", ".join(f"{s} {v:.3g}" for s, v in self.sites.items())
+        return line
+
+
+def _rel(err2: float, norm2: float) -> float:
+    """sqrt(err2 / norm2); 0 when both are 0, inf for an error on a zero gradient, NaN
+    stays NaN."""
+    if err2 == 0.0 and norm2 == 0.0:
+        return 0.0
+    if norm2 == 0.0:
+        return math.inf if err2 > 0 else math.nan
+    return math.sqrt(err2 / norm2)
+
+
+def latest_sites(reports: Sequence[FidelityReport]) -> dict[str, tuple[int, float]]:
+    """site type -> (iteration, error) of its latest measurement over `reports`."""
+    out: dict[str, tuple[int, float]] = {}
+    for r in reports:
+        for site, v in r.sites.items():
+            out[site] = (r.iteration, v)
+    return out

@@ -1,0 +1,97 @@
+"""Plan "auto"'s noise budget: a stated fraction (`ActConfig.noise_fraction`) of the
+gradient's own mini-batch sampling noise, measured during training (GACT sec. 4).
+
+A real megatron-core GPT on one CPU rank; the sampling noise and the sensitivities come
+from the training steps' own batches."""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+
+from llm_act import ActConfig
+from llm_act.config import NOISE_FRACTION
+from llm_act.sensitivity import sensitive_sites
+from tests.test_controller_adapt import _setup, _train
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+warnings.filterwarnings("ignore", message=".*activation compression adds gradient noise.*")
+
+pytestmark = pytest.mark.usefixtures("megatron_one_rank")
+
+
+def _noise(controller) -> float:
+    """Predicted noise of the plan in force, on the adapter's last profile and c."""
+    a = controller.adapter
+    return a.profile.noise(controller.plan, a.sensitivity)
+
+
+def test_the_default_budget_is_a_fraction_of_the_measured_sampling_noise():
+    assert ActConfig().noise_fraction == NOISE_FRACTION and ActConfig().variance_budget is None
+    model, controller, opt, gen = _setup(budget=10**9)
+    _train(model, controller, opt, gen, 1)
+    a = controller.adapter
+    # every site type's c is measured at the first tracking: the plan depends on all of them
+    assert set(a.sensitivity) == set(sensitive_sites(controller))
+    assert a.sampling_noise > 0 and a.sampling_recent == [a.sampling_noise]
+    assert a.noise_budget() == pytest.approx(NOISE_FRACTION * a.sampling_noise)
+    assert controller.history[0]["noise"] <= a.noise_budget() * (1 + 1e-6)
+    _train(model, controller, opt, gen, 3)  # trackings at 2 and 4: the median of the last ones
+    assert len(a.sampling_recent) == 2
+    assert a.noise_budget() == pytest.approx(NOISE_FRACTION * sorted(a.sampling_recent)[0] * 0.5
+                                             + NOISE_FRACTION * sorted(a.sampling_recent)[1] * 0.5)
+    state = controller.state_dict()["adapt"]
+    assert state["sampling_recent"] == a.sampling_recent
+
+
+def _tight():
+    """(budget of the "compress" plan's memory, measured on a first run)."""
+    model, controller, opt, gen = _setup(noise_fraction=None)
+    _train(model, controller, opt, gen, 1)
+    return controller.adapter.budget
+
+
+def test_a_smaller_fraction_buys_less_noise_under_the_same_memory():
+    budget = _tight()
+    runs = {}
+    for fraction in (None, 0.05):
+        model, controller, opt, gen = _setup(budget=budget, noise_fraction=fraction)
+        _train(model, controller, opt, gen, 1)
+        a = controller.adapter
+        assert (a.noise_budget() is None) == (fraction is None)
+        assert controller.history[0]["predicted_bytes"] <= budget
+        runs[fraction] = controller
+    bounded = runs[0.05].adapter
+    assert _noise(runs[0.05]) <= 0.05 * bounded.sampling_noise * (1 + 1e-6)
+    # the unbounded run's plan, judged on the same measured profile and sensitivities
+    free = bounded.profile.noise(runs[None].plan, bounded.sensitivity)
+    assert _noise(runs[0.05]) < free
+
+
+def test_a_noise_budget_no_plan_meets_takes_the_least_noisy_plan_that_fits(caplog):
+    budget = _tight()
+    model, controller, opt, gen = _setup(budget=budget, variance_budget=1e-30)
+    with caplog.at_level(logging.WARNING, logger="llm_act"):
+        _train(model, controller, opt, gen, 2)
+    said = [r.getMessage() for r in caplog.records if "meets the noise budget" in r.getMessage()]
+    assert len(said) == 1 and "least noisy plan that fits" in said[0] and "Fix:" in said[0]
+    assert controller.history and controller.history[-1]["predicted_bytes"] <= budget
+    # no plan within the memory budget is less noisy (the objective "variance" answer)
+    from llm_act.planner import solve_plan
+
+    a = controller.adapter
+    blocks, static = a.problem(a.profile)
+    least = solve_plan(blocks, budget, static_bytes=static, objective="variance")
+    assert _noise(controller) == pytest.approx(least.variance, rel=1e-6)
+
+
+def test_a_given_variance_budget_wins_and_none_turns_the_fraction_off():
+    model, controller, opt, gen = _setup(budget=10**9, variance_budget=0.5)
+    _train(model, controller, opt, gen, 1)
+    assert controller.adapter.noise_budget() == 0.5
+    model, controller, opt, gen = _setup(budget=10**9, noise_fraction=None)
+    _train(model, controller, opt, gen, 1)
+    assert controller.adapter.noise_budget() is None
+    # without a noise budget the first tracking measures the rotation's first site types only
+    assert len(controller.adapter.sensitivity) < len(sensitive_sites(controller))

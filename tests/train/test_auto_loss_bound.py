@@ -1,0 +1,62 @@
+"""A short paired run of plan "auto" stays near stock's validation loss, and the same run with
+a deliberately broken codec (every codec decodes to zeros) does not: the bound means something.
+
+Our loop (`llm_act.train.Trainer`), a tiny GPT on the embedded corpus, CPU; "auto" under a
+tight budget (a quarter of stock's bytes in the layers), with its default noise budget,
+measuring from its own training steps. The long, multi-seed version of this is
+`llm-act bench convergence` (docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from llm_act.bench import convergence as C
+from tests.patches.broken_codec import broken
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+TINY = C.Model("tiny", 2, 64, 4, 64, 4)
+STEPS = 40
+#: |valid(auto) / valid(stock) - 1| after STEPS steps, same seed (weights, batches)
+BOUND = 0.005
+#: a gradient-fidelity report half way and at the end
+REPORTS = ("--act-compress-fidelity-every", str(STEPS // 2))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from llm_act.train import parallel
+    from llm_act.train.data import embedded_corpus
+
+    data = embedded_corpus()
+    parallel.init(C.train_args(STEPS, 1234, False, model=TINY))
+    try:
+        stock = C.train_one(TINY, "stock", 1234, STEPS, data)
+        budget = C.budget_for(stock, 0.25)
+        auto = C.train_one(TINY, "auto 0.25", 1234, STEPS, data, budget, extra=REPORTS)
+        with broken():
+            bad = C.train_one(TINY, "auto 0.25", 1234, STEPS, data, budget, extra=REPORTS)
+    finally:
+        parallel.teardown()
+    return stock, auto, bad
+
+
+def _gap(run, stock) -> float:
+    return run["valid"][-1] / stock["valid"][-1] - 1
+
+
+def test_auto_stays_within_the_bound_at_a_quarter_of_the_memory(runs):
+    stock, auto, _ = runs
+    assert C.finite_decreasing(stock) and C.finite_decreasing(auto)
+    assert auto["block_bytes"] <= 0.25 * stock["block_bytes"], auto["plan"]
+    assert abs(_gap(auto, stock)) <= BOUND, (_gap(auto, stock), auto["plan"])
+    assert 0 < auto["fidelity"] < 0.3, auto["plan"]
+
+
+def test_a_broken_codec_exceeds_the_bound(runs):
+    stock, auto, bad = runs
+    assert _gap(bad, stock) > BOUND, (_gap(bad, stock), bad["plan"])
+    # and the fidelity report says so: the compressed gradient is far from the exact one
+    assert bad["fidelity"] > 0.5, bad["plan"]

@@ -198,11 +198,15 @@ def test_our_loop_replans_under_every_parallelism(tmp_path, parallel):
     the first stage's token batch, the second stage's received activations -- and plans its
     own blocks; both keep the same tracking schedule, so their collectives pair up), TP=2
     with sequence parallelism (each rank measures its shard; statistics reduced, one plan
-    broadcast), DP=2 (each replica its own batch). No rank waits; the run ends normally."""
-    proc = pp2_run(tmp_path, ["--train-iters", "4"], timeout=400, env={"LLM_ACT_COLLECTIVE_TIMEOUT": "120"},
-                   parallel=parallel)
+    broadcast), DP=2 (each replica its own batch). No rank waits; the run ends normally.
+    The gradient-fidelity reports (every 2 iterations here) are combined over the ranks the
+    same way: each stage or shard its own parameters, one report."""
+    proc = pp2_run(tmp_path, ["--train-iters", "4", "--act-compress-fidelity-every", "2"], timeout=400,
+                   env={"LLM_ACT_COLLECTIVE_TIMEOUT": "120"}, parallel=parallel)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "could not measure" not in proc.stdout + proc.stderr
     assert re.search(r"re-planning: 3 tracking points, [1-9]\d* plan changes, 0 solver failures", proc.stdout), \
         proc.stdout[-3000:]
+    fid = re.search(r"gradient fidelity at iteration 4: relative error ([0-9.e+-]+)", proc.stdout)
+    assert fid and 0 < float(fid.group(1)) < 1, proc.stdout[-3000:]
     assert "plan changed" in proc.stdout and "plan in force" in proc.stdout

@@ -255,9 +255,11 @@ def sentences(result: dict) -> list[str]:
     for name, s in summary(result).items():
         for plan, p in s["plans"].items():
             per = ", ".join(f"{d:+.2%}" for d in p["per_seed"].values())
+            wide = (" The interval (+-2 standard errors) is wider than the target: more seeds are "
+                    "needed to tell this plan from stock." if not 2 * p["se"] <= TARGET_GAP else "")
             lines.append(f"- **{name}, {plan}** (memory {p['memory']:.3f} of stock) paired with stock over "
                          f"{p['n']} seeds ends **{p['mean']:+.2%}** on average (standard error "
-                         f"{p['se']:.2%}; per seed {per}); stock's own spread {s['stock_spread']:.2%}.")
+                         f"{p['se']:.2%}; per seed {per}); stock's own spread {s['stock_spread']:.2%}.{wide}")
     for name, ok in target_met(result).items():
         lines.append(f"- Target (\"auto\" at <= {TARGET_FRACTION} of stock within {TARGET_GAP:.1%}, paired "
                      f"mean) on {name}: **{'met' if ok else 'not met'}**.")

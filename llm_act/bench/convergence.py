@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from llm_act.bench import memory as M
 from llm_act.planner.milp import DECODE_GROUPS
@@ -63,7 +64,12 @@ INT8_RECOMPUTE = {"ln1.input": "int8", "attn.qkv_input": "recompute", "attn.q": 
                   "attn.v": "int8", "attn.dropout_mask": "regen", "attn.out": "int8",
                   "attn.hidden_dropout_mask": "regen", "ln2.input": "int8", "mlp.fc1_input": "recompute",
                   "mlp.act_input": "int8", "mlp.fc2_input": "recompute", "mlp.hidden_dropout_mask": "regen"}
-PLANS = ("compress", "GACT 4-bit avg", "int8 + recompute") + tuple(f"auto {f:.2f}" for f in AUTO_FRACTIONS)
+#: stock again with one torch thread: the same model and batches, only the order of the
+#: floating-point reductions differs -- how far a run moves without any compression (the
+#: floor under which a paired difference means nothing)
+STOCK_AGAIN = "stock, 1 thread"
+PLANS = (STOCK_AGAIN, "compress", "GACT 4-bit avg", "int8 + recompute") + tuple(
+    f"auto {f:.2f}" for f in AUTO_FRACTIONS)
 SEEDS = (1234, 1235, 1236)
 #: the target: "auto" at this fraction of stock's activation bytes or less ...
 TARGET_FRACTION = 0.15
@@ -111,7 +117,7 @@ def static_bytes(trainer) -> int:
 
 
 def _flags(plan: str, budget: Optional[int], model: Model, folder: str) -> tuple[str, ...]:
-    if plan == "stock" or plan.startswith("GACT"):
+    if plan.startswith("stock") or plan.startswith("GACT"):
         return ()
     if plan.startswith("auto"):
         return ("--act-compress", "--act-compress-plan", "auto", "--act-compress-budget", str(budget))
@@ -141,15 +147,21 @@ def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Opti
         for layer in _layers(trainer):
             M.bind_layer(layer, int(layer.layer_number) - 1, scheme)
     eval_every = max(1, steps // 10)
-    out = {"steps": [0], "valid": [trainer.evaluate()], "train": []}
-    start = time.perf_counter()
-    for it in range(1, steps + 1):
-        stats = trainer.train_step(measure=it == steps)
-        out["train"].append(stats.loss)
-        if it % eval_every == 0 or it == steps:
-            out["steps"].append(it)
-            out["valid"].append(trainer.evaluate())
-    out["wall_s"] = time.perf_counter() - start
+    threads = torch.get_num_threads()
+    if plan == STOCK_AGAIN:
+        torch.set_num_threads(1)
+    try:
+        out = {"steps": [0], "valid": [trainer.evaluate()], "train": []}
+        start = time.perf_counter()
+        for it in range(1, steps + 1):
+            stats = trainer.train_step(measure=it == steps)
+            out["train"].append(stats.loss)
+            if it % eval_every == 0 or it == steps:
+                out["steps"].append(it)
+                out["valid"].append(trainer.evaluate())
+        out["wall_s"] = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
     per_layer = trainer.ledger.per_layer()
     by_site = trainer.ledger.by_site()
     first = min((k for k in per_layer if k is not None), default=0)

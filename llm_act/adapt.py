@@ -13,9 +13,14 @@ iterations apart, at most `ActConfig.adapt_interval_max`. At each one the `Adapt
    mini-batch sampling noise (`measure_sensitivity`; the planner takes the median of the
    last three measurements of each c_i);
 2. reduces them over the ranks (`llm_act.agreement`);
-3. solves the MILP on one rank per pipeline stage under the budget and broadcasts the
-   decision; every rank switches at this step boundary;
+3. solves the MILP on one rank per pipeline stage under the budget and the noise budget
+   (`ActConfig.variance_budget`, else `noise_fraction` of the measured sampling noise, per
+   parameter group) and broadcasts the decision; every rank switches at this step boundary;
 4. warns when the plan's predicted noise dominates the sampling noise.
+
+Independently of the plan mode, every `ActConfig.fidelity_every` iterations (or on
+request) the recorded step is run again exact and compressed and the relative gradient
+error is reported (`llm_act.fidelity`).
 
 A sharp shift -- an outlier rate, or the sensitivity of a site carrying at least 10% of the
 predicted noise, that moved by more than 2x since the last tracking -- resets the spacing to
@@ -235,13 +240,14 @@ class Adapter:
                 and (self.track_count == 0 or self.config.adapt)
                 and c._probe is None and c._step_probe is None)
 
-    def fidelity_due(self) -> bool:
-        """Whether the iteration running now (not yet counted) ends with a gradient-fidelity
-        report (`ActConfig.fidelity_every`, or `Controller.request_fidelity()`)."""
+    def fidelity_due(self, iteration: Optional[int] = None) -> bool:
+        """Whether `iteration` (default: the one running now, not yet counted) ends with a
+        gradient-fidelity report (`ActConfig.fidelity_every`, or `Controller.request_fidelity()`)."""
         c = self.controller
+        it = c.iteration + 1 if iteration is None else iteration
         every = self.config.fidelity_every
         return (c.enabled and self.measurable
-                and (self.fidelity_requested or (every > 0 and (c.iteration + 1) % every == 0)))
+                and (self.fidelity_requested or (every > 0 and it % every == 0)))
 
     def after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
         """Called after every iteration; reports the gradient fidelity and tracks when due
@@ -258,12 +264,7 @@ class Adapter:
         from llm_act import fidelity
 
         c = self.controller
-        c.iteration -= 1  # fidelity_due speaks of the iteration running; this one has just ended
-        try:
-            due = self.fidelity_due()
-        finally:
-            c.iteration += 1
-        if not due:
+        if not self.fidelity_due(c.iteration):  # the iteration that has just ended
             return
         probe = probe or self.replay.probe()
         g = agreement.groups()

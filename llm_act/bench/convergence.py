@@ -273,17 +273,23 @@ def sentences(result: dict) -> list[str]:
                          f"{p['n']} seeds ends **{p['mean']:+.2%}** on average (standard error "
                          f"{p['se']:.2%}; per seed {per}); stock's own spread {s['stock_spread']:.2%}.{wide}")
     for name, ok in target_met(result).items():
-        lines.append(f"- Target (\"auto\" at <= {TARGET_FRACTION} of stock within {TARGET_GAP:.1%}, paired "
-                     f"mean) on {name}: **{'met' if ok else 'not met'}**.")
+        floor = summary(result)[name]["plans"].get(STOCK_AGAIN)
+        resolved = "" if floor is None else (
+            f" Stock run again, with only another order of floating-point reductions, ends "
+            f"{', '.join(f'{d:+.2%}' for d in floor['per_seed'].values())} from stock per seed: "
+            "per-seed differences of that size come from the run itself, not from compression.")
+        lines.append(f"- Target (\"auto\" storing <= {TARGET_FRACTION} of stock ends at most {TARGET_GAP:+.1%} "
+                     f"above stock, paired mean over >= 3 seeds) on {name}: **{'met' if ok else 'not met'}**."
+                     + resolved)
     return lines
 
 
 def target_met(result: dict) -> dict[str, bool]:
-    """Per model: whether some "auto" plan storing <= TARGET_FRACTION of stock ends within
-    TARGET_GAP of stock (paired mean over >= 3 seeds)."""
+    """Per model: whether some "auto" plan storing <= TARGET_FRACTION of stock ends no more
+    than TARGET_GAP above stock (paired mean over >= 3 seeds; a lower loss is no failure)."""
     out = {}
     for name, s in summary(result).items():
-        out[name] = any(p["memory"] <= TARGET_FRACTION and abs(p["mean"]) <= TARGET_GAP and p["n"] >= 3
+        out[name] = any(p["memory"] <= TARGET_FRACTION and p["mean"] <= TARGET_GAP and p["n"] >= 3
                         for plan, p in s["plans"].items() if plan.startswith("auto"))
     return out
 

@@ -113,10 +113,13 @@ def test_convergence_quick(quick_convergence):
         assert len(r["valid"]) == len(r["steps"]) and r["steps"][-1] == 30
         assert r["block_bytes"] > 0 and r["static_bytes"] > 0
     stock = runs["stock seed 1234"]
-    # the plans store a fraction of stock in the layers; auto within its budget's share
+    # the plans store a fraction of stock in the layers; auto within its budget's share (the
+    # budget reserves one layer's q/k/v/out for the backward transient: a plan whose transient
+    # is smaller may store that much more)
     assert runs["compress seed 1234"]["block_bytes"] < 0.3 * stock["block_bytes"]
     auto = runs["auto 0.15 seed 1234"]
-    assert auto["block_bytes"] <= 0.15 * stock["block_bytes"], auto["plan"]
+    assert auto["block_bytes"] <= 0.15 * stock["block_bytes"] + stock["transient_bytes"], auto["plan"]
+    assert auto["block_bytes"] < 0.3 * stock["block_bytes"], auto["plan"]
     assert 0 < auto["measuring"] < 1 and auto["changes"] >= 1 and auto["noise_budget"] > 0
     assert 0 < result["entropy"] < math.log(256)
     assert (tmp_path / "convergence.png").stat().st_size > 0

@@ -111,11 +111,9 @@ def measure_sums(controller: Any, forward: Callable[[], Any], named: list[tuple[
     out: dict[str, float] = {}
     with probing.isolated(controller, params) as snap, torch.enable_grad():
         exact = _grad(controller, forward, params, snap, {})
-        for g, e in zip(groups, exact):
-            out[f"norm:{g}"] = out.get(f"norm:{g}", 0.0) + float(e.double().pow(2).sum())
+        out.update({f"norm:{g}": v for g, v in probing.sq_by_group(exact, None, groups).items()})
         comp = _grad(controller, forward, params, snap, plan_codecs(controller, plan, seed))
-        for g, e, c in zip(groups, exact, comp):
-            out[f"err:{g}"] = out.get(f"err:{g}", 0.0) + float((c.double() - e.double()).pow(2).sum())
+        out.update({f"err:{g}": v for g, v in probing.sq_by_group(comp, exact, groups).items()})
         del comp
         for site in sites:
             alone = _grad(controller, forward, params, snap, plan_codecs(controller, plan, seed + 1, only=site))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -168,6 +168,15 @@ def optional_grad(loss: torch.Tensor, params: list[torch.Tensor], retain: bool =
 def sq_distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     """||a - b||^2 over all tensors together, in float64."""
     return float(sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b)))
+
+
+def sq_by_group(a: list[torch.Tensor], b: Optional[list[torch.Tensor]], groups: Sequence[str]) -> dict[str, float]:
+    """||a - b||^2 per group name (`groups[i]` names tensor i; b None: ||a||^2), in float64."""
+    out: dict[str, float] = {}
+    for i, (x, g) in enumerate(zip(a, groups)):
+        d = x.double() if b is None else x.double() - b[i].double()
+        out[g] = out.get(g, 0.0) + float(d.pow(2).sum())
+    return out
 
 
 def params_of(model_or_params: Any) -> list[torch.Tensor]:

@@ -157,14 +157,6 @@ def sensitive_sites(controller: Any) -> list[str]:
     return out
 
 
-def _by_group(a: list[torch.Tensor], b: list[torch.Tensor], groups: Sequence[str]) -> dict[str, float]:
-    """||a - b||^2 per group name (float64)."""
-    out: dict[str, float] = {}
-    for x, y, g in zip(a, b, groups):
-        out[g] = out.get(g, 0.0) + float((x.double() - y.double()).pow(2).sum())
-    return out
-
-
 def measure_sensitivity(controller: Any, forward: Callable[[], Any], params: Any, *,
                         sites: Optional[Sequence[str]] = None, seed: int = 0,
                         sampling: bool = True, groups: Optional[Sequence[str]] = None) -> Sensitivity:
@@ -204,7 +196,8 @@ def measure_sensitivity(controller: Any, forward: Callable[[], Any], params: Any
             out.probe_s[site] = s_sum
             out.c[site] = d2 / (2.0 * s_sum) if s_sum > 0 else 0.0
             if groups is not None and s_sum > 0:
-                per_group[site] = {g: v / (2.0 * s_sum) for g, v in _by_group(grads[0], grads[1], groups).items()}
+                by_group = probing.sq_by_group(grads[0], grads[1], groups)
+                per_group[site] = {g: v / (2.0 * s_sum) for g, v in by_group.items()}
             del grads
         if sampling:
             probing.install(controller, {})
@@ -212,7 +205,8 @@ def measure_sensitivity(controller: Any, forward: Callable[[], Any], params: Any
             if halves is not None:
                 out.sampling_noise = probing.sq_distance(*halves) / 4.0
                 if groups is not None:
-                    out.sampling_by_group = {g: v / 4.0 for g, v in _by_group(*halves, groups).items()}
+                    by_group = probing.sq_by_group(halves[0], halves[1], groups)
+                    out.sampling_by_group = {g: v / 4.0 for g, v in by_group.items()}
     out.c_whole = dict(out.c)
     if per_group and out.sampling_noise:
         out.c = {site: worst_group(per_group.get(site), out.sampling_by_group, out.sampling_noise, c)

@@ -313,7 +313,8 @@ class Controller:
     def request_fidelity(self) -> None:
         """Report the gradient fidelity (`llm_act.fidelity`) at the end of the next
         iteration, besides the ones `ActConfig.fidelity_every` schedules; the report is
-        logged and appended to `adapter.fidelity`."""
+        logged and appended to `adapter.fidelity`. Under distributed training call it on
+        every rank (the report combines the ranks' sums in one collective)."""
         self.adapter.fidelity_requested = True
 
     def probe_params(self) -> list:

@@ -266,11 +266,8 @@ class Adapter:
         c = self.controller
         if not self.fidelity_due(c.iteration):  # the iteration that has just ended
             return
-        probe = probe or self.replay.probe()
         g = agreement.groups()
-        if g is not None:  # every rank reports or none does: the collectives inside must pair up
-            have = agreement.reduce_dict({"p": float(probe is not None)}, "min", g.world)["p"]
-            probe = probe if have else None
+        probe = self._probe_on_every_rank(probe, g)
         if probe is None:
             return
         self.fidelity_requested = False
@@ -280,7 +277,7 @@ class Adapter:
         self.fidelity_next += len(sites)
         start = time.perf_counter()
         try:
-            named = fidelity.named_params(self.replay.roots, c.probe_params())
+            named = self._named_params()
             sums = fidelity.measure_sums(c, probe, named, c.plan, sites, seed=self.config.seed + 31 * c.iteration)
             sums = agreement.reduce_dict(sums, "mean", g.world if g else None)
         finally:
@@ -288,6 +285,21 @@ class Adapter:
         report = fidelity.FidelityReport.from_sums(c.iteration, sums)
         self.fidelity = (self.fidelity + [report])[-fidelity.HISTORY:]
         log.info("llm_act: %s", report.format())
+
+    def _probe_on_every_rank(self, probe: Optional[Callable[[], Any]], g: Any) -> Optional[Callable[[], Any]]:
+        """`probe`, else the recorded step's; None unless every rank has one (every rank
+        measures or none does: the collectives inside must pair up)."""
+        probe = probe or self.replay.probe()
+        if g is not None:
+            have = agreement.reduce_dict({"p": float(probe is not None)}, "min", g.world)["p"]
+            probe = probe if have else None
+        return probe
+
+    def _named_params(self) -> list:
+        """(name, parameter) of the watched model, the parameters measuring counts."""
+        from llm_act import fidelity
+
+        return fidelity.named_params(self.replay.roots, self.controller.probe_params())
 
     def _after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
         it = self.controller.iteration
@@ -306,12 +318,7 @@ class Adapter:
                             "(a Hugging Face-style model), where it keeps the 'compress' plan it starts "
                             "from (name a plan, or pin codecs with ActConfig.codecs, to choose another)")
             return
-        if probe is None:
-            probe = self.replay.probe()
-        g = agreement.groups()
-        if g is not None:  # every rank tracks or none does: the collectives inside must pair up
-            have = agreement.reduce_dict({"p": float(probe is not None)}, "min", g.world)["p"]
-            probe = probe if have else None
+        probe = self._probe_on_every_rank(probe, agreement.groups())
         if probe is None:
             if not self._warned_no_probe:
                 log.warning("llm_act: plan 'auto' could not measure at iteration %d: no training forward "
@@ -392,7 +399,7 @@ class Adapter:
         stats = {"outlier": profile.outlier_rates(),
                  "channels": {site: st.shape[-1] for (_, site), st in profile.sites.items() if st.shape}}
         if self.config.sensitivity and self.track_count % 2 == 0:
-            named = fidelity.named_params(self.replay.roots, c.probe_params())
+            named = self._named_params()
             sens = measure_sensitivity(c, probe, [p for _, p in named], seed=self.config.seed + it,
                                        sites=self.sensitivity_sites(),
                                        groups=[fidelity.group_name(n) for n, _ in named])

@@ -152,7 +152,12 @@ def _model(shape: GpuShape, device: torch.device, seed: int = 1234):
                                num_layers=shape.layers, dtype=torch.bfloat16, dropout=0.0,
                                use_cpu_initialization=device.type == "cpu")
     torch.manual_seed(seed)
-    return testing.gpt_model(cfg, vocab_size=shape.vocab, max_sequence_length=shape.seq).to(device)
+    model = testing.gpt_model(cfg, vocab_size=shape.vocab, max_sequence_length=shape.seq).to(device)
+    # as Megatron-LM under --bf16: every parameter in bf16 (on CUDA megatron-core's torch
+    # LayerNorm fallback builds fp32 weights, which CUDA's layer_norm refuses beside bf16 input)
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(cfg, model)
 
 
 def _layers(model):
@@ -175,8 +180,21 @@ def bind(model, scheme: M.Scheme) -> None:
             M.bind_layer(layer, index, scheme)
 
 
+OOM = "out of memory"
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:240]
+
+
 class _Failed(Exception):
-    """A step did not fit (out of memory, or above `capacity_bytes`)."""
+    """A step did not fit (out of memory, or above `capacity_bytes`); `why`: the allocator's
+    first line (how much it asked for and had), which tells a real edge from a bug that
+    asks for far too much."""
+
+    def __init__(self, why: str = ""):
+        super().__init__(why)
+        self.why = why
 
 
 def _free(device: torch.device) -> None:
@@ -206,7 +224,9 @@ def _measure(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int
         model.zero_grad(set_to_none=True)
 
     oom = False
+    why = ""
     out: dict = {}
+    before = torch.cuda.memory_allocated(device) if cuda else 0
     try:
         if cuda:
             _free(device)
@@ -221,30 +241,39 @@ def _measure(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int
             first_ms = (time.perf_counter() - t0) * 1e3
             out["mem_bytes"] = int(led.total_bytes)
         if capacity is not None and out["mem_bytes"] > capacity:
-            oom = True
+            oom, why = True, f"{_size(out['mem_bytes'])} > capacity {_size(capacity)}"
         elif repeat > 0:
             # the memory step above was the warm-up; on CPU with repeat=1 it is also the timed
             # step (a smoke run: half the steps; CPU numbers mean nothing anyway)
             ms = first_ms if (not cuda and repeat == 1) else median_ms(step, device, warmup=0, repeat=repeat)
             out.update(ms=ms, tokens_per_s=mbs * shape.seq / ms * 1e3)
-    except torch.cuda.OutOfMemoryError:
-        oom = True
+    except torch.cuda.OutOfMemoryError as err:
+        oom, why = True, _first_line(err)
     except RuntimeError as err:  # allocation failures outside the caching allocator
         if not any(t in str(err) for t in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")):
             raise
-        oom = True
+        oom, why = True, _first_line(err)
     if oom:
+        if os.environ.get("LLM_ACT_BENCH_TRACEBACK") and why:
+            import traceback
+
+            traceback.print_exc()
         model.zero_grad(set_to_none=True)
         del ids, pos
         _free(device)
-        raise _Failed()
+        if cuda:  # what the failed step left allocated (tells a leak from the edge)
+            left = torch.cuda.memory_allocated(device) - before
+            if left > 2**28:
+                why += f"; {_size(left)} still allocated after it"
+        raise _Failed(why)
     return out
 
 
 def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, repeat: int = 3,
         search: Optional[bool] = None, capacity_bytes: Optional[int] = None,
         max_mbs: int = 1024, time_budget_s: Optional[float] = None, resolution: Optional[float] = None,
-        schemes=ORDER, log: Callable[[str], None] = lambda m: None) -> dict:
+        schemes=ORDER, log: Callable[[str], None] = lambda m: None,
+        isolate: Optional[bool] = None) -> dict:
     """Measure every scheme. Returns {"rows": [...], "largest": {scheme: {...}}, "machine",
     "shape", "memory_kind", "capacity", "static", "skipped"}; a row is {scheme, mbs, fits,
     ms, tokens_per_s, mem_bytes, plan, budget, note} (`fits` False: out of memory or no plan;
@@ -254,8 +283,11 @@ def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, 
     `capacity_bytes` emulates a card); the bisection stops within `resolution` of the edge
     (a share of the size; default 1/16 on CUDA, where every probe of a big micro-batch costs
     seconds, exact on CPU). `capacity_bytes`: the memory a step may use (CUDA
-    default: the card's total minus `MARGIN`; it is also the budget of "ours")."""
-    from llm_act import testing
+    default: the card's total minus `MARGIN`; it is also the budget of "ours").
+    `isolate` (default: on CUDA): each scheme in a fresh process, so that what one scheme
+    leaves on the card (seen on an H200: after a scheme's out-of-memory probes the next
+    scheme failed at micro-batch 1, and fitted in a fresh process) never decides another's
+    numbers; a scheme that crashes there is a row with its error, not the end of the run."""
     from llm_act.bench.timing import machine_line
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -265,23 +297,88 @@ def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, 
         search = cuda or capacity_bytes is not None
     if resolution is None:
         resolution = 1 / 16 if cuda else 0.0
+    if isolate is None:
+        isolate = cuda
+    if isolate and cuda:
+        _free(dev)  # what this process cached (the kernels' bench) is the children's to use
     card = None
     if cuda:
         card = int(torch.cuda.get_device_properties(dev).total_memory * (1 - MARGIN))
-    capacity = capacity_bytes
-    ours_total = capacity if capacity is not None else card  # what "ours" plans against
     deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
+    sweep = _Sweep(shape=shape, device=str(dev), sizes=sizes, repeat=repeat, search=search,
+                   capacity=capacity_bytes, ours_total=capacity_bytes if capacity_bytes is not None else card,
+                   max_mbs=max_mbs, resolution=resolution)
     rows: list[dict] = []
     largest_found: dict = {}
     skipped: list[str] = []
     full_mem: dict[int, int] = {}  # mbs -> full recompute's measured memory
+    for name in schemes:
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0:
+            skipped.append(f"{name}: every size")
+            continue
+        if isolate:
+            got = _in_child(sweep, name, full_mem, left)
+        else:
+            got = sweep.scheme(name, full_mem, left, log)
+        rows += got["rows"]
+        skipped += got["skipped"]
+        full_mem.update(got["full_mem"])
+        if got.get("largest") is not None:
+            largest_found[name] = got["largest"]
+    return {"rows": rows, "largest": largest_found, "machine": machine_line(dev), "shape": shape,
+            "memory_kind": "cuda peak" if cuda else "ledger", "capacity": capacity_bytes or card,
+            "card": card, "skipped": skipped, "sizes": sizes,
+            "static": {m: sweep.static_at(full_mem, m) for m in sizes} if full_mem else {}}
 
-    def over() -> bool:
-        return deadline is not None and time.perf_counter() > deadline
 
-    def static_at(mbs: int) -> int:
+def _in_child(sweep: "_Sweep", name: str, full_mem: dict, left: Optional[float]) -> dict:
+    """`sweep.scheme(name, ...)` in a fresh spawned process (its log lines go to stdout)."""
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        try:
+            return pool.submit(_child_scheme, sweep, name, dict(full_mem), left).result()
+        except Exception as err:  # the child died (or its result could not come back)
+            print(f"  {name}: the process measuring it failed: {_first_line(err)}", flush=True)
+            return {"rows": [{"scheme": name, "mbs": sweep.sizes[0], "fits": False,
+                              "note": f"error: {_first_line(err)}"}],
+                    "skipped": [], "full_mem": {}, "largest": None}
+
+
+def _child_scheme(sweep: "_Sweep", name: str, full_mem: dict, left: Optional[float]) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|CUDA_DEVICE_MAX).*")
+    try:
+        return sweep.scheme(name, full_mem, left, lambda m: print(m, flush=True))
+    except Exception as err:
+        import traceback
+
+        traceback.print_exc()
+        return {"rows": [{"scheme": name, "mbs": sweep.sizes[0], "fits": False,
+                          "note": f"error: {type(err).__name__}: {_first_line(err)}"}],
+                "skipped": [], "full_mem": {}, "largest": None}
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """What every scheme's measurement shares (picklable: it crosses into a child process)."""
+    shape: GpuShape
+    device: str
+    sizes: tuple
+    repeat: int
+    search: bool
+    capacity: Optional[int]
+    ours_total: Optional[int]  # what "ours" plans against
+    max_mbs: int
+    resolution: float
+
+    def static_at(self, full_mem: dict, mbs: int) -> int:
         """Non-activation memory at `mbs`: a + b*m fitted to full recompute's residuals."""
-        pts = sorted((m, mem - full_activation_bytes(shape, m)) for m, mem in full_mem.items())
+        pts = sorted((m, mem - full_activation_bytes(self.shape, m)) for m, mem in full_mem.items())
         if not pts:
             return 0
         if len(pts) == 1:
@@ -290,36 +387,47 @@ def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, 
         slope = (r1 - r0) / (m1 - m0)
         return max(0, int(r0 + slope * (mbs - m0)))
 
-    def plan_for(name: str, mbs: int):
+    def plan_for(self, name: str, mbs: int, full_mem: dict):
         """(scheme, budget, static, reason-if-none)"""
         if name == AUTO_AT_FULL:
             if mbs not in full_mem:
                 return None, None, None, "full recompute did not fit/measure here"
             budget = full_mem[mbs]
-            static = min(budget, static_at(mbs))
+            static = min(budget, self.static_at(full_mem, mbs))
         elif name == OURS:
-            budget = ours_total if ours_total is not None else 2**62
-            static = static_at(mbs) if ours_total is not None else 0
+            budget = self.ours_total if self.ours_total is not None else 2**62
+            static = self.static_at(full_mem, mbs) if self.ours_total is not None else 0
         else:
             return _scheme(name), None, None, None
-        choice, note = _solve(shape, mbs, budget, static, least=name == AUTO_AT_FULL)
+        choice, note = _solve(self.shape, mbs, budget, static, least=name == AUTO_AT_FULL)
         if choice is None:
             return None, budget, static, note
         return _scheme(name, choice), budget, static, note
 
-    testing.init_parallel(seed=1234)
-    try:
-        for name in schemes:
-            if over():
-                skipped.append(f"{name}: every size")
-                continue
+    def scheme(self, name: str, full_mem: dict, left: Optional[float], log: Callable[[str], None]) -> dict:
+        """One scheme over the sizes, then its largest micro-batch: {"rows", "skipped",
+        "full_mem" (FULL's measured memory per size), "largest"}."""
+        from llm_act import testing
+
+        dev = torch.device(self.device)
+        deadline = None if left is None else time.perf_counter() + left
+        full_mem = dict(full_mem)
+        rows: list[dict] = []
+        skipped: list[str] = []
+        found = None
+
+        def over() -> bool:
+            return deadline is not None and time.perf_counter() > deadline
+
+        testing.init_parallel(seed=1234)
+        try:
             t0 = time.perf_counter()
-            model = _model(shape, dev)
+            model = _model(self.shape, dev)
             bound = None
 
             def cell(mbs: int, reps: int) -> dict:
                 nonlocal bound
-                scheme, budget, static, why = plan_for(name, mbs)
+                scheme, budget, static, why = self.plan_for(name, mbs, full_mem)
                 row = {"scheme": name, "mbs": mbs, "budget": budget, "static": static}
                 if why:
                     row["note"] = why
@@ -330,20 +438,20 @@ def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, 
                     bind(model, scheme)
                     bound = key
                 try:
-                    got = _measure(model, shape, mbs, dev, reps, capacity)
-                except _Failed:
+                    got = _measure(model, self.shape, mbs, dev, reps, self.capacity)
+                except _Failed as failed:
                     bound = None  # rebind before the next step: drops whatever the failed one left
-                    return {**row, "fits": False, "note": "out of memory"}
+                    return {**row, "fits": False, "note": OOM, "why": failed.why}
                 return {**row, "fits": True, "plan": scheme.choice if name in (AUTO_AT_FULL, OURS) else None,
                         **got}
 
             try:
                 fitted, failed_at = [], None
-                for mbs in sizes:
+                for mbs in self.sizes:
                     if over():
                         skipped.append(f"{name}: mbs {mbs}")
                         continue
-                    row = cell(mbs, repeat)
+                    row = cell(mbs, self.repeat)
                     rows.append(row)
                     if row["fits"]:
                         fitted.append(mbs)
@@ -353,21 +461,20 @@ def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, 
                         log(f"  {name} mbs {mbs}: {speed}{_size(row['mem_bytes'])}")
                     else:
                         failed_at = mbs
-                        log(f"  {name} mbs {mbs}: {row['note']}")
+                        log(f"  {name} mbs {mbs}: {row['note']}"
+                            + (f" ({row['why']})" if row.get("why") else ""))
                         break
-                if search and name != AUTO_AT_FULL:
-                    largest_found[name] = _search(name, max(fitted, default=0), failed_at, cell, over,
-                                                  max_mbs, log, resolution)
+                if self.search and name != AUTO_AT_FULL:
+                    found = _search(name, max(fitted, default=0), failed_at, cell, over,
+                                    self.max_mbs, log, self.resolution)
             finally:
                 del model
                 _free(dev)
             log(f"  {name}: {time.perf_counter() - t0:.1f} s")
-    finally:
-        testing.destroy_parallel()
-    return {"rows": rows, "largest": largest_found, "machine": machine_line(dev), "shape": shape,
-            "memory_kind": "cuda peak" if cuda else "ledger", "capacity": capacity or card,
-            "card": card, "skipped": skipped, "sizes": sizes,
-            "static": {m: static_at(m) for m in sizes} if full_mem else {}}
+        finally:
+            testing.destroy_parallel()
+        return {"rows": rows, "skipped": skipped, "largest": found,
+                "full_mem": full_mem if name == FULL else {}}
 
 
 def _search(name, lo, failed, cell, over, max_mbs, log, resolution: float = 0.0) -> dict:
@@ -382,7 +489,8 @@ def _search(name, lo, failed, cell, over, max_mbs, log, resolution: float = 0.0)
         if over():
             return None
         r = probe(m, 0)
-        log(f"  {name} search mbs {m}: {'fits' if r['fits'] else r['note']}")
+        log(f"  {name} search mbs {m}: {'fits' if r['fits'] else r['note']}"
+            + (f" ({r['why']})" if r.get("why") else ""))
         return r["fits"]
 
     while failed is None:
@@ -456,7 +564,7 @@ def table(result: dict) -> str:
             if r is None:
                 cells.append("-")
             elif not r["fits"]:
-                cells.append("OOM" if r.get("note") == "out of memory" else (r.get("note") or "no fit"))
+                cells.append("OOM" if r.get("note") == OOM else (r.get("note") or "no fit"))
             else:
                 star = "*" if r.get("note") else ""
                 cells.append(f"{r['tokens_per_s']:.0f} ({r['mem_bytes'] / div:.2f}){star}")

@@ -102,7 +102,7 @@ def test_cuda_branch_on_a_tiny_gpt():
     `torch.cuda.max_memory_allocated`, the auto budget = full recompute's measured peak, and
     the largest-micro-batch search against an emulated small card (no real OOM needed)."""
     shape = G.GpuShape(layers=2, hidden=256, heads=4, seq=256, vocab=512)
-    res = G.run(shape, device="cuda", sizes=(1, 2), repeat=2, max_mbs=8)
+    res = G.run(shape, device="cuda", sizes=(1, 2), repeat=2, max_mbs=8, isolate=False)
     assert res["memory_kind"] == "cuda peak" and res["card"] > 0
     by = {(r["scheme"], r["mbs"]): r for r in res["rows"]}
     for name in G.SCHEMES:
@@ -111,3 +111,19 @@ def test_cuda_branch_on_a_tiny_gpt():
         assert by[(G.AUTO_AT_FULL, m)]["budget"] == by[(G.FULL, m)]["mem_bytes"] > 0
     assert all(G.largest(res, s) == 8 for s in (G.STOCK, G.FULL))  # capped: the card is huge
     assert len(G.targets(res)) == 4
+
+
+def test_each_scheme_in_its_own_process_measures_the_same(result):
+    """`isolate=True` (the CUDA default: what one scheme leaves on the card must not decide
+    the next one's numbers) runs each scheme in a spawned process; the ledger's bytes, the
+    fits, the largest micro-batch and the auto budget (full recompute's measured memory,
+    handed from one child to the next) are the in-process run's."""
+    res, cap = result
+    schemes = (G.STOCK, G.FULL, G.AUTO_AT_FULL)
+    iso = G.run(SHAPE, device="cpu", sizes=(1, 2), repeat=0, capacity_bytes=cap, max_mbs=4,
+                schemes=schemes, isolate=True)
+    key = lambda rows: [(r["scheme"], r["mbs"], r["fits"], r.get("mem_bytes"), r.get("budget"))  # noqa: E731
+                        for r in rows if r["scheme"] in schemes]
+    assert key(iso["rows"]) == key(res["rows"]) and len(key(iso["rows"])) == 6
+    assert {s: iso["largest"][s] for s in (G.STOCK, G.FULL)} == {s: res["largest"][s] for s in (G.STOCK, G.FULL)}
+    assert iso["static"] == res["static"]

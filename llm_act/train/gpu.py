@@ -1,7 +1,8 @@
 """The GPU branch: megatron-core's own DDP, optimizer and gradient finalisation (NCCL).
 
-Not yet run on a GPU; tools/gpu_suite.sh runs it (10 iterations of `launch/pretrain_gpt.py`
-under torchrun on one GPU, without and with `--act-compress`, logs under $OUT). megatron-core's
+Ran on an H200 on 2026-11-26 through tools/gpu_suite.sh (10 iterations of
+`launch/pretrain_gpt.py` under torchrun on one GPU, without and with `--act-compress`;
+docs/benchmarks.md section 4). megatron-core's
 training stack needs CUDA, so this module only runs where `torch.cuda.is_available()` and
 no CPU test reaches it. It follows what Megatron-LM's
 `training.py` does for a non-distributed optimizer: each chunk (in a Float16Module under

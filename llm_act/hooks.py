@@ -307,6 +307,9 @@ class SavedTensorCompression:
             t = t.detach().clone()
             nbytes = own
         else:
+            # detached (same storage): a saved *output* packed as itself holds its own grad_fn,
+            # a cycle through the graph that keeps it alive for good if the step fails
+            t = t.detach()
             entry = self._entry(t, st)
             if entry.kept:  # the storage is held raw already: counted once, at its first site
                 self.stats.reused += 1

@@ -182,8 +182,8 @@ def bind(model, scheme: M.Scheme) -> None:
 
 OOM = "out of memory"
 #: what a failed step may leave allocated before the model is rebuilt for the next probe (an
-#: H200 run saw 102 GiB left after an out-of-memory at the logits under a codec plan, and every
-#: later probe of that scheme fail; not reproduced on CPU, where nothing is left)
+#: H200 run saw 102 GiB left after an out-of-memory at the logits under a recompute chain, and
+#: every later probe of that scheme fail: a reference cycle, fixed since, tests/test_failed_step_frees.py)
 LEAK_BYTES = 2**28
 
 

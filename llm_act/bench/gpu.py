@@ -181,6 +181,10 @@ def bind(model, scheme: M.Scheme) -> None:
 
 
 OOM = "out of memory"
+#: timed steps per cell on CUDA: at least `repeat`, more until they add up to TIMED_MS (at most
+#: MAX_REPEAT), after one untimed warm-up beside the memory step (allocator growth, autotuning)
+TIMED_MS = 1000.0
+MAX_REPEAT = 30
 #: what a failed step may leave allocated before the model is rebuilt for the next probe (an
 #: H200 run saw 102 GiB left after an out-of-memory at the logits under a recompute chain, and
 #: every later probe of that scheme fail: a reference cycle, fixed since, tests/test_failed_step_frees.py)
@@ -250,7 +254,9 @@ def _measure(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int
         elif repeat > 0:
             # the memory step above was the warm-up; on CPU with repeat=1 it is also the timed
             # step (a smoke run: half the steps; CPU numbers mean nothing anyway)
-            ms = first_ms if (not cuda and repeat == 1) else median_ms(step, device, warmup=0, repeat=repeat)
+            ms = first_ms if (not cuda and repeat == 1) else median_ms(
+                step, device, warmup=1 if cuda else 0, repeat=repeat,
+                min_total_ms=TIMED_MS if cuda else 0.0, max_repeat=MAX_REPEAT)
             out.update(ms=ms, tokens_per_s=mbs * shape.seq / ms * 1e3)
     except torch.cuda.OutOfMemoryError as err:
         oom, why = True, _first_line(err)

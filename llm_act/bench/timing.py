@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeat: int = 5) -> float:
-    """Median milliseconds of `fn()` on `device`."""
+def median_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeat: int = 5,
+              min_total_ms: float = 0.0, max_repeat: Optional[int] = None) -> float:
+    """Median milliseconds of `fn()` on `device`: `repeat` timed calls, and more (up to
+    `max_repeat`) until they add up to `min_total_ms` (short steps: an H200 run's three-step
+    medians at micro-batch 1-2 swung by +-50% between runs)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeat):
+    times: list[float] = []
+    cap = max(repeat, max_repeat if max_repeat is not None else repeat)
+    while len(times) < repeat or (sum(times) < min_total_ms and len(times) < cap):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

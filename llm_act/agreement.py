@@ -13,7 +13,12 @@ iteration (design brief, "Distributed rules").
 
 With megatron-core's parallel state initialised its groups are used (the stage group is
 `get_tensor_and_data_parallel_group()`); otherwise the whole `torch.distributed` world is
-one stage. Without torch.distributed (or with one rank) every function is the identity.
+one stage. Expert parallelism needs nothing more: megatron carves the expert-parallel group
+out of a stage's TP x DP ranks (EP x expert-TP x expert-DP = TP x DP), so the ranks that hold
+different experts of one MoE layer are in the stage group, agree on its plan, and reduce
+their MoE statistics with it (bytes by max: the rank whose experts receive the most tokens).
+`groups()` checks that layout.
+Without torch.distributed (or with one rank) every function is the identity.
 Statistics travel as small pickled Python objects (a few hundred numbers per tracking point),
 so no tensor layout has to agree between ranks.
 
@@ -101,8 +106,28 @@ def groups() -> Optional[Groups]:
     ps = _megatron_state()
     if ps is not None:
         stage = ps.get_tensor_and_data_parallel_group()
+        ep = expert_parallel_ranks()
+        if not set(ep) <= set(dist.get_process_group_ranks(stage)):
+            raise RuntimeError(
+                f"llm_act: the expert-parallel group (global ranks {spans(ep)}) reaches beyond this "
+                f"pipeline stage's ranks ({spans(dist.get_process_group_ranks(stage))}): its ranks "
+                "could not agree on one plan; initialise megatron's parallel state with "
+                "initialize_model_parallel(..., expert_model_parallel_size=...) so that EP splits "
+                "the data-parallel ranks of each stage")
         return Groups(stage=stage, world=None, src=dist.get_global_rank(stage, 0))
     return Groups(stage=None, world=None, src=0)
+
+
+def expert_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's expert-parallel group (megatron's; this rank alone without
+    expert parallelism or megatron's parallel state)."""
+    dist = _dist()
+    if dist is None:
+        return [0]
+    ps = _megatron_state()
+    if ps is None or ps.get_expert_model_parallel_world_size() == 1:
+        return [dist.get_rank()]
+    return list(dist.get_process_group_ranks(ps.get_expert_model_parallel_group()))
 
 
 def data_parallel_rank() -> int:

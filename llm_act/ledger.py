@@ -76,6 +76,15 @@ _ROLE_SITES: dict[str, Optional[str]] = {
     "mlp": "mlp.act_input",
     "mlp.linear_fc1": "mlp.fc1_input",
     "mlp.linear_fc2": "mlp.fc2_input",
+    # an MoE layer's modules get "moe" roles (`_moe_role`; local experts share one role "*"):
+    # the layer itself and the router keep the routing (scores, top-k and permutation
+    # indices, the routing map); an expert keeps its activation input and output
+    "moe": "moe.routing",
+    "moe.router": "moe.routing",
+    "moe.experts": "moe.routing",
+    "moe.experts.*": "moe.act_input",
+    "moe.experts.*.linear_fc1": "moe.fc1_input",
+    "moe.experts.*.linear_fc2": "moe.fc2_input",
 }
 #: Roles whose first positional input(s) are tagged with a site (pre-hook).
 _INPUT_TAGS: dict[str, tuple[str, ...]] = {
@@ -88,6 +97,11 @@ _INPUT_TAGS: dict[str, tuple[str, ...]] = {
     "pre_mlp_layernorm": ("ln2.input",),
     "mlp.linear_fc1": ("mlp.fc1_input",),
     "mlp.linear_fc2": ("mlp.fc2_input",),
+    "moe.router": ("moe.router_input",),
+    # an expert's forward(tokens, per-token probabilities)
+    "moe.experts.*": ("moe.fc1_input", "moe.routing"),
+    "moe.experts.*.linear_fc1": ("moe.fc1_input",),
+    "moe.experts.*.linear_fc2": ("moe.fc2_input",),
 }
 #: Roles whose output is tagged (post-hook): the attention probabilities, before and
 #: after dropout, are what the probs @ V product saves.
@@ -97,7 +111,8 @@ _OUTPUT_TAGS: dict[str, str] = {
 }
 #: Saved directly in the layer (the bias-dropout-add): the dropout mask after the last
 #: finished sublayer.
-_AFTER_SUBLAYER = (("mlp", "mlp.hidden_dropout_mask"), ("self_attention", "attn.hidden_dropout_mask"))
+_AFTER_SUBLAYER = (("mlp", "mlp.hidden_dropout_mask"), ("moe", "mlp.hidden_dropout_mask"),
+                   ("self_attention", "attn.hidden_dropout_mask"))
 _SITE_RANK = {s: i for i, s in enumerate(SITES)}
 
 #: autograd nodes that only re-view, copy or cast their input (used to see that a saved
@@ -197,6 +212,24 @@ class _Frame:
 
 def _is_layer(m: torch.nn.Module) -> bool:
     return hasattr(m, "self_attention") and hasattr(m, "mlp") and hasattr(m, "input_layernorm")
+
+
+def _moe_role(path: str) -> str:
+    """The role of a submodule of an MoE layer's `mlp` (`path` relative to the layer):
+    "moe..." with the local expert's index replaced by "*"; a shared expert is the block's
+    dense MLP ("mlp...": its tensors go to the `mlp.*` sites)."""
+    rest = path[len("mlp"):]
+    if rest == ".shared_experts" or rest.startswith(".shared_experts."):
+        return "mlp" + rest[len(".shared_experts"):]
+    parts = rest.split(".")
+    if len(parts) > 3 and parts[1:3] == ["experts", "local_experts"]:
+        parts = ["", "experts", "*"] + parts[4:]
+    return "moe" + ".".join(parts)
+
+
+def _is_moe_layer(layer: torch.nn.Module) -> bool:
+    mlp = getattr(layer, "mlp", None)
+    return hasattr(mlp, "router") and hasattr(mlp, "experts")
 
 
 def _is_lm(m: torch.nn.Module) -> bool:
@@ -368,7 +401,10 @@ class SavedTensorLedger:
         """Assign roles to the submodules of a layer or a language model when first seen."""
         if _is_layer(root):
             layer = self._layer_index(root)
+            moe = _is_moe_layer(root)
             for path, sub in root.named_modules():
+                if moe and (path == "mlp" or path.startswith("mlp.")):
+                    path = _moe_role(path)
                 self._roles.setdefault(sub, (layer, path))
         elif _is_lm(root):
             for path, sub in root.named_modules():
@@ -495,7 +531,10 @@ class SavedTensorLedger:
         except Exception as err:  # counting must never break training; kept for diagnosis
             if len(self.errors) < 16:
                 self.errors.append(repr(err))
-        return t
+        # detached: the packed object of a saved *output* would otherwise hold its own grad_fn
+        # (graph -> packed tensor -> graph), a cycle the collector cannot see, which keeps the
+        # whole graph alive for good when the step fails before its backward
+        return t.detach()
 
     def _record(self, t: torch.Tensor) -> None:
         with self._lock:

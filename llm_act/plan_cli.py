@@ -67,6 +67,16 @@ def _probability(text: str) -> float:
     return value
 
 
+def _capacity(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def _variance(text: str) -> Union[str, float]:
     if text in ("compress", "none"):
         return text
@@ -92,6 +102,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size")
     p.add_argument("--dp", type=_positive, default=1, help="data-parallel size (ZeRO shards over it)")
+    p.add_argument("--ep", type=_positive, default=1,
+                   help="expert-parallel size (MoE models: the experts are split over it)")
+    p.add_argument("--moe-capacity-factor", type=_capacity, default=None,
+                   help="MoE expert capacity factor (default: dropless); each expert keeps at most "
+                        "factor x tokens x top-k / experts rows")
     p.add_argument("--budget", type=_size, required=True,
                    help="device memory per GPU: bytes or a size such as 60GB (1e9) or 60GiB (2**30)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0)
@@ -227,6 +242,11 @@ def header(shape: ModelShape, name: str, args_budget: int, zero_stage: int, dp: 
         "budget_bytes": args_budget, "variance_budget": variance, "profile": "analytic",
         "device": device.describe(),
     }
+    if shape.is_moe:
+        fields.update(num_experts=shape.num_experts, moe_topk=shape.moe_topk,
+                      moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+                      moe_capacity_factor=shape.moe_capacity_factor, ep=shape.ep,
+                      tokens_per_expert=shape.tokens_per_expert)
     return "# llm-act plan " + " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items())
 
 
@@ -305,7 +325,10 @@ def _report(shape, name, budget, zero_stage, dp, device, variance, results) -> d
 def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None) -> int:
     """Print the plan; 0 when every stage fits, 2 (with the smallest budget) when not."""
     changes = dict(micro_batch_size=args.micro_batch_size, tp=args.tp, pp=args.pp,
-                   sequence_parallel=args.sequence_parallel, attention=args.attention)
+                   sequence_parallel=args.sequence_parallel, attention=args.attention,
+                   ep=getattr(args, "ep", 1))
+    if getattr(args, "moe_capacity_factor", None) is not None:
+        changes["moe_capacity_factor"] = args.moe_capacity_factor
     if args.seq_length is not None:
         changes["seq_length"] = args.seq_length
     if args.dropout is not None:

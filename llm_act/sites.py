@@ -24,10 +24,25 @@ SITES: tuple[str, ...] = (
     # per head [s, b, heads, head_dim] (before rotary)
     "attn.q_norm_input",
     "attn.k_norm_input",
+    # MoE blocks (megatron-core MoELayer with SequentialMLP experts): the router's input (the
+    # pre-MLP norm output), the permuted tokens entering the experts, the experts' activation
+    # input and fc2 input (only the tokens routed to them: no dropped or padded rows), and the
+    # routing itself (the per-token probabilities the experts scale by, and what the router
+    # and the token dispatcher keep: scores, top-k and permutation indices)
+    "moe.router_input",
+    "moe.fc1_input",
+    "moe.act_input",
+    "moe.fc2_input",
+    "moe.routing",
 )
 
 #: Sites only some blocks have (megatron-core `qk_layernorm=True`).
 QK_NORM_SITES: tuple[str, ...] = ("attn.q_norm_input", "attn.k_norm_input")
+
+#: Sites of a dense MLP and of an MoE layer: a block has one family or the other.
+DENSE_MLP_SITES: tuple[str, ...] = ("mlp.fc1_input", "mlp.act_input", "mlp.fc2_input")
+MOE_SITES: tuple[str, ...] = (
+    "moe.router_input", "moe.fc1_input", "moe.act_input", "moe.fc2_input", "moe.routing")
 
 MASK_SITES: frozenset[str] = frozenset(
     {"attn.dropout_mask", "attn.hidden_dropout_mask", "mlp.hidden_dropout_mask"}
@@ -54,6 +69,14 @@ DEFAULT_CODECS: dict[str, str] = {
     "mlp.hidden_dropout_mask": "regen",
     "attn.q_norm_input": "outlier_int4",
     "attn.k_norm_input": "outlier_int4",
+    # MoE: value codecs only (the experts scale by the routing probability, whose gradient
+    # needs f(x) itself, so few-bit derivative codecs do not apply at moe.act_input); the
+    # routing codec encodes the per-token probabilities (indices stay exact)
+    "moe.router_input": "outlier_int4",
+    "moe.fc1_input": "outlier_int4",
+    "moe.act_input": "outlier_int4",
+    "moe.fc2_input": "outlier_int4",
+    "moe.routing": "int8",
 }
 
 
@@ -74,6 +97,9 @@ DEFAULT_CODECS: dict[str, str] = {
 #:   [s, b, h/tp] (`input_is_parallel`; sequence parallelism leaves it whole in s).
 #: - "ffn": the rank's slice of the MLP dim, [s, b, ffn/tp] (fc1 is column-parallel with
 #:   `gather_output=False`, fc2 row-parallel with `input_is_parallel`).
+#: - "experts": the tokens routed to this rank's experts (after the token dispatcher), which
+#:   differ from rank to rank of a TP group whenever its ranks hold different experts or
+#:   different token shards.
 TP_LAYOUT: dict[str, str] = {
     "ln1.input": "replicated",
     "attn.qkv_input": "replicated",
@@ -91,6 +117,11 @@ TP_LAYOUT: dict[str, str] = {
     "mlp.hidden_dropout_mask": "replicated",
     "attn.q_norm_input": "heads",
     "attn.k_norm_input": "heads",
+    "moe.router_input": "replicated",
+    "moe.fc1_input": "experts",
+    "moe.act_input": "experts",
+    "moe.fc2_input": "experts",
+    "moe.routing": "experts",
 }
 assert set(TP_LAYOUT) == set(SITES), "every site needs its tensor-parallel layout"
 

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
-from llm_act.sites import DEFAULT_CODECS, MASK_SITES, QK_NORM_SITES, SITES
+from llm_act.sites import DEFAULT_CODECS, MASK_SITES, MOE_SITES, QK_NORM_SITES, SITES
 
 #: bits per element GACT's adaptive allocation averages (the paper's headline setting)
 GACT_BITS = 4
@@ -377,7 +377,8 @@ def plans_table(rows: list[dict]) -> str:
     """The choice each scheme makes per site (first shape with dropout, else the first)."""
     drop = max(r["shape"].dropout for r in rows)
     picked = [r for r in rows if r["shape"].dropout == drop]
-    sites = [s for s in SITES if s not in QK_NORM_SITES or getattr(picked[0]["shape"], "qk_layernorm", False)]
+    sites = [s for s in SITES if s not in MOE_SITES  # the bench's blocks are dense
+             and (s not in QK_NORM_SITES or getattr(picked[0]["shape"], "qk_layernorm", False))]
     lines = ["| scheme | " + " | ".join(sites) + " |", "|---|" + "---|" * len(sites)]
     for r in picked:
         c = r["choice"]

@@ -13,7 +13,11 @@ module derives one from the model's shape and a device model:
   ("stock") attention the probabilities probs @ V reads beside the softmax output (5as^2b in
   16 bits with dropout, Korthikanti et al.) and, under GQA, K and V repeated to every query
   head. With qk-layernorm the per-head norm inputs are sites (`attn.q_norm_input`,
-  `attn.k_norm_input`). `DeviceModel` says what differs on CPU: no fused softmax kernel (an
+  `attn.k_norm_input`). An MoE block (`num_experts`) has the `moe.*` sites instead of
+  `mlp.*`, sized by the rows its experts receive on one rank (`ModelShape.moe_rows`: top-k
+  rows per token, cut by the capacity factor, spread evenly over the experts; padding is
+  never stored under a codec, and load imbalance is left to the measured profile).
+  `DeviceModel` says what differs on CPU: no fused softmax kernel (an
   fp32 softmax and the bool causal mask are stored) and dropout masks in the model dtype.
   tests/planner/test_budget_analytic_ledger.py checks every site against the ledger.
 - times: the producer op's forward time (what recomputing the site costs) from its FLOPs
@@ -129,7 +133,10 @@ class ModelShape:
     profile needs. `ffn_hidden_size` None = 4 * hidden; `num_query_groups` None = one per
     head (no GQA); `gated_linear_unit` = SwiGLU-style MLP (fc1 emits 2 * ffn); `dropout`
     is both the hidden and the attention dropout; `attention` as in ActConfig;
-    `qk_layernorm` = per-head norms on the queries and keys before rotary (Qwen3, OLMo 2)."""
+    `qk_layernorm` = per-head norms on the queries and keys before rotary (Qwen3, OLMo 2).
+    MoE (every layer): `num_experts` routed experts of width `moe_ffn_hidden_size` (None =
+    ffn_hidden_size), top-`moe_topk` routing, `moe_capacity_factor` (None = dropless), split
+    over `ep` expert-parallel ranks (expert tensor parallelism 1, as llm_act supports)."""
 
     num_layers: int
     hidden_size: int
@@ -152,6 +159,11 @@ class ModelShape:
     tie_embeddings: bool = True
     attention: str = "auto"
     qk_layernorm: bool = False
+    num_experts: Optional[int] = None
+    moe_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_capacity_factor: Optional[float] = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -185,6 +197,30 @@ class ModelShape:
         if self.sequence_parallel:
             _divides(t, self.seq_length,
                      f"tp={t} does not divide seq_length={self.seq_length} (sequence parallel)")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        object.__setattr__(self, "ep", _positive_int(self.ep, "ep"))
+        if self.num_experts is None:
+            if self.ep != 1:
+                raise ValueError(f"ep: expert parallelism (ep={self.ep}) needs an MoE model "
+                                 "(num_experts), got a dense one")
+            if self.moe_capacity_factor is not None:
+                raise ValueError("moe_capacity_factor: a capacity factor needs an MoE model "
+                                 "(num_experts), got a dense one")
+            return
+        e = _positive_int(self.num_experts, "num_experts")
+        object.__setattr__(self, "num_experts", e)
+        k = _positive_int(self.moe_topk, "moe_topk")
+        if k > e:
+            raise ValueError(f"moe_topk: expected at most num_experts={e}, got {k}")
+        object.__setattr__(self, "moe_ffn_hidden_size", _positive_int(
+            self.ffn_hidden_size if self.moe_ffn_hidden_size is None else self.moe_ffn_hidden_size,
+            "moe_ffn_hidden_size"))
+        c = self.moe_capacity_factor
+        if c is not None and (isinstance(c, bool) or not isinstance(c, numbers.Real) or not c > 0):
+            raise ValueError(f"moe_capacity_factor: expected a number > 0 or None (dropless), got {c!r}")
+        _divides(self.ep, e, f"ep={self.ep} does not divide num_experts={e}")
 
     # ---- derived sizes ------------------------------------------------------------------
     @property
@@ -195,6 +231,36 @@ class ModelShape:
     def fc1_width(self) -> int:
         """fc1's output width (both halves under a gated linear unit)."""
         return self.ffn_hidden_size * (2 if self.gated_linear_unit else 1)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def moe_fc1_width(self) -> int:
+        """An expert's fc1 output width (both halves under a gated linear unit)."""
+        return self.moe_ffn_hidden_size * (2 if self.gated_linear_unit else 1)
+
+    @property
+    def moe_tokens(self) -> int:
+        """Tokens entering the MoE layer on one rank (its sequence shard under SP)."""
+        return self.local_seq * self.micro_batch_size
+
+    @property
+    def moe_rows(self) -> int:
+        """Rows the rank's experts receive per micro-batch: top-k per token, and with a
+        capacity factor c at most c * T * k / E per expert (megatron's `get_capacity`), the
+        rest dropped. Balanced: the all-to-all brings as many rows as the rank sends."""
+        tk = self.moe_tokens * self.moe_topk
+        if self.moe_capacity_factor is None:
+            return tk
+        per_expert = math.ceil(self.moe_tokens * self.moe_topk / self.num_experts * self.moe_capacity_factor)
+        return min(tk, self.num_experts * per_expert)
+
+    @property
+    def tokens_per_expert(self) -> float:
+        """Rows one local expert receives per micro-batch (balanced routing)."""
+        return self.moe_rows / (self.num_experts // self.ep)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -242,6 +308,24 @@ def _llama(layers, h, heads, groups, ffn) -> ModelShape:
                       normalization="RMSNorm", position_embedding="rope", tie_embeddings=False)
 
 
+def _mixtral_8x7b() -> ModelShape:
+    """Mixtral 8x7B: Llama-style attention (GQA 32/8), 8 SwiGLU experts of 14336, top-2."""
+    return ModelShape(32, 4096, 32, 32768, 1, ffn_hidden_size=14336, num_query_groups=8,
+                      vocab_size=32000, gated_linear_unit=True, activation="silu", bias=False,
+                      normalization="RMSNorm", position_embedding="rope", tie_embeddings=False,
+                      num_experts=8, moe_topk=2)
+
+
+def _deepseek_v3_like() -> ModelShape:
+    """DeepSeek-V3's MoE layers (58 of its 61: the first 3 dense ones left out; hidden 7168,
+    256 routed SwiGLU experts of 2048, top-8, 4k pre-training sequences) with standard
+    multi-head attention in place of MLA and no shared expert (llm_act refuses both)."""
+    return ModelShape(58, 7168, 128, 4096, 1, ffn_hidden_size=18432, vocab_size=129280,
+                      gated_linear_unit=True, activation="silu", bias=False, normalization="RMSNorm",
+                      position_embedding="rope", tie_embeddings=False, num_experts=256, moe_topk=8,
+                      moe_ffn_hidden_size=2048)
+
+
 #: Published shapes (seq_length = the model's context, micro_batch_size 1; override with `with_`).
 MODELS: dict[str, ModelShape] = {
     "gpt2-medium": _gpt(24, 1024, 16, seq=1024),
@@ -251,6 +335,8 @@ MODELS: dict[str, ModelShape] = {
     "gpt-175b": _gpt(96, 12288, 96),
     "llama-8b": _llama(32, 4096, 32, 8, 14336),
     "llama-70b": _llama(80, 8192, 64, 8, 28672),
+    "mixtral-8x7b": _mixtral_8x7b(),
+    "deepseek-v3-like": _deepseek_v3_like(),
 }
 
 
@@ -431,16 +517,44 @@ def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
         bda += n_hid
     reduce_kind = "reduce_scatter" if shape.sequence_parallel else "all_reduce"
     reduce = link(_collective_bytes(shape, tokens * h * e, reduce_kind)) if t > 1 else 0.0
-    sites += [
-        _Site("ln2.input", hid, dt, gemm(2 * tokens * a * d * h) + reduce + mem(bda), ln2_inputs),
-        _Site("mlp.fc1_input", hid, dt, norm_ms, ("ln2.input",), extra=norm_stats),
-        _Site("mlp.act_input", (s, b, f1), dt, gemm(2 * tokens * h * f1) + gather(tokens * h * e),
-              ("mlp.fc1_input",)),
-        _Site("mlp.fc2_input", (s, b, f2), dt, mem(tokens * (f1 + f2) * e), ("mlp.act_input",)),
-    ]
+    sites.append(_Site("ln2.input", hid, dt, gemm(2 * tokens * a * d * h) + reduce + mem(bda), ln2_inputs))
+    if shape.is_moe:
+        sites += _moe_sites(shape, device, hid, norm_ms, norm_stats)
+    else:
+        sites += [
+            _Site("mlp.fc1_input", hid, dt, norm_ms, ("ln2.input",), extra=norm_stats),
+            _Site("mlp.act_input", (s, b, f1), dt, gemm(2 * tokens * h * f1) + gather(tokens * h * e),
+                  ("mlp.fc1_input",)),
+            _Site("mlp.fc2_input", (s, b, f2), dt, mem(tokens * (f1 + f2) * e), ("mlp.act_input",)),
+        ]
     if drop:
         sites.append(_Site("mlp.hidden_dropout_mask", hid, mask_dt, mem(n_hid)))
     return sites
+
+
+def _moe_sites(shape: ModelShape, device: DeviceModel, hid, norm_ms: float, norm_stats: int) -> list[_Site]:
+    """The `moe.*` sites of an MoE block on one rank (what `patches/megatron/moe.py` stores).
+
+    Keeping `moe.act_input` holds what stock SequentialMLP experts keep after fc1: fc1's
+    output, and the activation's output that the probability multiply reads (a gated unit
+    also keeps its gate's output and the linear half). `moe.routing` codes the per-row
+    probabilities; the router's fp32 scores, the routing map and the top-k and permutation
+    indices stay exact beside them. `moe.fc1_input` and `moe.routing` come out of the token
+    dispatcher: no producer the planner may re-run (only the whole block recomputes them)."""
+    h, e, dt = shape.hidden_size, shape.elem_bytes, shape.torch_dtype
+    rows, tokens, k, n_exp = shape.moe_rows, shape.moe_tokens, shape.moe_topk, shape.num_experts
+    f1, f2 = shape.moe_fc1_width, shape.moe_ffn_hidden_size
+    after_fc1 = rows * (f1 + (3 if shape.gated_linear_unit else 1) * f2) * e
+    indices = tokens * n_exp * (4 + 1) + tokens * k * 8 + rows * 8
+    return [
+        _Site("moe.router_input", hid, dt, norm_ms, ("ln2.input",), extra=norm_stats),
+        _Site("moe.fc1_input", (rows, h), dt, None),
+        _Site("moe.act_input", (rows, f1), dt, device.gemm_ms(2 * rows * h * f1), ("moe.fc1_input",),
+              keep_bytes=after_fc1),
+        _Site("moe.fc2_input", (rows, f2), dt, device.mem_ms(rows * (f1 + 2 * f2) * e),
+              ("moe.act_input", "moe.routing")),
+        _Site("moe.routing", (rows,), torch.float32, None, extra=indices),
+    ]
 
 
 def _qk_norm_sites(shape: ModelShape, stats_per_row: int, proj) -> list[_Site]:
@@ -513,6 +627,11 @@ def layer_forward_ms(shape: ModelShape, device: Optional[DeviceModel] = None) ->
     fwd = sum(st.forward_ms for st in sites if st.forward_ms is not None)
     t, tokens = shape.tp, shape.seq_length * shape.micro_batch_size
     fc2 = device.gemm_ms(2 * tokens * shape.ffn_hidden_size // t * shape.hidden_size)
+    if shape.is_moe:  # the experts' fc2, the router's GEMM, dispatch and combine over EP
+        h, rows = shape.hidden_size, shape.moe_rows
+        a2a = (shape.ep - 1) / shape.ep * rows * h * shape.elem_bytes
+        fc2 = (device.gemm_ms(2 * rows * shape.moe_ffn_hidden_size * h)
+               + device.gemm_ms(2 * shape.moe_tokens * h * shape.num_experts) + 2 * device.link_ms(a2a))
     return fwd + fc2 + device.mem_ms(3 * shape.local_seq * shape.micro_batch_size
                                      * shape.hidden_size * shape.elem_bytes)  # MLP residual add
 
@@ -550,6 +669,11 @@ def parameters_per_rank(shape: ModelShape, stage: int) -> int:
              + a * d // t * h + (h if bias else 0)
              + h * (shape.fc1_width // t) + (shape.fc1_width // t if bias else 0)
              + shape.ffn_hidden_size // t * h + (h if bias else 0))
+    if shape.is_moe:  # the router and this rank's experts (no biases) instead of the MLP
+        layer -= (h * (shape.fc1_width // t) + (shape.fc1_width // t if bias else 0)
+                  + shape.ffn_hidden_size // t * h + (h if bias else 0))
+        layer += h * shape.num_experts + shape.num_experts // shape.ep * (
+            h * shape.moe_fc1_width + shape.moe_ffn_hidden_size * h)
     if shape.qk_layernorm:  # the q and k norms over head_dim, replicated
         layer += 2 * norm // h * d
     total = shape.layers_per_stage * layer

@@ -187,10 +187,11 @@ class GenericModel:
 
 def generic_sites() -> tuple[str, ...]:
     """The sites a generic block offers the controller: those plans may compress, masks
-    excepted (the hooks bit-pack saved masks losslessly anyway)."""
-    from llm_act.sites import SITES
+    excepted (the hooks bit-pack saved masks losslessly anyway), and the MoE sites (the
+    generic path names its sites by submodule; a Hugging Face MoE block has other names)."""
+    from llm_act.sites import MOE_SITES, SITES
 
-    return tuple(s for s in SITES if s not in MASK_SITES)
+    return tuple(s for s in SITES if s not in MASK_SITES and s not in MOE_SITES)
 
 
 def _check_not_checkpointing(model: torch.nn.Module) -> None:

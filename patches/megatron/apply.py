@@ -75,7 +75,9 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     """Convert every TransformerLayer of `model` in place and return its `Controller`.
 
     `config.enabled` False: the model is left untouched and the Controller does nothing.
-    Unsupported features (Transformer Engine, MoE, MLA, context parallel, CUDA graphs,
+    MoE layers with SequentialMLP experts are converted too (`moe.convert_moe`: sites
+    `moe.*`). Unsupported features (Transformer Engine, grouped-GEMM or shared MoE experts and
+    the other MoE settings of `unsupported.check_moe`, MLA, context parallel, CUDA graphs,
     torch.compile, Megatron's recompute_granularity) raise a clear error before anything
     is changed. Calling `apply` again on the same model raises: change plans through the
     Controller (`set_plan`) instead. A model built with `layer_spec(...)` already holds the

@@ -10,6 +10,12 @@ by re-running its producer on the producer's input, which is itself stored (kept
     mlp.fc1_input  <- pre_mlp_layernorm(ln2.input)
     mlp.act_input  <- linear_fc1(mlp.fc1_input) (+ bias)
     mlp.fc2_input  <- activation(mlp.act_input)
+    moe.router_input <- pre_mlp_layernorm(ln2.input)
+    moe.act_input  <- an expert's fc1(moe.fc1_input)                  (inside the expert's backward)
+    moe.fc2_input  <- activation(moe.act_input) * moe.routing          (inside the expert's backward)
+
+`moe.fc1_input` and `moe.routing` come out of the token dispatcher (collectives under expert
+parallelism): they are recomputed only with the whole block.
 
 A consumer that is a compressed module (`ActModule`) gets `SiteRecompute` as its codec: its
 "encode" stores a ticket on the layer's per-forward `_Frame`, its "decode" asks the frame for
@@ -35,13 +41,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.registry import KEEP, RECOMPUTE, check_choice
-from llm_act.sites import MASK_SITES, QK_NORM_SITES, SITES
+from llm_act.sites import DENSE_MLP_SITES, MASK_SITES, MOE_SITES, QK_NORM_SITES, SITES
 from llm_act.patches.megatron.act_module import report_to_ledger
 
 CHECKPOINT_SITE = "ln1.input"
@@ -55,7 +62,14 @@ PRODUCER_INPUTS: dict[str, tuple[str, ...]] = {
     "mlp.fc1_input": ("ln2.input",),
     "mlp.act_input": ("mlp.fc1_input",),
     "mlp.fc2_input": ("mlp.act_input",),
+    "moe.router_input": ("ln2.input",),
+    "moe.act_input": ("moe.fc1_input",),
+    "moe.fc2_input": ("moe.act_input", "moe.routing"),
 }
+#: MoE sites recomputed only with the whole block (the token dispatcher produces them)
+MOE_FULL_ONLY = ("moe.fc1_input", "moe.routing")
+#: sites a layer may lack (no qk-layernorm; a dense MLP or an MoE layer, not both)
+OPTIONAL_SITES = frozenset(QK_NORM_SITES) | frozenset(DENSE_MLP_SITES) | frozenset(MOE_SITES)
 
 
 # ---- named plans ------------------------------------------------------------------------------
@@ -239,7 +253,13 @@ class _Region(torch.autograd.Function):
 
 
 class _Frame:
-    """One forward of one layer: stored values, RNG states and the rebuild cache."""
+    """One forward of one layer: stored values, RNG states and the rebuild cache.
+
+    It refers to the records and the attention box only weakly: their owners are the autograd
+    contexts that store them, and the frame is itself referred to by those contexts (its
+    tickets). A strong reference closes a cycle through the C++ graph that Python's collector
+    cannot see, so a step that fails before its backward (an out-of-memory, say) would keep
+    the whole graph alive for good -- 102 GiB on an H200 after one out-of-memory probe."""
 
     def __init__(self, owner: "LayerRecompute"):
         self.owner = owner
@@ -248,7 +268,7 @@ class _Frame:
         self.cache: dict[str, torch.Tensor] = {}
         self.pending: set[str] = set()
         self.rng: dict[str, tuple] = {}
-        self.attention: Optional[tuple] = None  # (box, call) of the core-attention region
+        self.attention: Optional[tuple] = None  # (weakref to box, call) of the core-attention region
 
     def value(self, site: str) -> torch.Tensor:
         if site in self.cache:
@@ -317,7 +337,7 @@ class LayerRecompute:
         for s, name in choice.items():
             check_choice(s, name)
         recomputed = {s for s, c in choice.items() if c == RECOMPUTE}
-        full = is_full(choice, frozenset(QK_NORM_SITES) - set(self.sites))
+        full = is_full(choice, OPTIONAL_SITES - set(self.sites))
         if not full:
             self._validate(choice, recomputed)  # before anything changes
         self._unhook()
@@ -351,6 +371,11 @@ class LayerRecompute:
             raise NotImplementedError(
                 f"{where}: {sorted(qkv)} can be recomputed only with the whole block (plan "
                 "'full': every site but ln1.input recomputed); keep or encode them")
+        dispatched = recomputed & set(MOE_FULL_ONLY) & set(self.sites)
+        if dispatched:
+            raise NotImplementedError(
+                f"{where}: {sorted(dispatched)} come out of the MoE token dispatcher and can be "
+                "recomputed only with the whole block (plan 'full'); keep or encode them")
         inner = recomputed & set(ATTENTION_INTERNAL)
         if inner and inner != set(ATTENTION_INTERNAL):
             raise ValueError(
@@ -361,6 +386,8 @@ class LayerRecompute:
                 f"{where}: recomputing 'attn.out' re-runs the core attention from q, k, v: "
                 "recompute attn.softmax and attn.dropout_mask too (the 'selective' region)")
         for s in recomputed & set(PRODUCER_INPUTS):
+            if s not in self.sites and s in OPTIONAL_SITES:
+                continue  # the other MLP family's site (a dense layer beside MoE layers)
             if s not in self.sites and s not in ("attn.out",):
                 raise ValueError(f"{where}: site {s!r} does not exist in this layer")
             for i in PRODUCER_INPUTS[s]:
@@ -448,7 +475,8 @@ class LayerRecompute:
         codec = module.act_codecs.get(site)
         if codec is None or record.enc.codec != codec.name:
             return  # not a value record (e.g. a ReLU's 1-bit mask)
-        frame.values[site] = lambda: codec.decode(record.enc)
+        ref = weakref.ref(record)
+        frame.values[site] = lambda: codec.decode(_alive(ref, self.index, site).enc)
 
     def _capture_proj_rng(self, module, args) -> None:
         if self.frame is not None:
@@ -461,7 +489,7 @@ class LayerRecompute:
         with torch.no_grad(), recomputing():
             if site == "attn.qkv_input":
                 return layer.input_layernorm(frame.value("ln1.input"))
-            if site == "mlp.fc1_input":
+            if site in ("mlp.fc1_input", "moe.router_input"):
                 return layer.pre_mlp_layernorm(frame.value("ln2.input"))
             if site == "mlp.act_input":
                 out, bias = layer.mlp.linear_fc1(frame.value("mlp.fc1_input"))
@@ -479,7 +507,7 @@ class LayerRecompute:
             if site == "attn.out":
                 if frame.attention is None:
                     raise RuntimeError(f"layer {self.index}: the core-attention region was not recorded")
-                box, call = frame.attention
+                box, call = _alive(frame.attention[0], self.index, "attn.out"), frame.attention[1]
                 qkv = [box.value(i) for i in range(3)]
                 with replay_rng(box.rng):
                     return call(*qkv)
@@ -503,8 +531,10 @@ class LayerRecompute:
             box = _Box(list(owner._qkv_codecs), owner.index, list(QKV_SITES))
             out = _Region.apply(run, lambda q, k, v: (call(q, k, v),), box, query, key, value)
             if owner.frame is not None:
-                owner.frame.attention = (box, call)
-                owner.frame.values.update({s: (lambda i=i: box.value(i)) for i, s in enumerate(QKV_SITES)})
+                ref = weakref.ref(box)
+                owner.frame.attention = (ref, call)
+                owner.frame.values.update({s: (lambda i=i, s=s: _alive(ref, owner.index, s).value(i))
+                                           for i, s in enumerate(QKV_SITES)})
             return out
 
         return forward
@@ -544,6 +574,16 @@ class LayerRecompute:
             return out, None
 
         return forward
+
+
+def _alive(ref: "weakref.ref", layer: int, site: str):
+    """The object behind `ref`; its autograd context keeps it until its own backward, which
+    comes after every rebuild that reads it."""
+    obj = ref()
+    if obj is None:
+        raise RuntimeError(f"layer {layer}: the record of {site!r} was freed before a rebuild read it "
+                           "(its backward already ran); please report this plan")
+    return obj
 
 
 def for_sites(sites: Mapping[str, Any]) -> Optional[LayerRecompute]:

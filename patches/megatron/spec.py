@@ -13,6 +13,7 @@ Megatron-core is imported only when a spec is requested.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Optional, Union
 
 from llm_act._imports import require
@@ -31,7 +32,6 @@ class ActNorm:
 
 
 _REJECTED_KWARGS = {
-    "num_experts": "MoE layers are not supported by llm_act yet",
     "multi_latent_attention": "multi-latent attention (MLA) is not supported by llm_act yet",
     "use_kitchen": "NVIDIA Kitchen quantized modules are not supported by llm_act yet",
 }
@@ -59,6 +59,8 @@ def layer_spec(
     for key, why in _REJECTED_KWARGS.items():
         if local_spec_kwargs.get(key):
             raise NotImplementedError(f"layer_spec({key}={local_spec_kwargs[key]!r}): {why}")
+    if local_spec_kwargs.get("num_experts") and local_spec_kwargs.get("moe_grouped_gemm"):
+        unsupported.check_moe(types.SimpleNamespace(moe_grouped_gemm=True))
     unsupported.check_transformer_config(transformer_config, config)
     stock = get_gpt_layer_local_spec(**local_spec_kwargs)
     if not config.enabled:
@@ -75,8 +77,10 @@ def layer_spec(
     layer = stock.submodules
     attn = layer.self_attention
     mlp = layer.mlp
-    if mlp.module.__name__ != "MLP":
-        raise NotImplementedError(f"layer_spec: the local spec's MLP is {mlp.module.__name__}; only the dense MLP is supported")
+    if mlp.module.__name__ not in ("MLP", "MoELayer"):
+        raise NotImplementedError(
+            f"layer_spec: the local spec's MLP is {mlp.module.__name__}; llm_act supports the dense "
+            "MLP and the MoELayer")
     # qk_layernorm: the q/k norm slots hold the spec's own norm class (an identity or L2Norm
     # otherwise, left as they are)
     qk_norms = {attr: slot(ActNorm, site)
@@ -89,11 +93,20 @@ def layer_spec(
         linear_proj=slot(ActRowParallelLinear, "attn.out"),
         **qk_norms,
     )
-    mlp_sub = dataclasses.replace(
-        mlp.submodules,
-        linear_fc1=slot(ActColumnParallelLinear, "mlp.fc1_input"),
-        linear_fc2=slot(ActRowParallelLinear, "mlp.fc2_input"),
-    )
+    if mlp.module.__name__ == "MoELayer":
+        from llm_act.patches.megatron.moe import ActSequentialMLP, ActTopKRouter
+
+        # no shared experts (refused by unsupported.check_moe); the experts' linears stay
+        # megatron's: ActSequentialMLP stores their inputs itself
+        mlp_sub = dataclasses.replace(
+            mlp.submodules, router=ActTopKRouter,
+            experts=dataclasses.replace(mlp.submodules.experts, module=ActSequentialMLP))
+    else:
+        mlp_sub = dataclasses.replace(
+            mlp.submodules,
+            linear_fc1=slot(ActColumnParallelLinear, "mlp.fc1_input"),
+            linear_fc2=slot(ActRowParallelLinear, "mlp.fc2_input"),
+        )
     submodules = dataclasses.replace(
         layer,
         input_layernorm=slot(ActNorm, "ln1.input"),

@@ -59,6 +59,29 @@ def _is_l2_norm(module) -> bool:
     return isinstance(module, L2Norm)
 
 
+def _convert_mlp(layer: torch.nn.Module) -> dict[str, ActModule]:
+    """The MLP's sites: a dense MLP (`mlp.*`, ActMLP and its two linears) or an MoE layer
+    (`moe.*`, `moe.convert_moe`)."""
+    from llm_act.patches.megatron.moe import convert_moe, is_moe
+
+    mlp = layer.mlp
+    if is_moe(mlp):
+        return convert_moe(layer)
+    if not isinstance(mlp, MLP):
+        raise TypeError(
+            f"mlp: cannot compress a {type(mlp).__module__}.{type(mlp).__name__}; llm_act "
+            "converts megatron-core's MLP and MoELayer (local spec)")
+    if not isinstance(mlp, ActMLP):
+        ActMLP.from_stock(mlp)
+    else:
+        mlp._act_init()
+    return {
+        "mlp.act_input": mlp,
+        "mlp.fc1_input": _linear(mlp.linear_fc1, "mlp.fc1_input", column=True),
+        "mlp.fc2_input": _linear(mlp.linear_fc2, "mlp.fc2_input", column=False),
+    }
+
+
 def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = False) -> dict[str, ActModule]:
     """Convert `layer` (a TransformerLayer) in place; return site -> the module storing it.
 
@@ -80,18 +103,7 @@ def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = Fa
     sites["attn.out"] = _linear(attn.linear_proj, "attn.out", column=False)
     if not _is_identity(layer.pre_mlp_layernorm):
         sites["ln2.input"] = _norm(layer.pre_mlp_layernorm, "ln2.input")
-    mlp = layer.mlp
-    if not isinstance(mlp, MLP):
-        raise TypeError(
-            f"mlp: cannot compress a {type(mlp).__module__}.{type(mlp).__name__} "
-            "(MoE layers are not supported)")
-    if not isinstance(mlp, ActMLP):
-        ActMLP.from_stock(mlp)
-    else:
-        mlp._act_init()
-    sites["mlp.act_input"] = mlp
-    sites["mlp.fc1_input"] = _linear(mlp.linear_fc1, "mlp.fc1_input", column=True)
-    sites["mlp.fc2_input"] = _linear(mlp.linear_fc2, "mlp.fc2_input", column=False)
+    sites.update(_convert_mlp(layer))
     for attr, site in (("self_attn_bda", "attn.hidden_dropout_mask"), ("mlp_bda", "mlp.hidden_dropout_mask")):
         bda = getattr(layer, attr)
         if isinstance(bda, ActBiasDropoutAdd):

@@ -1,7 +1,7 @@
 """Clear errors for the megatron-core features the compressed layers do not handle yet.
 
-Transformer Engine specs, MoE layers, context parallel, multi-latent attention, CUDA graphs,
-torch.compile of patched layers, and Megatron's own `recompute_granularity` together with
+Transformer Engine specs, some MoE settings (`check_moe`), context parallel, multi-latent
+attention, CUDA graphs, torch.compile of patched layers, and Megatron's own `recompute_granularity` together with
 our plan would either bypass the compressed modules (TE, MoE, MLA), break their invariants
 (CUDA graphs freeze the codecs' random streams and Python-side choices; torch.compile traces
 through the per-iteration codec tables; CP splits the sequence our sites assume whole) or
@@ -33,11 +33,7 @@ def check_transformer_config(tconfig: Any, act_config: Any = None) -> None:
     if tconfig is None:
         return
     if getattr(tconfig, "num_moe_experts", None) is not None:
-        raise NotImplementedError(
-            f"MoE layers (num_moe_experts={tconfig.num_moe_experts}) are not supported by "
-            "llm_act yet: compress a dense model, or disable activation compression "
-            "(ActConfig(enabled=False) / no --act-compress)"
-        )
+        check_moe(tconfig)
     if getattr(tconfig, "multi_latent_attention", False):
         raise NotImplementedError(
             "multi-latent attention (MLA, multi_latent_attention=True) is not supported by "
@@ -88,15 +84,45 @@ def check_modules(modules: Iterable[torch.nn.Module]) -> None:
                 "(Megatron-LM: --transformer-impl local)"
             )
         if names & {"BaseMoELayer", "MoELayer"}:
-            raise NotImplementedError(
-                f"MoE layer {type(module).__name__} found: MoE is not supported by llm_act yet"
-            )
+            check_moe(module.config, module)
         if "MultiLatentAttention" in names:
             raise NotImplementedError(
                 f"multi-latent attention ({type(module).__name__}) is not supported by llm_act yet"
             )
         if "OptimizedModule" in names or getattr(module, "_compiled_call_impl", None) is not None:
             raise NotImplementedError(_COMPILE_MESSAGE)
+
+
+def check_moe(tconfig: Any, moe_layer: Optional[torch.nn.Module] = None) -> None:
+    """Reject the MoE settings the compressed MoE layer (`moe.py`) does not handle: grouped
+    GEMM experts, shared experts, expert tensor parallelism, expert biases, probabilities
+    applied on the input, and token dispatchers other than allgather / alltoall."""
+    why = None
+    if getattr(tconfig, "moe_grouped_gemm", False) or (
+            moe_layer is not None and "SequentialMLP" not in _mro_names(moe_layer.experts)):
+        why = ("grouped-GEMM experts (moe_grouped_gemm=True / GroupedMLP / TEGroupedMLP) are not "
+               "supported by llm_act yet: build the experts as SequentialMLP "
+               "(get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False), Megatron-LM: "
+               "drop --moe-grouped-gemm)")
+    elif getattr(tconfig, "moe_shared_expert_intermediate_size", None):
+        why = ("shared experts (moe_shared_expert_intermediate_size="
+               f"{tconfig.moe_shared_expert_intermediate_size}) are not supported by llm_act yet: "
+               "train without them, or disable activation compression")
+    elif (getattr(tconfig, "expert_tensor_parallel_size", None) or 1) > 1:
+        why = (f"expert tensor parallelism (expert_tensor_parallel_size="
+               f"{tconfig.expert_tensor_parallel_size}) is not supported by llm_act yet: set "
+               "expert_tensor_parallel_size=1 (--expert-tensor-parallel-size 1)")
+    elif getattr(tconfig, "add_bias_linear", False):
+        why = ("MoE experts with biases (add_bias_linear=True) are not supported by llm_act: "
+               "set add_bias_linear=False (--disable-bias-linear), as every megatron MoE recipe does")
+    elif getattr(tconfig, "moe_apply_probs_on_input", False):
+        why = ("moe_apply_probs_on_input=True is not supported by llm_act yet: turn it off, or "
+               "disable activation compression")
+    elif getattr(tconfig, "moe_token_dispatcher_type", "allgather") not in ("allgather", "alltoall"):
+        why = (f"moe_token_dispatcher_type={tconfig.moe_token_dispatcher_type!r} is not supported by "
+               "llm_act yet: use 'allgather' or 'alltoall'")
+    if why is not None:
+        raise NotImplementedError(f"MoE: {why}")
 
 
 def check_context_parallel() -> None:

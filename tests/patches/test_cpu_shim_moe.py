@@ -1,6 +1,6 @@
 """The CPU shim runs stock megatron-core MoE layers: SequentialMLP experts, top-2 routing
-with the aux loss, the allgather and alltoall token dispatchers, EP=2 over gloo; and our
-`apply()` still refuses MoE (compressed MoE layers are future work)."""
+with the aux loss, the allgather and alltoall token dispatchers, EP=2 over gloo; `apply()` refuses
+only the MoE settings it does not handle (grouped GEMM here)."""
 import importlib
 
 import pytest
@@ -119,11 +119,14 @@ def test_grouped_mlp_needs_the_grouped_gemm_package():
                     spec=T.local_layer_spec(num_experts=EXPERTS, moe_grouped_gemm=True))
 
 
-def test_apply_still_refuses_moe():
+def test_apply_refuses_grouped_gemm_with_the_fix():
+    """apply() converts SequentialMLP MoE layers (tests/patches/megatron/test_moe.py); what it
+    still refuses, it refuses naming the fix."""
     from llm_act.patches.megatron import apply
 
     model = _moe_model(_moe_config("alltoall"))
-    with pytest.raises(NotImplementedError, match="MoE"):
+    model.config.moe_grouped_gemm = True  # the layers share the model's config
+    with pytest.raises(NotImplementedError, match="moe_grouped_gemm=False"):
         apply(model)
 
 

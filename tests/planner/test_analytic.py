@@ -263,6 +263,8 @@ def test_presets_are_the_published_shapes():
         "llama-70b": (80, 8192, 64, 8, 28672),
     }
     for name, shape in MODELS.items():
+        if shape.is_moe:
+            continue  # the MoE presets: tests/planner/test_analytic_moe.py
         assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads,
                 shape.num_query_groups, shape.ffn_hidden_size) == want[name]
         llama = name.startswith("llama")

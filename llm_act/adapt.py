@@ -54,6 +54,7 @@ import torch
 
 from llm_act import agreement, plans
 from llm_act.codecs.registry import KEEP, RECOMPUTE
+from llm_act.logs import speaks_for_stage
 from llm_act.planner.milp import InfeasibleBudget
 
 log = logging.getLogger("llm_act.controller")
@@ -454,14 +455,15 @@ class Adapter:
                 self.history.append(entry)
                 entry["noise"] = decision.get("noise")
                 vb = decision.get("noise_budget")
-                log.info("llm_act: iteration %d: plan changed: %s | predicted memory %.3f MiB of the "
-                         "%.3f MiB budget (activations %.3f MiB), predicted noise %s (noise budget %s), "
-                         "overhead %.3f ms/iteration | why: %s | plan now, per block:\n%s",
-                         it, entry["changes"], entry["predicted_bytes"] / 2**20, self.budget / 2**20,
-                         entry["activation_bytes"] / 2**20,
-                         "unknown" if entry["noise"] is None else f"{entry['noise']:.3g}",
-                         "none" if vb is None else f"{vb:.3g}", entry["overhead_ms"], entry["reason"],
-                         c.describe(new))
+                say = log.info if speaks_for_stage() else log.debug  # one line per stage
+                say("llm_act: iteration %d: plan changed: %s | predicted memory %.3f MiB of the "
+                    "%.3f MiB budget (activations %.3f MiB), predicted noise %s (noise budget %s), "
+                    "overhead %.3f ms/iteration | why: %s | plan now, per block:\n%s",
+                    it, entry["changes"], entry["predicted_bytes"] / 2**20, self.budget / 2**20,
+                    entry["activation_bytes"] / 2**20,
+                    "unknown" if entry["noise"] is None else f"{entry['noise']:.3g}",
+                    "none" if vb is None else f"{vb:.3g}", entry["overhead_ms"], entry["reason"],
+                    c.describe(new))
         reset = bool(decision["reasons"])
         if g is not None:  # every stage keeps the same schedule (they track together)
             reset = bool(agreement.reduce_dict({"r": float(reset)}, "max", g.world)["r"])
@@ -589,7 +591,9 @@ class Adapter:
             c = self.controller
             compress = plans.plan_from("compress", c.num_layers, c.layers, c._no_fewbit())
             pins = self.pins()
-            blocks = profile.blocks(exclude=pins)
+            # all micro-batches in flight on this stage, as the planner counts them
+            # (`problem`): stage 0 of PP=2 holds two, and "compress" must fit there too
+            blocks = profile.blocks(inflight=_inflight(), exclude=pins)
             choice = [{s: n for s, n in ch.items() if s not in pins} for ch in profile.choice_for(compress)]
             budget = static + evaluate_plan(blocks, choice).activation_bytes
         return budget

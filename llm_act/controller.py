@@ -278,13 +278,14 @@ class Controller:
         self.adapter.replay.install(roots)
         if self._any_optimizer is None:
             from llm_act.agreement import spans
-            from llm_act.logs import default_handler
+            from llm_act.logs import default_handler, speaks_for_stage
 
             default_handler()
             start = ("'auto' starts from 'compress' and re-plans at iterations 1, 2, 4, ..."
                      if self.config.plan == "auto" else repr(self.config.plan))
-            log.info("llm_act: plan in force at the start (%s), layers %s:\n%s", start,
-                     spans(list(self.layers)), self.describe(self._plan))
+            if speaks_for_stage():
+                log.info("llm_act: plan in force at the start (%s), layers %s:\n%s", start,
+                         spans(list(self.layers)), self.describe(self._plan))
             import weakref
 
             from torch.optim.optimizer import register_optimizer_step_post_hook

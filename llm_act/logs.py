@@ -2,11 +2,15 @@
 
 The re-planning lines (the plan at the start, every change with its predicted bytes
 against the budget, its noise against the noise budget and why) are INFO records of the
-"llm_act" logger. DeepSpeed's engine, Megatron-LM's `pretrain()` and a plain loop leave
-Python logging unconfigured, where INFO is dropped; so the doors call `default_handler()`:
-when neither the "llm_act" logger nor the root logger has a handler, one is added that
-prints INFO on the first rank and warnings on every rank, to stderr. A user's own logging
-setup (any handler) wins, and our training loop swaps it for its run log (`loop.py`).
+"llm_act" logger. DeepSpeed's engine and a plain loop leave Python logging unconfigured,
+where INFO is dropped; so the doors call `default_handler()`: when neither the "llm_act"
+logger nor the root logger has a handler, one is added that prints INFO where
+`speaks_for_stage()` (rank 0 outside megatron-core) and warnings on every rank, to stderr.
+A user's own logging setup (any handler: Megatron-LM's `pretrain()` logs to the root
+logger on every rank) wins, and our training loop swaps it for its run log (`loop.py`).
+The plan lines themselves are emitted only where `speaks_for_stage()`: the ranks of a
+pipeline stage hold one agreed plan, so a log every rank writes to (Megatron-LM's) gets
+one line per stage, not one per rank.
 """
 from __future__ import annotations
 
@@ -17,16 +21,28 @@ import sys
 MARK = "_llm_act_default"
 
 
-class _FirstRank(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING:
-            return True
-        try:
-            import torch.distributed as dist
+def speaks_for_stage() -> bool:
+    """True on the rank that prints its pipeline stage's plan: under megatron-core's
+    parallel state the last of the stage's tensor- and data-parallel ranks (Megatron-LM and
+    our loop print from the last rank), else rank 0; and a process running alone."""
+    from llm_act import agreement
 
-            return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-        except Exception:  # torch.distributed unusable: a single process
+    try:
+        import torch.distributed as dist
+
+        g = agreement.groups()
+        if g is None:
             return True
+        if g.stage is None:
+            return dist.get_rank() == 0
+        return dist.get_rank() == max(dist.get_process_group_ranks(g.stage))
+    except Exception:  # torch.distributed unusable: a single process
+        return True
+
+
+class _StageSpeaker(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or speaks_for_stage()
 
 
 def default_handler() -> None:
@@ -36,7 +52,7 @@ def default_handler() -> None:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    handler.addFilter(_FirstRank())
+    handler.addFilter(_StageSpeaker())
     setattr(handler, MARK, True)
     logger.addHandler(handler)
     if logger.level == logging.NOTSET or logger.level > logging.INFO:

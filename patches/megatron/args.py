@@ -8,14 +8,16 @@ argparse's `type=` function, so a bad value is an argparse error naming the flag
 code 2 with the usage line), as for any of Megatron-LM's own flags. The flags default to
 None ("not given"): `config_from_args` fills in `ActConfig`'s defaults.
 
-A Megatron-LM user adds (see the README):
+A Megatron-LM user (tag core_v0.16.1) adds, as the README's recipe shows:
 
-    from llm_act.patches.megatron import add_arguments, apply, config_from_args
-    pretrain(..., extra_args_provider=add_arguments)
-    # in model_provider, on the model it returns:
-    act_config = config_from_args(get_args())
+    # pretrain_gpt.py
+    from llm_act.patches.megatron import add_arguments, cpu_shim
+    cpu_shim.install(megatron_lm=True)  # CPU only; a no-op on a GPU
+    pretrain(..., extra_args_provider=add_arguments, ...)
+    # model_provider.py, on the model the builder returns:
+    act_config = config_from_args(args)
     if act_config is not None:
-        model._act_controller = apply(model, act_config)
+        model.act_controller = apply(model, act_config)
 """
 from __future__ import annotations
 

@@ -359,11 +359,13 @@ def _copy_fn(fn: Callable, original: Callable) -> Callable:
     return replacement
 
 
-def install() -> list[str]:
+def install(megatron_lm: bool = False) -> list[str]:
     """Patch megatron-core for a CPU-only run; returns what was patched (empty if nothing).
 
-    Does nothing when CUDA is available and nothing on a second call. Raises
-    ModuleNotFoundError when megatron-core is missing.
+    `megatron_lm=True` adds the stand-ins Megatron-LM's own loop (`pretrain()`) needs
+    (`cpu_shim_megatron_lm`). Does nothing when CUDA is available and nothing on a second
+    call. Raises ModuleNotFoundError when megatron-core (or, with `megatron_lm`,
+    Megatron-LM) is missing.
     """
     global _installed
     if torch.cuda.is_available():
@@ -383,6 +385,10 @@ def install() -> list[str]:
         moe_utils, importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     )
     _installed = True
+    if megatron_lm:
+        from llm_act.patches.megatron import cpu_shim_megatron_lm
+
+        done += cpu_shim_megatron_lm.install()
     return done
 
 

@@ -355,9 +355,7 @@ def _in_child(sweep: "_Sweep", name: str, full_mem: dict, left: Optional[float])
             return pool.submit(_child_scheme, sweep, name, dict(full_mem), left).result()
         except Exception as err:  # the child died (or its result could not come back)
             print(f"  {name}: the process measuring it failed: {_first_line(err)}", flush=True)
-            return {"rows": [{"scheme": name, "mbs": sweep.sizes[0], "fits": False,
-                              "note": f"error: {_first_line(err)}"}],
-                    "skipped": [], "full_mem": {}, "largest": None}
+            return _error(sweep, name, _first_line(err))
 
 
 def _child_scheme(sweep: "_Sweep", name: str, full_mem: dict, left: Optional[float]) -> dict:
@@ -370,9 +368,13 @@ def _child_scheme(sweep: "_Sweep", name: str, full_mem: dict, left: Optional[flo
         import traceback
 
         traceback.print_exc()
-        return {"rows": [{"scheme": name, "mbs": sweep.sizes[0], "fits": False,
-                          "note": f"error: {type(err).__name__}: {_first_line(err)}"}],
-                "skipped": [], "full_mem": {}, "largest": None}
+        return _error(sweep, name, f"{type(err).__name__}: {_first_line(err)}")
+
+
+def _error(sweep: "_Sweep", name: str, why: str) -> dict:
+    """`_Sweep.scheme`'s result for a scheme whose measurement crashed: one row saying why."""
+    return {"rows": [{"scheme": name, "mbs": sweep.sizes[0], "fits": False, "note": f"error: {why}"}],
+            "skipped": [], "full_mem": {}, "largest": None}
 
 
 @dataclass(frozen=True)

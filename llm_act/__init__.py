@@ -1,6 +1,6 @@
 """llm_act: keep, compress or recompute every activation a transformer block saves.
 
-Public API: `ActConfig`, `Controller`, `llm_act.codecs`, `llm_act.ledger.SavedTensorLedger`,
+Public API: `ActConfig`, `Controller`, `Plan` (the planner's answer, `llm_act.plan`), `llm_act.codecs`, `llm_act.ledger.SavedTensorLedger`,
 `llm_act.planner`, and the framework doors `llm_act.patches.megatron` and
 `llm_act.patches.deepspeed`. Importing this package needs only torch.
 """
@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib
 
 from llm_act.config import ActConfig
+from llm_act.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["ActConfig", "Controller", "SavedTensorLedger", "__version__"]
+__all__ = ["ActConfig", "Controller", "Plan", "SavedTensorLedger", "__version__"]
 
 _LAZY = {
-    "Controller": "llm_act.controller",
+    "Controller": "llm_act.runtime.controller",
     "SavedTensorLedger": "llm_act.ledger",
 }
 

@@ -102,7 +102,7 @@ class ActConfig:
 
     fidelity_every: int = 250
     """Report the gradient fidelity (compressed against exact gradient on one
-    micro-batch, `llm_act.fidelity`) every this many iterations; 0: only on request."""
+    micro-batch, `llm_act.measurement.fidelity`) every this many iterations; 0: only on request."""
 
     def __post_init__(self) -> None:
         self._check_bool("enabled")

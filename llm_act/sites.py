@@ -36,6 +36,15 @@ SITES: tuple[str, ...] = (
     "moe.routing",
 )
 
+#: The block's checkpoint: kept or encoded, never recomputed (recomputation starts from it).
+CHECKPOINT_SITE = "ln1.input"
+
+#: The attention's inputs after rotary (views of one QKV buffer in megatron-core).
+QKV_SITES: tuple[str, ...] = ("attn.q", "attn.k", "attn.v")
+
+#: What the core attention saves internally (Megatron's "selective" recompute re-runs it).
+ATTENTION_INTERNAL_SITES: tuple[str, ...] = ("attn.softmax", "attn.dropout_mask")
+
 #: Sites only some blocks have (megatron-core `qk_layernorm=True`).
 QK_NORM_SITES: tuple[str, ...] = ("attn.q_norm_input", "attn.k_norm_input")
 
@@ -131,7 +140,7 @@ def tp_replicated(site: str, sequence_parallel: bool) -> bool:
     (`TP_LAYOUT`): only the "replicated" sites, and only without sequence parallelism.
     Where it is, the ranks' codecs must round alike (their replicated parameters'
     gradients must agree); everywhere else the ranks hold different data and need
-    independent rounding noise (`llm_act.controller.codec_seed`)."""
+    independent rounding noise (`llm_act.runtime.controller.codec_seed`)."""
     return TP_LAYOUT[check_site(site)] == "replicated" and not sequence_parallel
 
 

@@ -34,7 +34,7 @@ def megatron_one_rank():
     """megatron-core's parallel state on one gloo rank (CPU shim installed), torch on one
     thread: the test models are tiny, and one thread is several times faster on a busy
     2-core machine."""
-    from llm_act import testing
+    from llm_act import _testing as testing
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

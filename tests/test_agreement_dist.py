@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from llm_act import testing as T
+from llm_act import _testing as T
 
 pytestmark = pytest.mark.dist
 
@@ -33,10 +33,11 @@ PINNED = ("ln1.input", "attn.qkv_input", "attn.out", "ln2.input", "mlp.act_input
 
 def _worker(rank, world, port, mode):
     warnings.filterwarnings("ignore")
-    from llm_act import ActConfig, agreement
+    from llm_act import ActConfig
+    from llm_act.runtime import agreement
     from llm_act.patches.megatron import apply
     from llm_act.planner import evaluate_plan
-    from llm_act.planner.measure import measure_profile
+    from llm_act.measurement.measure import measure_profile
     from llm_act.sites import DEFAULT_CODECS
     from tests.patches.megatron import gpt_runs as R
 

@@ -1,5 +1,5 @@
 """Plan "auto" measures and re-plans from the training steps themselves, in every door,
-with no probe and no call of ours in the loop (`llm_act.replay`, `Controller.watch`):
+with no probe and no call of ours in the loop (`llm_act.measurement.replay`, `Controller.watch`):
 
 - a plain PyTorch loop (forward, backward, `optimizer.step()`) around `apply`;
 - Megatron-LM's train step (megatron-core's schedule, an optimizer that steps fp32 master
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act.adapt import BudgetTooSmall
-from llm_act.controller import ANY_OPTIMIZER
+from llm_act.runtime.adapt import BudgetTooSmall
+from llm_act.runtime.controller import ANY_OPTIMIZER
 from llm_act.ledger import SavedTensorLedger
 from tests.patches.megatron import gpt_runs as R
 from tests.test_budget_doors import _ds_steps, _engine, _plain_steps, pp2_run
@@ -69,14 +69,14 @@ def _replanned(controller, steps=STEPS):
 def _memory(controller, plan=None) -> int:
     """Activation memory of `plan` (default: the plan in force) in the planner's terms, on
     the controller's last measured profile: bytes stored + the backward transient."""
-    from llm_act import plans
+    from llm_act.plan import plan_from
     from llm_act.planner import evaluate_plan
 
     profile = controller.adapter.profile
     if plan is None:
         plan = controller.plan
     elif plan == "compress":
-        plan = plans.plan_from("compress", controller.num_layers, controller.layers, controller._no_fewbit())
+        plan = plan_from("compress", controller.num_layers, controller.layers, controller._no_fewbit())
     blocks = profile.blocks(recompute=True)
     return evaluate_plan(blocks, profile.choice_for(plan)).activation_bytes
 

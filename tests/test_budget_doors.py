@@ -1,6 +1,6 @@
 """An impossible `budget` is refused at the start in the doors that give the controller no
 probe, measured on the real first training step through the hooks the controller installs
-itself (`llm_act.adapt.FirstForward`):
+itself (`llm_act.runtime.adapt.FirstForward`):
 
 - DeepSpeed (`llm_act.patches.deepspeed.initialize`) with a megatron-core GPT: the first
   `engine.step()` raises `BudgetTooSmall` (plan "auto", the smallest budget any plan fits,
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import testing as T
-from llm_act.adapt import BudgetTooSmall, PlanOverBudget
+from llm_act import _testing as T
+from llm_act.runtime.adapt import BudgetTooSmall, PlanOverBudget
 from tests.patches.megatron import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
@@ -146,7 +146,7 @@ def test_a_first_step_under_the_users_own_ledger_is_measured_through_it():
 
 def test_a_first_step_under_other_saved_tensor_hooks_is_not_measured_and_says_so(caplog):
     engine = _engine(R.build(num_layers=2), {"plan": "compress", "budget": 100000})
-    with caplog.at_level(logging.WARNING, logger="llm_act.controller"):
+    with caplog.at_level(logging.WARNING, logger="llm_act.runtime.controller"):
         for i in range(2):
             ids, pos, labels = R.batch(seed=i)
             with torch.autograd.graph.save_on_cpu():  # the user's hooks: ours would shadow them
@@ -221,7 +221,7 @@ def test_deepspeed_generic_fixed_plan_checked_and_auto_warned(caplog):
     need = caught.value.needed_bytes
     _hf_steps(_hf_engine({"plan": "compress", "budget": need, "adapt": False}), 1)
 
-    with caplog.at_level(logging.WARNING, logger="llm_act.controller"):
+    with caplog.at_level(logging.WARNING, logger="llm_act.runtime.controller"):
         _hf_steps(_hf_engine({"plan": "auto", "budget": 100000, "sensitivity": False}), 2)
     warned = [r.getMessage() for r in caplog.records if "smallest activation budget" in r.getMessage()]
     assert len(warned) == 1 and "not known" in warned[0] and "more than the budget" in warned[0]
@@ -236,7 +236,7 @@ def _dp_worker(rank, world, port):
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     import deepspeed
 
-    from llm_act import agreement
+    from llm_act.runtime import agreement
 
     deepspeed.init_distributed(dist_backend="gloo")
     T.init_parallel(rank=rank, world_size=world)

@@ -10,9 +10,10 @@ import warnings
 import pytest
 import torch
 
-from llm_act import ActConfig, plans
-from llm_act import testing as T
-from llm_act.adapt import interval_sequence
+from llm_act import ActConfig
+from llm_act.plan import resolve
+from llm_act import _testing as T
+from llm_act.runtime.adapt import interval_sequence
 from llm_act.patches.megatron import apply
 from llm_act.planner import evaluate_plan
 from tests.patches.megatron import gpt_runs as R
@@ -85,8 +86,8 @@ def test_schedule_grows_and_resets_on_an_outlier_shift():
 
 def test_plan_switches_between_iterations_and_is_logged(caplog):
     model, controller, opt, gen = _setup(budget=10**9, sensitivity=False)
-    compress = plans.resolve(ActConfig(plan="compress"), 2)
-    with caplog.at_level(logging.INFO, logger="llm_act.controller"):
+    compress = resolve(ActConfig(plan="compress"), 2)
+    with caplog.at_level(logging.INFO, logger="llm_act.runtime.controller"):
         steps = _train(model, controller, opt, gen, 3)
     # iteration 1 ran under "compress"; the loose budget's plan (keep everything) from 2 on
     assert steps[0][1] == compress
@@ -121,7 +122,7 @@ def test_cpu_default_budget_is_the_compress_plan_memory():
     a = controller.adapter
     profile = a.profile
     static = a._static_bytes() + profile.other_bytes
-    compress = plans.resolve(ActConfig(plan="compress"), 2)
+    compress = resolve(ActConfig(plan="compress"), 2)
     comp = evaluate_plan(profile.blocks(), profile.choice_for(compress))
     assert a.budget == static + comp.activation_bytes
     # the chosen plan fits it and costs no more time than "compress"
@@ -207,7 +208,7 @@ def test_a_solver_failure_keeps_the_plan_warns_once_and_is_counted(caplog, monke
         raise RuntimeError("HiGHS: Not Solved")
 
     monkeypatch.setattr("llm_act.planner.solve_plan", broken)
-    with caplog.at_level(logging.WARNING, logger="llm_act.controller"):
+    with caplog.at_level(logging.WARNING, logger="llm_act.runtime.controller"):
         steps = _train(model, controller, opt, gen, 7)  # iterations 2-8: tracked at 2, 4, 8
     a = controller.adapter
     assert a.tracked == [1, 2, 4, 8] and a.solver_failures == 3
@@ -222,7 +223,7 @@ def test_a_solver_failure_keeps_the_plan_warns_once_and_is_counted(caplog, monke
 
 
 def test_a_user_budget_no_plan_fits_is_refused_at_the_first_iteration():
-    from llm_act.adapt import BudgetTooSmall
+    from llm_act.runtime.adapt import BudgetTooSmall
 
     model, controller, opt, gen = _setup(budget="1MB", sensitivity=False)
     with pytest.raises(BudgetTooSmall) as caught:
@@ -238,12 +239,12 @@ def test_a_user_budget_no_plan_fits_is_refused_at_the_first_iteration():
 
 
 def test_a_derived_budget_no_plan_fits_gets_the_tightest_plan(caplog, monkeypatch):
-    from llm_act.adapt import Adapter
+    from llm_act.runtime.adapt import Adapter
 
     # a derived budget (the free memory of a crowded GPU, say) below what any plan needs
     monkeypatch.setattr(Adapter, "_budget", lambda self, profile, static: static + 1)
     model, controller, opt, gen = _setup(sensitivity=False)
-    with caplog.at_level(logging.WARNING, logger="llm_act.controller"):
+    with caplog.at_level(logging.WARNING, logger="llm_act.runtime.controller"):
         _train(model, controller, opt, gen, 4)  # tracked at 1, 2, 4
     a = controller.adapter
     assert a.tracked == [1, 2, 4] and a.solver_failures == 0
@@ -261,7 +262,7 @@ def test_a_derived_budget_no_plan_fits_gets_the_tightest_plan(caplog, monkeypatc
 
 
 def test_a_fixed_plan_over_a_user_budget_is_refused_at_the_first_iteration():
-    from llm_act.adapt import PlanOverBudget
+    from llm_act.runtime.adapt import PlanOverBudget
 
     def run(budget, steps):
         model = R.build(dropout=0.1, num_layers=2, seed=0)
@@ -276,18 +277,18 @@ def test_a_fixed_plan_over_a_user_budget_is_refused_at_the_first_iteration():
     assert "plan 'compress'" in str(err) and "--act-compress-budget" in str(err) and "'auto'" in str(err)
     # the figure it names is the static memory + what the plan stores: it fits exactly
     controller, steps = run(err.needed_bytes, 2)
-    compress = plans.resolve(ActConfig(plan="compress"), 2)
+    compress = resolve(ActConfig(plan="compress"), 2)
     assert controller.plan == compress and all(plan == compress for _, plan, _ in steps)
 
 
 @pytest.mark.gpu
 def test_a_budget_above_the_gpu_memory_is_warned(caplog):
-    from llm_act.adapt import device_memory_bytes
+    from llm_act.runtime.adapt import device_memory_bytes
 
     total = device_memory_bytes()
     model = R.build(dropout=0.1, num_layers=2, seed=0)  # where the model lives does not matter here
     controller = apply(model, ActConfig(plan="auto", budget=2 * total))
-    with caplog.at_level(logging.WARNING, logger="llm_act.controller"):
+    with caplog.at_level(logging.WARNING, logger="llm_act.runtime.controller"):
         controller.adapter.after_iteration(None)  # the checks of a run's first iteration
         controller.adapter.after_iteration(None)  # ... are made once
     warned = [r.getMessage() for r in caplog.records if "this GPU has" in r.getMessage()]

@@ -1,7 +1,7 @@
 """`Controller.load_state_dict` on a real megatron-core GPT (CPU, one rank): the config the
 controller runs under now wins over the checkpoint's. The saved plan and planner state come
 back only under an unchanged config, a codec's random stream only under its own seed, and
-every decision is logged (logger "llm_act.controller")."""
+every decision is logged (logger "llm_act.runtime.controller")."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from llm_act import ActConfig, plans
+from llm_act import ActConfig
+from llm_act.plan import is_keep
 from llm_act.patches.megatron import apply
 from tests.patches.megatron import gpt_runs as R
 
@@ -40,9 +41,9 @@ def _streams(controller):
 
 
 def _load(controller, state, caplog):
-    with caplog.at_level(logging.INFO, logger="llm_act.controller"):
+    with caplog.at_level(logging.INFO, logger="llm_act.runtime.controller"):
         notes = controller.load_state_dict(state)
-    logged = [r.getMessage() for r in caplog.records if r.name == "llm_act.controller"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "llm_act.runtime.controller"]
     assert logged == notes
     return notes
 
@@ -56,8 +57,8 @@ def test_the_same_config_restores_plan_and_codec_streams(caplog):
     assert state["config"] == saved.config.to_dict()
     ctl = _fresh(plan="compress")
     notes = _load(ctl, state, caplog)
-    assert ctl.iteration == 2 and ctl.plan == saved.plan and not plans.is_keep(ctl.plan)
-    assert ctl.pending_plan == saved.pending_plan and plans.is_keep(ctl.pending_plan)
+    assert ctl.iteration == 2 and ctl.plan == saved.plan and not is_keep(ctl.plan)
+    assert ctl.pending_plan == saved.pending_plan and is_keep(ctl.pending_plan)
     got = _streams(ctl)
     assert got.keys() == streams.keys() and all(torch.equal(got[k], streams[k]) for k in streams)
     assert notes == ["act controller: restored iteration 2",
@@ -70,7 +71,7 @@ def test_another_plan_replaces_the_checkpoints_and_says_so(caplog):
     _, saved = _trained(plan="compress")
     ctl = _fresh(plan="keep")
     notes = _load(ctl, saved.state_dict(), caplog)
-    assert ctl.iteration == 2 and plans.is_keep(ctl.plan)
+    assert ctl.iteration == 2 and is_keep(ctl.plan)
     assert notes[-1] == ("act plan: plan: checkpoint 'compress', now 'keep' -> the plan of the current "
                          "flags; the checkpoint's plan and adaptive-planner state are not restored")
 
@@ -102,10 +103,10 @@ def test_a_checkpoint_without_a_config_keeps_the_flags_plan(caplog):
         pass
     state = saved.state_dict()
     del state["config"]  # as written before the config was saved
-    assert plans.is_keep(saved.plan)
+    assert is_keep(saved.plan)
     ctl = _fresh(plan="compress")
     notes = _load(ctl, state, caplog)
-    assert ctl.plan == _fresh(plan="compress").plan and not plans.is_keep(ctl.plan)
+    assert ctl.plan == _fresh(plan="compress").plan and not is_keep(ctl.plan)
     assert notes[-1] == ("act plan: the checkpoint holds no act config (saved by an older llm_act), so its "
                          "plan may not match this run's flags -> the plan of the current flags ('compress')")
     assert ctl.iteration == 3

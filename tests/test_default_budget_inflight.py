@@ -4,13 +4,15 @@ micro-batch in flight on this pipeline stage (1F1B: p - k), as the planner count
 Counted with one in flight, stage 0 of PP=2 got a budget "compress" itself did not fit, so
 the planner was driven to int1/int2 codecs at 3x the mini-batch sampling noise (seen in
 Megatron-LM's `pretrain()` at PP=2, docs/megatron_lm.md). One rank here; the stage's
-in-flight count is what `llm_act.adapt._inflight` reports (set to 2, as on stage 0 of 2).
+in-flight count is what `llm_act.runtime.adapt._inflight` reports (set to 2, as on stage 0 of 2).
 """
 import pytest
 import torch
 
-from llm_act import ActConfig, adapt, plans
-from llm_act import testing as T
+from llm_act import ActConfig
+from llm_act.runtime import adapt
+from llm_act.plan import resolve
+from llm_act import _testing as T
 from llm_act.patches.megatron import apply
 from llm_act.planner import evaluate_plan
 from tests.patches.megatron import gpt_runs as R
@@ -29,7 +31,7 @@ def test_cpu_default_budget_counts_every_micro_batch_in_flight(monkeypatch):
     a = controller.adapter
     assert controller.iteration == 1 and a.profile is not None
     static = a._static_bytes() + a.profile.other_bytes
-    compress = plans.resolve(ActConfig(plan="compress"), 2)
+    compress = resolve(ActConfig(plan="compress"), 2)
     at = {n: evaluate_plan(a.profile.blocks(inflight=n), a.profile.choice_for(compress)).activation_bytes
           for n in (1, 2)}
     assert at[2] > at[1]

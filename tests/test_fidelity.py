@@ -1,4 +1,4 @@
-"""The gradient-fidelity report (`llm_act.fidelity`): one micro-batch of a training step run
+"""The gradient-fidelity report (`llm_act.measurement.fidelity`): one micro-batch of a training step run
 again, exact and under the plan in force, from the same state.
 
 It is zero for "keep", small for the "compress" plan, and large where a codec is broken; it
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act.fidelity import FidelityReport, group_name, lossy_sites
+from llm_act.measurement.fidelity import FidelityReport, group_name, lossy_sites
 from tests.patches.broken_codec import broken
 from tests.patches.megatron import gpt_runs as R
 
@@ -74,7 +74,7 @@ def test_compress_is_close_and_a_broken_codec_is_not():
 
 
 def test_sites_measured_alone_rotate_and_name_the_broken_one():
-    from llm_act import fidelity
+    from llm_act.measurement import fidelity
 
     with broken("mlp.fc2_input"):
         model, c = _trained("compress", steps=1)

@@ -1,4 +1,4 @@
-"""GACT's generic path (`llm_act.hooks`) on a plain torch pre-norm decoder block.
+"""GACT's generic path (`llm_act.generic.hooks`) on a plain torch pre-norm decoder block.
 
 Byte figures for the test block (fp32, b=2, s=64, h=64, 4 heads, ffn 256):
 stock 528384 B held for backward, of which 524288 B (131072 floats) are encodable
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from llm_act.codecs import make_codec
-from llm_act.hooks import GenericCompression, checkpoint_blocks, compress_saved_tensors
+from llm_act.generic.hooks import GenericCompression, checkpoint_blocks, compress_saved_tensors
 from llm_act.ledger import SavedTensorLedger
 from tests.plain_decoder import make_blocks
 

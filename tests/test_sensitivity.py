@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from llm_act import ActConfig
 from llm_act.patches.megatron import apply
-from llm_act.planner.measure import measure_profile
-from llm_act.sensitivity import CompressionNoiseWarning, check_noise, measure_sensitivity, sensitive_sites
+from llm_act.measurement.measure import measure_profile
+from llm_act.measurement.sensitivity import CompressionNoiseWarning, check_noise, measure_sensitivity, sensitive_sites
 from tests.patches.megatron import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
@@ -132,8 +132,8 @@ def test_per_group_c_is_the_worst_group_against_its_own_sampling_noise():
     """With parameter groups (Adam normalises each parameter), c is the worst group's c
     rescaled by the sampling noise: never below GACT's whole-gradient c, equal to the
     arithmetic on the measured pieces, and the sampling noise splits over the groups."""
-    from llm_act.fidelity import group_name
-    from llm_act.sensitivity import worst_group
+    from llm_act.measurement.fidelity import group_name
+    from llm_act.measurement.sensitivity import worst_group
 
     model, controller, fwd = _gpt()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

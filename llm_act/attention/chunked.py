@@ -212,7 +212,7 @@ class _ChunkedAttention(torch.autograd.Function):
                         ("attn.out", lse)):
             stash.add(site, x)
         if p > 0.0 and tiles is not None:
-            from llm_act.codecs.masks import BitMask
+            from llm_act.codecs.bitmask import BitMask
             codec = BitMask()
             for t in tiles:
                 stash.add("attn.dropout_mask", t, codec)

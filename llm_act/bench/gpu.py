@@ -82,9 +82,9 @@ TARGET_KERNEL_OF_COPY = 0.90
 
 
 def _scheme(name: str, choice: Optional[dict] = None) -> M.Scheme:
-    from llm_act.patches.megatron.recompute import full_plan, selective_plan
+    from llm_act.plan import recompute_layer, selective_layer
 
-    base = {STOCK: {}, SELECTIVE: selective_plan(), FULL: full_plan(), KEEP: {},
+    base = {STOCK: {}, SELECTIVE: selective_layer(), FULL: recompute_layer(), KEEP: {},
             COMPRESS: M.compress_choice()}
     return M.Scheme(name, "", dict(choice if choice is not None else base[name]),
                     attention="sdpa", convert_attention=True)
@@ -119,7 +119,7 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
            least: bool = False) -> tuple[Optional[dict], Optional[str]]:
     """(choice, None), or (None, why there is none); `least`: when the budget is infeasible,
     solve at the least feasible budget instead and say so in the note."""
-    from llm_act.plan_cli import _reference_variance
+    from llm_act.cli.plan import _reference_variance
     from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
 
     block = M.restricted_block(_analytic_block(shape, mbs))
@@ -131,7 +131,7 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
         if not least:
             need = getattr(err, "min_budget_bytes", None)
             return None, "MILP infeasible" + ("" if need is None else f" (needs >= {_size(need)})")
-        from llm_act.plan_cli import min_budget
+        from llm_act.cli.plan import min_budget
 
         need = min_budget([block], static_bytes, noise)
         try:
@@ -146,13 +146,14 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
 
 
 def _model(shape: GpuShape, device: torch.device, seed: int = 1234):
-    from llm_act import testing
+    from llm_act.train import parallel
+    from llm_act.train import small_gpt
 
-    cfg = testing.small_config(hidden_size=shape.hidden, num_attention_heads=shape.heads,
+    cfg = small_gpt.small_config(hidden_size=shape.hidden, num_attention_heads=shape.heads,
                                num_layers=shape.layers, dtype=torch.bfloat16, dropout=0.0,
                                use_cpu_initialization=device.type == "cpu")
     torch.manual_seed(seed)
-    model = testing.gpt_model(cfg, vocab_size=shape.vocab, max_sequence_length=shape.seq).to(device)
+    model = small_gpt.gpt_model(cfg, vocab_size=shape.vocab, max_sequence_length=shape.seq).to(device)
     # as Megatron-LM under --bf16: every parameter in bf16 (on CUDA megatron-core's torch
     # LayerNorm fallback builds fp32 weights, which CUDA's layer_norm refuses beside bf16 input)
     from megatron.core.transformer.module import Float16Module
@@ -421,7 +422,7 @@ class _Sweep:
     def scheme(self, name: str, full_mem: dict, left: Optional[float], log: Callable[[str], None]) -> dict:
         """One scheme over the sizes, then its largest micro-batch: {"rows", "skipped",
         "full_mem" (FULL's measured memory per size), "largest"}."""
-        from llm_act import testing
+
 
         dev = torch.device(self.device)
         deadline = None if left is None else time.perf_counter() + left
@@ -433,7 +434,7 @@ class _Sweep:
         def over() -> bool:
             return deadline is not None and time.perf_counter() > deadline
 
-        testing.init_parallel(seed=1234)
+        parallel.init_parallel(seed=1234)
         try:
             t0 = time.perf_counter()
             model = _model(self.shape, dev)
@@ -490,7 +491,7 @@ class _Sweep:
                 _free(dev)
             log(f"  {name}: {time.perf_counter() - t0:.1f} s")
         finally:
-            testing.destroy_parallel()
+            parallel.destroy_parallel()
         return {"rows": rows, "skipped": skipped, "largest": found,
                 "full_mem": full_mem if name == FULL else {}}
 

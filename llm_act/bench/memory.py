@@ -83,13 +83,13 @@ def compress_choice() -> dict[str, str]:
 def fixed_schemes() -> list[Scheme]:
     """Stock, Megatron's recompute modes and each paper's scheme as a fixed plan (GACT's is
     solved per shape in `gact_scheme`)."""
-    from llm_act.patches.megatron.recompute import full_plan, selective_plan
+    from llm_act.plan import recompute_layer, selective_layer
 
     return [
         Scheme("stock", "megatron-core", {}, note="every tensor as megatron-core saves it"),
-        Scheme("megatron selective", "Megatron-LM", selective_plan(),
+        Scheme("megatron selective", "Megatron-LM", selective_layer(),
                note="core attention recomputed from kept q, k, v"),
-        Scheme("megatron full", "Megatron-LM", full_plan(),
+        Scheme("megatron full", "Megatron-LM", recompute_layer(),
                note="whole block recomputed from its kept input"),
         Scheme("ActNN int2", "ActNN", _every("int2", masks="bitmask"), convert_attention=True,
                note="per-group (128) INT2 stochastic at every value site, 1-bit masks"),
@@ -162,7 +162,7 @@ def planner_schemes(shape: Shape) -> list[Scheme]:
     `PLANNER_BUDGETS` (fractions of the stock stack's analytic bytes) and the noise budget
     of the "compress" plan (as `llm-act plan` does); recompute offered where the bench can
     bind it. A budget below the smallest feasible one is raised to that (said in the note)."""
-    from llm_act.plan_cli import _reference_variance, min_budget
+    from llm_act.cli.plan import _reference_variance, min_budget
     from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
     from llm_act.planner.analytic import block_profile
 
@@ -201,7 +201,7 @@ def all_schemes(shape: Shape) -> list[Scheme]:
 def codec_factory(layer_index: int, seed: int = 1234) -> Callable[[str, str], object]:
     """codec_of(site, name) for `LayerRecompute.bind`: one instance per (site, name), seeded
     as the Controller seeds them."""
-    from llm_act.controller import codec_seed
+    from llm_act.runtime.controller import codec_seed
 
     cache: dict = {}
 
@@ -228,12 +228,13 @@ def bind_layer(layer: torch.nn.Module, index: int, scheme: Scheme, seed: int = 1
 
 
 def build_layer(shape: Shape, seed: int = 0):
-    from llm_act import testing
+    from llm_act.train import parallel
+    from llm_act.train import small_gpt
 
-    cfg = testing.small_config(hidden_size=shape.h, num_attention_heads=shape.a, dtype=shape.dtype,
+    cfg = small_gpt.small_config(hidden_size=shape.h, num_attention_heads=shape.a, dtype=shape.dtype,
                                dropout=shape.dropout, num_layers=1, add_bias_linear=True)
     torch.manual_seed(seed)
-    return testing.transformer_layer(cfg, layer_number=1)
+    return small_gpt.transformer_layer(cfg, layer_number=1)
 
 
 def held_after_forward(forward: Callable[[], torch.Tensor], runs: int = 3,
@@ -327,9 +328,9 @@ def run(shapes: list[Shape], process_for=("stock", "compress (Adacc)"),
         log: Callable[[str], None] = lambda m: None) -> list[dict]:
     """Every scheme on every shape; rows {scheme, source, note, shape, total, per_sbh, ratio,
     held_per_sbh, by_site, predicted}."""
-    from llm_act import testing
 
-    testing.init_parallel(seed=1234)
+
+    parallel.init_parallel(seed=1234)
     rows = []
     try:
         for shape in shapes:
@@ -347,7 +348,7 @@ def run(shapes: list[Shape], process_for=("stock", "compress (Adacc)"),
                 })
                 log(f"  {shape.describe()}: {scheme.name:<22} {r['total'] / shape.sbh:8.3f} B/sbh")
     finally:
-        testing.destroy_parallel()
+        parallel.destroy_parallel()
     return rows
 
 

@@ -2,7 +2,7 @@
 wall time its tracking points take (recording nothing extra on other steps; at a tracking
 point: the measured profile, the sparse sensitivity passes, the agreement and the solve).
 
-The run measures from its own training steps (`llm_act.replay`), exactly as in every
+The run measures from its own training steps (`llm_act.measurement.replay`), exactly as in every
 other door; the figure is `Adapter.measure_seconds` over the run's wall time, both taken
 in this one run (times mean something only as this ratio).
 """

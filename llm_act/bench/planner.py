@@ -43,7 +43,7 @@ def _base_block(model: str):
 
 def solve_times(depths=DEPTHS, model: str = MODEL) -> list[dict]:
     """[{layers, variables, seconds, activation_fraction, overhead_ms}] per depth."""
-    from llm_act.plan_cli import _reference_variance
+    from llm_act.cli.plan import _reference_variance
     from llm_act.planner import solve_plan
 
     base, per_block = _base_block(model)
@@ -75,7 +75,7 @@ def distinct_problem(n: int, model: str = MODEL, seed: int = 0):
     import random
 
     from llm_act.planner import BlockProfile
-    from llm_act.plan_cli import _reference_variance
+    from llm_act.cli.plan import _reference_variance
 
     base, per_block = _base_block(model)
     rng = random.Random(seed)
@@ -141,16 +141,16 @@ def compare(shape: M.Shape, rows: Optional[list[dict]] = None,
             measured[r["scheme"]] = sum(n for (layer, _), n in r["by_site"].items() if layer == 0)
     missing = [n for n in names if n not in measured]
     if missing:
-        from llm_act import testing
+        from llm_act.train import parallel
 
-        testing.init_parallel(seed=1234)
+        parallel.init_parallel(seed=1234)
         try:
             for n in missing:
                 res = M.measure(shape, schemes[n])
                 measured[n] = sum(b for (layer, _), b in res["by_site"].items() if layer == 0)
                 log(f"  measured {n}")
         finally:
-            testing.destroy_parallel()
+            parallel.destroy_parallel()
     out = []
     for n in names:
         pred = predicted_block_bytes(shape, schemes[n])

@@ -156,11 +156,11 @@ def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: s
         "views of one QKV buffer that stays whole while any of them is kept; with RoPE, as here, "
         "only V is a view, and keeping it is counted as the whole buffer), the stock softmax "
         "once in the model dtype (megatron keeps an fp32 softmax and a bf16 copy) and dropout masks at 1 byte (megatron on CPU keeps them in "
-        "the model dtype); the measured profile (`llm_act.planner.measure`) replaces it "
+        "the model dtype); the measured profile (`llm_act.measurement.measure`) replaces it "
         "during training.",
         *(["", "What measuring costs: plan \"auto\" (no budget: the compress plan's memory) on the "
            "bench GPT of the convergence section, in our loop, measuring from its own training steps "
-           "(`llm_act.replay`) as in every door; the share of the run's wall time spent at its "
+           "(`llm_act.measurement.replay`) as in every door; the share of the run's wall time spent at its "
            "tracking points (profile, sparse sensitivity passes, agreement, solve), target at most 2% "
            "over 300 steps:", "", O.table(overhead)] if overhead else []),
     ])

@@ -19,11 +19,11 @@ from llm_act.codecs.registry import (
 )
 
 _LAZY = {
-    "IntQuant": "llm_act.codecs.intquant",
+    "IntQuant": "llm_act.codecs.int_quant",
     "OutlierInt4": "llm_act.codecs.outlier",
     "DualPrecision": "llm_act.codecs.dual",
-    "BitMask": "llm_act.codecs.masks",
-    "RegenMask": "llm_act.codecs.masks",
+    "BitMask": "llm_act.codecs.bitmask",
+    "RegenMask": "llm_act.codecs.bitmask",
     "FP8": "llm_act.codecs.fp8",
     "FewBit": "llm_act.codecs.fewbit",
 }

@@ -13,7 +13,7 @@ NON_CODECS = (KEEP, RECOMPUTE)
 
 def _intquant(**kw) -> Callable[..., Codec]:
     def make(seed: int = 1234, **_ignored) -> Codec:
-        from llm_act.codecs.intquant import IntQuant
+        from llm_act.codecs.int_quant import IntQuant
 
         return IntQuant(seed=seed, **kw)
 
@@ -51,13 +51,13 @@ def _fewbit(bits: int) -> Callable[..., Codec]:
 
 
 def _bitmask(seed: int = 1234, **_ignored) -> Codec:
-    from llm_act.codecs.masks import BitMask
+    from llm_act.codecs.bitmask import BitMask
 
     return BitMask(seed=seed)
 
 
 def _regen(seed: int = 1234, **_ignored) -> Codec:
-    from llm_act.codecs.masks import RegenMask
+    from llm_act.codecs.bitmask import RegenMask
 
     return RegenMask(seed=seed)
 

@@ -4,12 +4,11 @@ from llm_act.planner.milp import (
     OBJECTIVES,
     InfeasibleBudget,
     InfeasibleVariance,
-    Plan,
     SolverError,
     evaluate_plan,
-    load_plan_json,
     solve_plan,
 )
+from llm_act.plan import Plan, load_plan_json
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
 
 __all__ = [

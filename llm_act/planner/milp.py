@@ -53,6 +53,7 @@ from typing import Any, Optional, Sequence, Union
 
 from llm_act._imports import require
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE, check_choices
+from llm_act.plan import Plan
 from llm_act.planner.lagrange import blind_input, lagrange_plan
 from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
 
@@ -102,45 +103,6 @@ class InfeasibleVariance(ValueError):
             f"variance_budget={variance_budget!r} cannot be met within the memory budget: "
             f"the least achievable summed noise is {min_variance!r}"
         )
-
-
-@dataclass
-class Plan:
-    """The planner's answer for one device. `choice[i][site]` is "keep", "recompute" or a
-    codec name, indexed like the `blocks` given to `solve_plan`."""
-
-    blocks: tuple[BlockProfile, ...]
-    choice: list[dict[str, str]]
-    activation_bytes: int
-    """sum over blocks of count * inflight * stored bytes, plus `peak_bytes`."""
-    overhead_ms: float
-    """added time per iteration: sum over blocks of count * per-block time."""
-    solve_seconds: float = 0.0
-    variance: float = 0.0
-    """summed noise: sum over blocks of count * sensitivity * S(option)."""
-    peak_bytes: int = 0
-    """the transient: the largest block's decoded and recomputed tensors."""
-    num_variables: int = 0
-    objective: str = "time"
-    optimal: bool = True
-    """False when the solver stopped at `time_limit` with a feasible plan not proven optimal."""
-
-    def to_dict(self, first_layer: int = 0) -> dict[str, Any]:
-        """The JSON plan; block i covers the next `blocks[i].count` layers from
-        `first_layer`, and contiguous layers with equal choices are merged."""
-        runs: list[dict[str, Any]] = []
-        layer = first_layer
-        for block, choice in zip(self.blocks, self.choice):
-            last = layer + block.count - 1
-            if runs and runs[-1]["choice"] == choice:
-                runs[-1]["layers"][1] = last
-            else:
-                runs.append({"layers": [layer, last], "choice": dict(choice)})
-            layer = last + 1
-        return {"version": 1, "blocks": runs}
-
-    def to_json(self, first_layer: int = 0, indent: Optional[int] = None) -> str:
-        return json.dumps(self.to_dict(first_layer), indent=indent)
 
 
 #: sites whose decoded copies one backward op needs at once (any other site is its own group)
@@ -678,70 +640,3 @@ def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str
             )
         picks.append(pick)
     return _plan(blocks, classes, list(range(len(blocks))), picks)
-
-
-def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> list[dict[str, str]]:
-    """Read and validate a JSON plan `{"version": 1, "blocks": [{"layers": [a, b],
-    "choice": {site: name}}]}` (layers inclusive); returns one choice dict per layer.
-    Every layer in [0, num_layers) must be covered exactly once; sites a block does not
-    name are kept."""
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers: expected an int >= 1, got {num_layers!r}")
-    data = _read(source)
-    if not isinstance(data, dict):
-        raise ValueError(f"plan: expected a JSON object, got {type(data).__name__}")
-    extra = set(data) - {"version", "blocks"}
-    if extra:
-        raise ValueError(f"plan: unknown keys {sorted(extra)}; expected 'version' and 'blocks'")
-    if data.get("version") != 1:
-        raise ValueError(f"plan version: expected 1, got {data.get('version')!r}")
-    runs = data.get("blocks")
-    if not isinstance(runs, list) or not runs:
-        raise ValueError(f"plan blocks: expected a non-empty list, got {runs!r}")
-    layers: list[Optional[dict[str, str]]] = [None] * num_layers
-    owner: list[Optional[int]] = [None] * num_layers
-    for n, run in enumerate(runs):
-        where = f"plan blocks[{n}]"
-        if not isinstance(run, dict) or set(run) != {"layers", "choice"}:
-            raise ValueError(f"{where}: expected an object with keys 'layers' and 'choice', got {run!r}")
-        span, choice = run["layers"], run["choice"]
-        if (not isinstance(span, list) or len(span) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in span)
-                or not 0 <= span[0] <= span[1] < num_layers):
-            raise ValueError(
-                f"{where} layers: expected [first, last] with 0 <= first <= last < {num_layers}, got {span!r}"
-            )
-        check_choices(choice, f"{where} choice")
-        for layer in range(span[0], span[1] + 1):
-            if owner[layer] is not None:
-                raise ValueError(
-                    f"{where} layers {span}: layer {layer} is already planned by blocks[{owner[layer]}]"
-                )
-            owner[layer], layers[layer] = n, dict(choice)
-    missing = [i for i, c in enumerate(layers) if c is None]
-    if missing:
-        raise ValueError(f"plan blocks: layers {_ranges(missing)} of {num_layers} have no plan")
-    return layers  # type: ignore[return-value]
-
-
-def _read(source) -> Any:
-    if isinstance(source, dict):
-        return source
-    if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"plan: expected a dict or a path to a JSON file, got {source!r}")
-    try:
-        with open(source, encoding="utf-8") as f:
-            return json.load(f)
-    except OSError as err:
-        raise ValueError(f"plan: cannot read {os.fspath(source)!r}: {err}") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"plan: {os.fspath(source)!r} is not valid JSON: {err}") from None
-
-
-def _ranges(idx: list[int]) -> str:
-    out, start = [], idx[0]
-    for a, b in zip(idx, idx[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ", ".join(out)

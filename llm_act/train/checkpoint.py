@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from llm_act.agreement import timed
+from llm_act.runtime.agreement import timed
 
 TRACKER = "latest_checkpointed_iteration.txt"
 VERSION = 1

@@ -227,7 +227,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     """Entry from `llm-act train`: the compressed run always has --act-compress (plan
     "compress" unless --act-compress-plan says otherwise)."""
-    from llm_act.cli import fail
+    from llm_act.cli.main import fail
     from llm_act.train.args import check
 
     parser = args.train_parser

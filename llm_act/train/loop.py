@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from llm_act.agreement import timed
+from llm_act.runtime.agreement import timed
 from llm_act.kernels import codec_backend
-from llm_act.plans import describe as describe_plan
+from llm_act.plan import describe as describe_plan
 from llm_act.train import checkpoint, data as data_lib, parallel
 from llm_act.train.trainer import Trainer
 
@@ -90,7 +90,7 @@ def _controller_log(say: Callable[[str], None]):
             elif record.levelno >= logging.WARNING:
                 print(msg, file=sys.stderr, flush=True)
 
-    from llm_act.logs import default_handlers
+    from llm_act.runtime.logs import default_handlers
 
     logger = logging.getLogger("llm_act")
     handler, level = Say(logging.INFO), logger.level

@@ -60,7 +60,7 @@ def transformer_config(args: argparse.Namespace):
 
 
 def _layer_spec(args: argparse.Namespace, tconfig, act_config):
-    from llm_act.testing import local_layer_spec
+    from llm_act.train.small_gpt import local_layer_spec
 
     if not args.sequence_parallel:
         return local_layer_spec(normalization=args.normalization)

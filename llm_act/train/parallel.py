@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from llm_act._imports import require
 
 def world_size() -> int:
     """The world size the launcher asks for (1 without a launcher)."""
@@ -36,9 +39,7 @@ def init(args: argparse.Namespace) -> None:
         if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
             dist.init_process_group(backend)
         else:
-            from llm_act.testing import free_port
-
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                     rank=0, world_size=1)
     if ps.model_parallel_is_initialized():
         same = (ps.get_tensor_model_parallel_world_size() == args.tensor_model_parallel_size
@@ -68,3 +69,85 @@ def device() -> torch.device:
 def is_logging_rank() -> bool:
     """The last rank prints: it holds the loss (last pipeline stage), as in Megatron-LM."""
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+# ---- the gloo process group and megatron's parallel state of tests, benches and demos ----
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for a gloo rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    rank: int = 0,
+    world_size: int = 1,
+    port: Optional[int] = None,
+    seed: int = 1234,
+    ep: int = 1,
+) -> None:
+    """Start gloo (if not started) and megatron's parallel state, then seed its RNG tracker.
+
+    With one rank and no `port` a free port is picked. Re-initialises megatron's parallel
+    state when it is already up (so tests can change TP/PP within one process). `ep` is
+    megatron's expert-model-parallel size (MoE experts split over `ep` ranks).
+    """
+    import torch.distributed as dist
+
+    require("megatron.core", "llm_act.train.parallel")
+    from llm_act.patches.megatron import cpu_shim
+
+    cpu_shim.install()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        if port is None:
+            if world_size != 1:
+                raise ValueError(f"port: needed for world_size={world_size}, got None")
+            port = free_port()
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's parallel state and the process group (if up)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _forget_deepspeed_groups()
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed caches the process groups its first engine used (`deepspeed.utils.groups`);
+    once the process group is destroyed they are stale, and the next engine, on a new
+    group, would be handed them. Forget them (only if DeepSpeed was imported)."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                 "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "mpu"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()

@@ -5,7 +5,7 @@ An iteration runs the global batch through megatron-core's schedule
 otherwise) as `num_micro_batches` micro-batches, then the optimizer step and the LR
 schedule; with `--act-compress` the iteration runs inside `controller.step()`, so plans
 switch only between iterations; plan "auto" measures from the training steps themselves
-(`llm_act.replay`), on every pipeline stage. On iterations asked to measure, the first micro-batch's
+(`llm_act.measurement.replay`), on every pipeline stage. On iterations asked to measure, the first micro-batch's
 forward runs inside a `SavedTensorLedger`, giving the bytes it leaves for backward per
 (layer, site). The loop (`loop.py`) and `llm-act train` (`compare.py`) drive Trainers.
 """
@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from llm_act.agreement import timed
+from llm_act.runtime.agreement import timed
 from llm_act.train import checkpoint, model as model_lib, optim, rng
 from llm_act.train.data import Batch, Samples, TokenData, micro_batch
 

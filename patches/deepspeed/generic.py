@@ -3,7 +3,7 @@
 Such a model has no compressed layers, but it does have repeated blocks (the longest
 `ModuleList` of one block class: `model.layers`, `transformer.h`). Each block gets:
 
-- the generic saved-tensor hook path of `llm_act.hooks` (GACT's): everything the block
+- the generic saved-tensor hook path of `llm_act.generic.hooks` (GACT's): everything the block
   saves for backward is encoded with the codec its *site* has in the plan. The site of a
   saved tensor is read from the submodule that saves it (`q_proj`/`c_attn` ->
   `attn.qkv_input`, `o_proj` -> `attn.out`, `down_proj` -> `mlp.fc2_input`, ...; see
@@ -19,7 +19,7 @@ Such a model has no compressed layers, but it does have repeated blocks (the lon
   Until the plans know "recompute" (issue 4), the controller's plan shows such blocks as
   "keep" and `GenericModel.recompute` tells that they are recomputed.
 
-Never more than stock (`llm_act.hooks`): each saved tensor is encoded in its logical shape
+Never more than stock (`llm_act.generic.hooks`): each saved tensor is encoded in its logical shape
 (never as a flat storage buffer), once per storage, and only where its codec's size formula
 stores no more than the raw tensor; otherwise it is kept raw and booked at its site
 (`GenericModel.declined` tells how much each block kept that way).
@@ -37,8 +37,8 @@ import torch
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
 from llm_act.config import ActConfig
-from llm_act.controller import SEED_STRIDE, Controller, replica_seed
-from llm_act.hooks import SavedTensorCompression
+from llm_act.runtime.controller import SEED_STRIDE, Controller, replica_seed
+from llm_act.generic.hooks import SavedTensorCompression
 from llm_act.sites import MASK_SITES
 
 #: last path component of a submodule of a block -> the site of what it saves

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.config import ActConfig
-from llm_act.controller import Controller
+from llm_act.runtime.controller import Controller
 from llm_act.patches.deepspeed import recompute as ds_recompute
 from llm_act.patches.megatron.recompute import CHECKPOINT_SITE, LayerRecompute, is_full
 from llm_act.sites import MASK_SITES, SITES
@@ -128,7 +128,7 @@ def apply(model: Any, config: ActConfig, checkpointing: Any = None, mpu: Any = N
     The plan `config` asks for is routed first (`route`, and DeepSpeed's checkpointing is
     configured if a layer needs it), so what cannot work raises before the model changes.
     """
-    from llm_act import plans
+    from llm_act.plan import resolve
     from llm_act.patches.megatron import apply as megatron_apply
     from llm_act.patches.megatron.apply import transformer_layers
 
@@ -139,7 +139,7 @@ def apply(model: Any, config: ActConfig, checkpointing: Any = None, mpu: Any = N
     if layers:
         indices = sorted({int(layer.layer_number) - 1 for layer in layers})
         num_layers = max([max(indices) + 1] + [int(getattr(l.config, "num_layers", 0) or 0) for l in layers])
-        plan = plans.resolve(config, num_layers, indices)
+        plan = resolve(config, num_layers, indices)
         routes = {route(plan[i], checkpointing, f"layer {i}") for i in indices}
         if DEEPSPEED in routes:
             ds_recompute.check(checkpointing, KEEP, len(layers))

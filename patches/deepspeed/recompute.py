@@ -1,7 +1,7 @@
 """Per-block recompute of generic blocks, through DeepSpeed's activation checkpointing if set.
 
 Without `"activation_checkpointing"` in the DeepSpeed config, blocks are recomputed with
-`llm_act.hooks.checkpoint_blocks` (torch's non-reentrant checkpoint; the block input may be
+`llm_act.generic.hooks.checkpoint_blocks` (torch's non-reentrant checkpoint; the block input may be
 encoded, GACT's CB1). With it, each block runs under `deepspeed.checkpointing.checkpoint`,
 so `partition_activations` and `cpu_checkpointing` keep working on the block inputs.
 
@@ -87,7 +87,7 @@ def wrap_blocks(blocks: list[torch.nn.Module], codec: Optional[str], checkpointi
                 seed: int = 1234, mpu: Any = None) -> None:
     """Recompute every block in backward (see the module docstring)."""
     if checkpointing is None or not checkpointing.configured:
-        from llm_act.hooks import checkpoint_blocks
+        from llm_act.generic.hooks import checkpoint_blocks
 
         checkpoint_blocks(blocks, codec, seed=seed)
         return

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from llm_act._imports import require
-from llm_act.agreement import timed
+from llm_act.runtime.agreement import timed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,17 +79,18 @@ def _model(args: argparse.Namespace, vocab: int):
                                  num_kv_heads=max(1, args.num_attention_heads // 2),
                                  max_positions=args.seq_length, seed=args.seed)
         return model, lambda m, b: hf_decoder.lm_loss(m, b.tokens, b.labels)
-    from llm_act import testing
+    from llm_act.train import parallel
+    from llm_act.train import small_gpt
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    testing.init_parallel(rank=rank, world_size=world, seed=args.seed)
+    parallel.init_parallel(rank=rank, world_size=world, seed=args.seed)
     torch.manual_seed(args.seed)
-    config = testing.small_config(hidden_size=args.hidden_size,
+    config = small_gpt.small_config(hidden_size=args.hidden_size,
                                   num_attention_heads=args.num_attention_heads,
                                   num_layers=args.num_layers)
     # untied output layer: under ZeRO-3 a weight shared by two modules is gathered only by
     # its owner's hooks
-    model = testing.gpt_model(config, vocab_size=vocab, max_sequence_length=args.seq_length,
+    model = small_gpt.gpt_model(config, vocab_size=vocab, max_sequence_length=args.seq_length,
                               share_embeddings_and_output_weights=False)
 
     def loss(m, b):
@@ -183,9 +184,9 @@ def _train(args: argparse.Namespace, ds: dict[str, Any], log: Callable[[str], No
 
 
 def _plan_line(plan: dict) -> str:
-    from llm_act import plans
+    from llm_act.plan import describe
 
-    return plans.describe(plan).replace("\n", "; ")
+    return describe(plan).replace("\n", "; ")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

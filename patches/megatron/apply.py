@@ -24,10 +24,10 @@ from typing import Any, Iterable, Union
 
 import torch
 
-from llm_act import agreement
+from llm_act.runtime import agreement
 from llm_act._imports import require
 from llm_act.config import ActConfig
-from llm_act.controller import Controller
+from llm_act.runtime.controller import Controller
 
 
 def as_config(config: Union[ActConfig, dict, None]) -> ActConfig:

@@ -46,6 +46,7 @@ import torch
 from llm_act._imports import require
 from llm_act.codecs.base import Codec
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
+from llm_act.sites import QKV_SITES
 
 require("megatron.core", "llm_act.patches.megatron.attention")
 from megatron.core import tensor_parallel  # noqa: E402
@@ -54,7 +55,6 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 ATTENTION_MODES = ("stock", "auto", "sdpa", "chunked", "unfused")
 ATTENTION_SITES = ("attn.q", "attn.k", "attn.v", "attn.softmax", "attn.dropout_mask", "attn.out")
-QKV_SITES = ("attn.q", "attn.k", "attn.v")
 
 
 class _StoredMaskAttentionDropout(torch.nn.Dropout):

@@ -250,7 +250,7 @@ def _bitmask() -> Codec:
     no random state away from the Controller)."""
     global _BITMASK
     if _BITMASK is None:
-        from llm_act.codecs.masks import BitMask
+        from llm_act.codecs.bitmask import BitMask
 
         _BITMASK = BitMask()
     return _BITMASK

@@ -48,12 +48,10 @@ import torch
 
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.registry import KEEP, RECOMPUTE, check_choice
-from llm_act.sites import DENSE_MLP_SITES, MASK_SITES, MOE_SITES, QK_NORM_SITES, SITES
+from llm_act.sites import (ATTENTION_INTERNAL_SITES, CHECKPOINT_SITE, DENSE_MLP_SITES, MASK_SITES, MOE_SITES,
+                           QK_NORM_SITES, QKV_SITES, SITES)
 from llm_act.patches.megatron.act_module import report_to_ledger
 
-CHECKPOINT_SITE = "ln1.input"
-QKV_SITES = ("attn.q", "attn.k", "attn.v")
-ATTENTION_INTERNAL = ("attn.softmax", "attn.dropout_mask")
 #: site -> the sites its producer reads
 PRODUCER_INPUTS: dict[str, tuple[str, ...]] = {
     "attn.qkv_input": ("ln1.input",),
@@ -70,31 +68,6 @@ PRODUCER_INPUTS: dict[str, tuple[str, ...]] = {
 MOE_FULL_ONLY = ("moe.fc1_input", "moe.routing")
 #: sites a layer may lack (no qk-layernorm; a dense MLP or an MoE layer, not both)
 OPTIONAL_SITES = frozenset(QK_NORM_SITES) | frozenset(DENSE_MLP_SITES) | frozenset(MOE_SITES)
-
-
-# ---- named plans ------------------------------------------------------------------------------
-
-
-def full_plan(checkpoint: str = KEEP) -> dict[str, str]:
-    """Megatron's "full" recompute: every site recomputed from `ln1.input`, which is kept
-    (`checkpoint="keep"`) or stored with the codec `checkpoint` (GACT's CB1)."""
-    check_choice(CHECKPOINT_SITE, checkpoint)
-    return {s: checkpoint if s == CHECKPOINT_SITE else RECOMPUTE for s in SITES}
-
-
-def selective_plan() -> dict[str, str]:
-    """Megatron's "selective" recompute: the core attention re-run from its kept q, k, v."""
-    return {s: RECOMPUTE if s in ATTENTION_INTERNAL else KEEP for s in SITES}
-
-
-NAMED_PLANS: dict[str, Callable[..., dict[str, str]]] = {"full": full_plan, "selective": selective_plan}
-
-
-def named_plan(name: str, **kwargs: Any) -> dict[str, str]:
-    """{site: choice} of a named recompute plan ("full", "selective")."""
-    if name not in NAMED_PLANS:
-        raise ValueError(f"name: unknown recompute plan {name!r}; known: {sorted(NAMED_PLANS)}")
-    return NAMED_PLANS[name](**kwargs)
 
 
 def is_full(choice: Mapping[str, str], absent: frozenset = frozenset()) -> bool:
@@ -345,7 +318,7 @@ class LayerRecompute:
         if full:
             self._bind_full(choice, codec_of)
             return
-        self._attention_region = bool(recomputed & set(ATTENTION_INTERNAL))
+        self._attention_region = bool(recomputed & set(ATTENTION_INTERNAL_SITES))
         needed = set()
         for s in recomputed:
             needed.update(PRODUCER_INPUTS.get(s, ()))
@@ -376,11 +349,11 @@ class LayerRecompute:
             raise NotImplementedError(
                 f"{where}: {sorted(dispatched)} come out of the MoE token dispatcher and can be "
                 "recomputed only with the whole block (plan 'full'); keep or encode them")
-        inner = recomputed & set(ATTENTION_INTERNAL)
-        if inner and inner != set(ATTENTION_INTERNAL):
+        inner = recomputed & set(ATTENTION_INTERNAL_SITES)
+        if inner and inner != set(ATTENTION_INTERNAL_SITES):
             raise ValueError(
                 f"{where}: the core attention is recomputed as a whole: choose 'recompute' for "
-                f"both attn.softmax and attn.dropout_mask, got {dict((s, choice[s]) for s in ATTENTION_INTERNAL)}")
+                f"both attn.softmax and attn.dropout_mask, got {dict((s, choice[s]) for s in ATTENTION_INTERNAL_SITES)}")
         if "attn.out" in recomputed and not inner:
             raise ValueError(
                 f"{where}: recomputing 'attn.out' re-runs the core attention from q, k, v: "

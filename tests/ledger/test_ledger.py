@@ -169,7 +169,7 @@ def test_reported_records_count_their_encoded_bytes_once():
 # ---- a stock megatron-core layer ---------------------------------------------------------
 
 megatron = pytest.importorskip("megatron.core")
-from llm_act import testing as T  # noqa: E402
+from llm_act import _testing as T  # noqa: E402
 from llm_act.bench.memory import ledger_and_held  # noqa: E402
 
 

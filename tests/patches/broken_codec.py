@@ -42,7 +42,7 @@ def break_codec(codec):
 def install(site: str = ALL, layer: Optional[int] = None) -> Callable[[], None]:
     """Break every codec built from now on for `site` (ALL: every site) at `layer` (None: every
     layer). Returns the function that undoes it."""
-    from llm_act.controller import Controller
+    from llm_act.runtime.controller import Controller
 
     original = Controller.new_codec
 

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for CPU-only torch")
 
-from llm_act import testing as T  # noqa: E402
+from llm_act import _testing as T  # noqa: E402
 from llm_act.patches.megatron import cpu_shim  # noqa: E402
 
 VOCAB, SEQ, BATCH = 64, 16, 2
@@ -134,7 +134,7 @@ def test_seed_call_seeds_the_default_generator_like_cuda():
 def _tp_worker(rank, world_size, port, expected_loss):
     import torch
 
-    from llm_act import testing as T
+    from llm_act import _testing as T
 
     T.init_parallel(tp=world_size, rank=rank, world_size=world_size, port=port, seed=1234)
     torch.manual_seed(0)
@@ -162,7 +162,7 @@ def _pp_worker(rank, world_size, port):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from llm_act import testing as T
+    from llm_act import _testing as T
 
     T.init_parallel(pp=world_size, rank=rank, world_size=world_size, port=port)
     cfg = T.small_config(hidden_size=32, num_attention_heads=4, pipeline_dtype=torch.float32)

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for CPU-only torch")
 
 from llm_act import ActConfig  # noqa: E402
-from llm_act.controller import ANY_OPTIMIZER  # noqa: E402
+from llm_act.runtime.controller import ANY_OPTIMIZER  # noqa: E402
 from llm_act.patches.megatron import cpu_shim  # noqa: E402
 from llm_act.patches.megatron import cpu_shim_megatron_lm as lm  # noqa: E402
 

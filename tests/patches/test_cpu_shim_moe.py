@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for CPU-only torch"),
               pytest.mark.usefixtures("megatron_one_rank")]  # tests/conftest.py
 
-from llm_act import testing as T  # noqa: E402
+from llm_act import _testing as T  # noqa: E402
 from llm_act.patches.megatron import cpu_shim  # noqa: E402
 
 VOCAB, SEQ, BATCH, EXPERTS, TOPK = 64, 16, 2, 4, 2
@@ -136,7 +136,7 @@ def test_apply_refuses_grouped_gemm_with_the_fix():
 def _ep_worker(rank, world_size, port, dispatcher, state, expected):
     import torch
 
-    from llm_act import testing as T
+    from llm_act import _testing as T
 
     T.init_parallel(rank=rank, world_size=world_size, port=port, ep=world_size, seed=1234)
     model = _moe_model(_moe_config(dispatcher))

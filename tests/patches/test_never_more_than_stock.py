@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import testing as T
+from llm_act import _testing as T
 from llm_act.codecs import base as codec_base
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, check_choice
 from llm_act.ledger import SavedTensorLedger
@@ -168,7 +168,7 @@ def test_generic_every_codec_at_every_allowed_site(dtype, hf_raw):
 
 def test_generic_keeps_what_a_per_channel_codec_cannot_shrink():
     """A 1-D saved tensor under int4_channel would take one fp32 scale per element."""
-    from llm_act.hooks import compress_saved_tensors
+    from llm_act.generic.hooks import compress_saved_tensors
 
     x = torch.randn(4096, requires_grad=True)
     with SavedTensorLedger() as led:
@@ -184,7 +184,7 @@ def test_generic_keeps_what_a_per_channel_codec_cannot_shrink():
 def test_generic_encodes_logical_shapes():
     """A transposed [b, h, s, d] K is encoded in its dims (int4_channel: d scales), not as a
     flat buffer (one scale per element, 2.25x the raw bytes in bf16)."""
-    from llm_act.hooks import compress_saved_tensors
+    from llm_act.generic.hooks import compress_saved_tensors
 
     k = torch.randn(2, 64, 4, 16, dtype=torch.bfloat16).transpose(1, 2).requires_grad_(True)
     with compress_saved_tensors(None, "int4_channel") as hooks:

@@ -23,7 +23,7 @@ import warnings
 import pytest
 import torch
 
-from llm_act import testing as T
+from llm_act import _testing as T
 from llm_act.ledger import SavedTensorLedger
 from llm_act.planner.analytic import DeviceModel, ModelShape, block_profile
 

@@ -101,7 +101,7 @@ def test_auto_plan_measures_from_the_loops_own_steps(caplog):
 
     extra = ["--act-compress", "--act-compress-plan", "auto",
              "--train-iters", "4"]
-    with caplog.at_level(logging.INFO, logger="llm_act.controller"):
+    with caplog.at_level(logging.INFO, logger="llm_act.runtime.controller"):
         out = run(extra)
     ctl = out["trainer"].controller
     assert ctl._probe is None and ctl.adapter.replay.calls == {}  # nothing held after the step
@@ -123,14 +123,14 @@ def test_auto_plan_measures_from_the_loops_own_steps(caplog):
 def test_resume_with_another_plan_takes_the_flags_plan_and_says_so(tmp_path):
     """--act-compress-* flags given now win over the checkpointed controller: the plan of
     the new flags is in force (and is what trains), the iteration still comes back."""
-    from llm_act import plans
+    from llm_act.plan import is_keep
 
     ckpt = str(tmp_path / "ckpt")
     run(["--train-iters", "2", "--save", ckpt, "--act-compress", "--act-compress-plan", "compress"])
     lines = []
     out = run(["--train-iters", "3", "--load", ckpt, "--act-compress", "--act-compress-plan", "keep"], lines)
     ctl = out["trainer"].controller
-    assert plans.is_keep(ctl.plan) and ctl.iteration == 3
+    assert is_keep(ctl.plan) and ctl.iteration == 3
     assert " > act plan: plan: checkpoint 'compress', now 'keep' -> the plan of the current flags; " \
            "the checkpoint's plan and adaptive-planner state are not restored" in lines
     assert " > act controller: restored iteration 2" in lines

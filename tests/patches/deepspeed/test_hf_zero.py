@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from llm_act.testing import spawn  # noqa: E402
+from llm_act._testing import spawn  # noqa: E402
 from tests.patches import broken_codec  # noqa: E402
 
 #: relative tolerance on the loss of a compressed run vs the same run without compression.
@@ -148,7 +148,7 @@ def _worker(rank, world, port, tmp):
 
     # plan agreement: each rank decides from its own data; different plans stop every rank
     # with one message (issue 13 part 3), the same plan on every rank is taken
-    from llm_act.agreement import Disagreement
+    from llm_act.runtime.agreement import Disagreement
 
     tokens, labels = batches[0]
     local = "int8" if tokens.float().mean() > 127.5 else "int4"

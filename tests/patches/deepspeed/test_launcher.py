@@ -39,7 +39,7 @@ def _launch(stage, folder, env=None):
     launcher = shutil.which("deepspeed") or (str(beside) if beside.exists() else None)
     if launcher is None:
         pytest.skip("the deepspeed launcher is not on PATH")
-    from llm_act.testing import free_port
+    from llm_act._testing import free_port
 
     out = folder / "result.json"
     cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "launch/ds_train.py",

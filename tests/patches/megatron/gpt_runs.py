@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_act import testing as T
+from llm_act import _testing as T
 from llm_act.ledger import SavedTensorLedger
 from tests.patches.broken_codec import check_gradients, param_errors, rel_error  # noqa: F401
 

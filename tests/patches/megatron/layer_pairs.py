@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from llm_act import testing
+from llm_act import _testing as testing
 from llm_act.codecs.base import Codec, Encoded
 
 

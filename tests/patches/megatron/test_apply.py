@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import testing as T
+from llm_act import _testing as T
 from llm_act.codecs import make_codec
 from llm_act.patches.megatron import apply, block_spec, layer_spec
 from llm_act.patches.megatron.act_module import ActModule

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from llm_act import testing as T  # noqa: E402
+from llm_act import _testing as T  # noqa: E402
 
 pytestmark = pytest.mark.dist
 #: gradient bound of "compress" vs "keep" (chunked attention) under TP=2: relative error over

@@ -22,7 +22,7 @@ import warnings
 import pytest
 import torch
 
-from llm_act import testing
+from llm_act import _testing as testing
 from llm_act.codecs import make_codec
 from llm_act.ledger import SavedTensorLedger
 from llm_act.bench.memory import held_after_forward, ledger_and_held

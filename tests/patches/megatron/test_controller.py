@@ -13,8 +13,9 @@ import warnings
 import pytest
 import torch
 
-from llm_act import ActConfig, plans
-from llm_act.controller import Controller, codec_seed
+from llm_act import ActConfig
+from llm_act.plan import VALUE_ACT_CODEC, keep_layer, plan_from, resolve
+from llm_act.runtime.controller import Controller, codec_seed
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.megatron import apply
 from llm_act.sites import DEFAULT_CODECS, SITES
@@ -31,23 +32,23 @@ pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 
 
 def test_keep_and_compress_plans():
-    keep = plans.resolve(ActConfig(plan="keep"), 3)
-    assert set(keep) == {0, 1, 2} and all(c == plans.keep_layer() for c in keep.values())
-    comp = plans.resolve(ActConfig(plan="compress"), 3, layers=[1, 2])
+    keep = resolve(ActConfig(plan="keep"), 3)
+    assert set(keep) == {0, 1, 2} and all(c == keep_layer() for c in keep.values())
+    comp = resolve(ActConfig(plan="compress"), 3, layers=[1, 2])
     assert set(comp) == {1, 2}
     for site in SITES:
         assert comp[1][site] == DEFAULT_CODECS[site]
     assert comp[1]["attn.softmax"] == "int4_asym" and comp[1]["mlp.act_input"] == "fewbit3"
     # "auto" waits for the planner (issue 5): it is "compress" for now
-    assert plans.resolve(ActConfig(plan="auto"), 3) == plans.resolve(ActConfig(plan="compress"), 3)
+    assert resolve(ActConfig(plan="auto"), 3) == resolve(ActConfig(plan="compress"), 3)
     # gated activations take a value codec at mlp.act_input under "compress"
-    gated = plans.resolve(ActConfig(plan="compress"), 2, no_fewbit=[1])
-    assert gated[0]["mlp.act_input"] == "fewbit3" and gated[1]["mlp.act_input"] == plans.VALUE_ACT_CODEC
+    gated = resolve(ActConfig(plan="compress"), 2, no_fewbit=[1])
+    assert gated[0]["mlp.act_input"] == "fewbit3" and gated[1]["mlp.act_input"] == VALUE_ACT_CODEC
 
 
 def test_overrides_json_and_errors(tmp_path):
     cfg = ActConfig(plan="compress", codecs={"mlp.fc2_input": "int8", "ln1.input": "keep"})
-    plan = plans.resolve(cfg, 2)
+    plan = resolve(cfg, 2)
     assert plan[0]["mlp.fc2_input"] == "int8" and plan[1]["ln1.input"] == "keep"
     assert plan[1]["attn.qkv_input"] == "outlier_int4"
     path = tmp_path / "plan.json"
@@ -55,20 +56,20 @@ def test_overrides_json_and_errors(tmp_path):
         {"layers": [0, 0], "choice": {"attn.out": "fp8_e4m3"}},
         {"layers": [1, 3], "choice": {"mlp.hidden_dropout_mask": "bitmask"}},
     ]}))
-    plan = plans.resolve(ActConfig(plan=str(path), codecs={"ln2.input": "int4"}), 4)
+    plan = resolve(ActConfig(plan=str(path), codecs={"ln2.input": "int4"}), 4)
     assert plan[0]["attn.out"] == "fp8_e4m3" and plan[0]["mlp.hidden_dropout_mask"] == "keep"
     assert plan[3]["mlp.hidden_dropout_mask"] == "bitmask" and plan[3]["ln2.input"] == "int4"
-    full = plans.resolve(ActConfig(plan="recompute"), 2)
+    full = resolve(ActConfig(plan="recompute"), 2)
     assert full[1]["ln1.input"] == "keep" and full[1]["attn.q"] == "recompute"
     assert all(c == "recompute" for s, c in full[0].items() if s != "ln1.input")
-    assert plans.resolve(ActConfig(plan="keep", codecs={"attn.softmax": "int4_asym"}), 2)[1]["attn.softmax"] == "int4_asym"
-    assert plans.resolve(ActConfig(plan="keep", codecs={"mlp.fc1_input": "recompute"}), 2)[0]["mlp.fc1_input"] == "recompute"
+    assert resolve(ActConfig(plan="keep", codecs={"attn.softmax": "int4_asym"}), 2)[1]["attn.softmax"] == "int4_asym"
+    assert resolve(ActConfig(plan="keep", codecs={"mlp.fc1_input": "recompute"}), 2)[0]["mlp.fc1_input"] == "recompute"
     with pytest.raises(ValueError, match="ln1.input"):  # the checkpoint is never recomputed
-        plans.resolve(ActConfig(plan="keep", codecs={"ln1.input": "recompute"}), 2)
+        resolve(ActConfig(plan="keep", codecs={"ln1.input": "recompute"}), 2)
     with pytest.raises(ValueError, match="layers 2-3"):  # a JSON plan must cover every layer
-        plans.plan_from({"version": 1, "blocks": [{"layers": [0, 1], "choice": {}}]}, 4)
+        plan_from({"version": 1, "blocks": [{"layers": [0, 1], "choice": {}}]}, 4)
     with pytest.raises(ValueError, match="dropout"):
-        plans.plan_from({0: {"mlp.fc1_input": "regen"}}, 2)
+        plan_from({0: {"mlp.fc1_input": "regen"}}, 2)
 
 
 # ---- the Controller on a model ----------------------------------------------------------

@@ -24,7 +24,7 @@ import warnings
 import pytest
 import torch
 
-from llm_act import testing
+from llm_act import _testing as testing
 from llm_act.codecs import make_codec
 from llm_act.codecs.fewbit import derivative
 from llm_act.ledger import SavedTensorLedger

@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.usefixtures("megatron_one_rank")  # tests/conftest.py
 
 from llm_act import ActConfig  # noqa: E402
-from llm_act import testing as T  # noqa: E402
+from llm_act import _testing as T  # noqa: E402
 from llm_act.ledger import SavedTensorLedger  # noqa: E402
 from llm_act.patches.megatron import apply, layer_spec  # noqa: E402
 from llm_act.sites import MOE_SITES  # noqa: E402

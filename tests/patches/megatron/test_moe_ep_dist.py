@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from llm_act import testing as T  # noqa: E402
+from llm_act import _testing as T  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -14,8 +14,8 @@ pytestmark = pytest.mark.dist
 def _worker(rank, world_size, port, dispatchers):
     import torch
 
-    from llm_act import agreement
-    from llm_act import testing as T
+    from llm_act.runtime import agreement
+    from llm_act import _testing as T
 
     torch.set_num_threads(1)
     T.init_parallel(rank=rank, world_size=world_size, port=port, ep=world_size, seed=1234)
@@ -29,7 +29,8 @@ def _worker(rank, world_size, port, dispatchers):
 def _check(rank, dispatcher):
     import torch
 
-    from llm_act import ActConfig, agreement
+    from llm_act import ActConfig
+    from llm_act.runtime import agreement
     from llm_act.patches.megatron import apply
     from llm_act.sites import MOE_SITES
     from tests.patches.megatron import gpt_runs as R

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import testing as T
+from llm_act import _testing as T
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.megatron import apply
 from llm_act.planner import InfeasibleBudget, solve_plan
@@ -160,7 +160,7 @@ def test_auto_under_a_tight_budget_recomputes_and_predicts_the_ledger():
         return model(ids, pos, None, labels=labels)
 
     # the smallest budget any plan fits, from the profile the controller measures
-    from llm_act.planner.measure import measure_profile
+    from llm_act.measurement.measure import measure_profile
 
     adapter = ctl.adapter
     R.seed_all(5)

@@ -14,9 +14,10 @@ import warnings
 import pytest
 import torch
 
-from llm_act import testing
+from llm_act import _testing as testing
 from llm_act.codecs import make_codec
 from llm_act.ledger import SavedTensorLedger
+from llm_act.plan import recompute_layer, selective_layer
 from llm_act.patches.megatron import recompute as R
 from tests.patches import broken_codec
 from tests.patches.megatron.layer_pairs import twin_layers
@@ -30,9 +31,9 @@ CHOICES = {
     **{s: {s: "recompute"} for s in ("attn.qkv_input", "ln2.input", "mlp.fc1_input",
                                       "mlp.act_input", "mlp.fc2_input", "attn.hidden_dropout_mask")},
     "group": {s: "recompute" for s in GROUP},
-    "attn.out": {**R.selective_plan(), "attn.out": "recompute", "ln2.input": "recompute"},
-    "selective": R.selective_plan(),
-    "full": R.full_plan(),
+    "attn.out": {**selective_layer(), "attn.out": "recompute", "ln2.input": "recompute"},
+    "selective": selective_layer(),
+    "full": recompute_layer(),
 }
 
 
@@ -107,7 +108,7 @@ def test_full_recompute_ledger_on_a_bf16_gpt():
     sbh = gpt_runs.SEQ * gpt_runs.BATCH * model.config.hidden_size
     for checkpoint, per_layer in (("keep", 2.0), ("int4", 0.5625)):
         for s in sites:
-            bind(s, R.full_plan(checkpoint))
+            bind(s, recompute_layer(checkpoint))
         loss, grads, ledger = gpt_runs.step(model, ledger=True)
         table = ledger.by_site()
         for i in range(2):
@@ -126,7 +127,7 @@ def test_full_recompute_bound_fails_with_a_broken_checkpoint(layers):
 
     model, sites, (_, grads_ref, _) = _converted_bf16_gpt()
     for i, s in enumerate(sites):
-        bind(s, R.full_plan("int4"), broken="ln1.input" if i in layers else None)
+        bind(s, recompute_layer("int4"), broken="ln1.input" if i in layers else None)
     grads = gpt_runs.step(model)[1]
     assert gpt_runs.rel_error(grads, grads_ref) >= FULL_INT4_TOL
 
@@ -155,16 +156,14 @@ def test_recompute_from_a_broken_encoded_input_fails_the_bound():
     assert max(_decoded_copy_errors(broken="ln2.input")) >= DECODED_TOL
 
 
-def test_named_plans():
-    full = R.named_plan("full", checkpoint="outlier_int4")
+def test_named_layer_plans():
+    full = recompute_layer(checkpoint="outlier_int4")
     assert full["ln1.input"] == "outlier_int4"
     assert all(c == "recompute" for s, c in full.items() if s != "ln1.input")
-    sel = R.named_plan("selective")
+    sel = selective_layer()
     assert {s for s, c in sel.items() if c == "recompute"} == {"attn.softmax", "attn.dropout_mask"}
     with pytest.raises(ValueError, match="cannot be recomputed"):
-        R.full_plan("recompute")
-    with pytest.raises(ValueError, match="unknown recompute plan"):
-        R.named_plan("half")
+        recompute_layer("recompute")
 
 
 def test_plans_that_cannot_be_recomputed_are_refused():

@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from llm_act import testing as T
+from llm_act import _testing as T
 
 pytestmark = pytest.mark.dist
 
@@ -31,8 +31,9 @@ def _worker(rank, world, port, mode):
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    from llm_act import ActConfig, agreement
-    from llm_act.controller import DP_SEED_STRIDE, codec_seed
+    from llm_act import ActConfig
+    from llm_act.runtime import agreement
+    from llm_act.runtime.controller import DP_SEED_STRIDE, codec_seed
     from llm_act.patches.megatron import apply
     from tests.patches.megatron import gpt_runs as R
 

@@ -25,7 +25,7 @@ import warnings
 import pytest
 import torch
 
-from llm_act import testing as T
+from llm_act import _testing as T
 
 #: replicated on the TP ranks without sequence parallelism, token shards under it
 SP_SITES = ("ln1.input", "attn.qkv_input", "ln2.input", "mlp.fc1_input")
@@ -90,7 +90,7 @@ def _run(sequence_parallel: bool):
 
 def _worker(rank, world, port):
     warnings.filterwarnings("ignore")
-    from llm_act.controller import TP_SEED_STRIDE, codec_seed
+    from llm_act.runtime.controller import TP_SEED_STRIDE, codec_seed
 
     T.init_parallel(tp=2, rank=rank, world_size=world, port=port)
     seeds, measured = {}, {}
@@ -126,7 +126,7 @@ def test_tp_shards_draw_independent_rounding_and_replicas_equal():
 
 
 def test_tp_layout_table():
-    from llm_act.controller import TP_SEED_STRIDE, codec_seed
+    from llm_act.runtime.controller import TP_SEED_STRIDE, codec_seed
     from llm_act.sites import SITES, TP_LAYOUT, tp_replicated
 
     assert set(TP_LAYOUT) == set(SITES)

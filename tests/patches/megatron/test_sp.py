@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_act import testing
+from llm_act import _testing as testing
 from tests.patches.broken_codec import param_errors
 
 S, B, H = 16, 2, 64
@@ -127,7 +127,7 @@ def _worker(rank, world_size, port):
     import warnings
 
     warnings.filterwarnings("ignore")
-    from llm_act.patches.megatron.recompute import full_plan
+    from llm_act.plan import recompute_layer
 
     # ---- TP=1 reference (every rank computes the same) -----------------------------------
     testing.init_parallel(tp=1, rank=rank, world_size=world_size, port=port)
@@ -187,7 +187,7 @@ def _worker(rank, world_size, port):
     _bind(sites, {})
     keep = _run(layer, xs, gys)
     for choice in ({s: "recompute" for s in ("attn.qkv_input", "ln2.input", "mlp.fc1_input",
-                                              "mlp.act_input", "mlp.fc2_input")}, full_plan()):
+                                              "mlp.act_input", "mlp.fc2_input")}, recompute_layer()):
         _bind(sites, choice)
         got = _run(layer, xs, gys)
         assert torch.equal(got[0], keep[0]) and torch.equal(got[1], keep[1])

@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--save-json", default=None,
                             help="save the result as JSON after every run; if the file holds an "
                                  "unfinished result of the same settings, its runs are kept")
-    from llm_act.plan_cli import add_parser as add_plan_parser
+    from llm_act.cli.plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)
     from llm_act.train.compare import add_parser as add_train_parser
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 if getattr(args, n, None) is not None), parser)
     _check_user_input(sub, args)
     if args.command == "demo":
-        from llm_act.demo import run_demo
+        from llm_act.cli.demo import run_demo
 
         print(run_demo(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                        hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_train(args)
     if args.command == "plan":
-        from llm_act.plan_cli import run as run_plan
+        from llm_act.cli.plan import run as run_plan
 
         return run_plan(args, parser)
     return 2

@@ -1,7 +1,7 @@
 """The measured profile on a real megatron-core GPT (CPU): predicted bytes of several plans
 against the ledger, what it measures, and that it leaves the run untouched.
 
-Plans with "recompute" are not tested here: the controller and `llm_act.plans` do not bind
+Plans with "recompute" are not tested here: the controller and `llm_act.plan` do not bind
 recomputation yet (patches/megatron/recompute.py is still being wired), so the profile
 offers "recompute" only when `plans` accepts it.
 """
@@ -16,7 +16,7 @@ from llm_act import ActConfig
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.megatron import apply
 from llm_act.planner import evaluate_plan, solve_plan
-from llm_act.planner.measure import measure_profile
+from llm_act.measurement.measure import measure_profile
 from tests.patches.megatron import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")

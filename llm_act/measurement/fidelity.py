@@ -10,13 +10,13 @@ the plan in force, and the relative error ||g_plan - g_exact|| / ||g_exact|| is 
 - per site type, for `SITES_PER_REPORT` lossy site types in rotation: the error with only
   that site compressed (its codec of the plan in every layer), the rest exact.
 
-Both passes run inside `llm_act.probing.isolated` with the RNG streams rewound before each,
+Both passes run inside `llm_act.measurement.probing.isolated` with the RNG streams rewound before each,
 so they draw the same dropout masks and differ only by the codecs; the plan's codecs are
 fresh instances (the real ones and their generators are never touched), sites the plan
 recomputes are run exact (recomputation reproduces them bit for bit). A "keep" plan
 therefore reports exactly 0, and a codec made worse reports more.
 
-The report is logged (`llm_act.fidelity`), kept in `Adapter.fidelity` (the last
+The report is logged (`llm_act.measurement.fidelity`), kept in `Adapter.fidelity` (the last
 `HISTORY` reports, checkpointed with the controller) and summed over ranks: squared errors
 and squared norms are averaged over the ranks that hold a group before the ratio is taken.
 """
@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from llm_act import probing
+from llm_act.measurement import probing
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.sites import MASK_SITES
 

@@ -15,7 +15,7 @@ the model (`Controller.watch`):
   batch, whose "loss" is <output, recorded gradient> -- the real loss linearised at the
   step's output, so its parameter gradient is the training gradient of that batch,
   whatever loss (and loss scale) the loop applies outside the model. It runs inside
-  `llm_act.probing.isolated` like every probe: no RNG stream, gradient buffer or codec
+  `llm_act.measurement.probing.isolated` like every probe: no RNG stream, gradient buffer or codec
   stream of the run moves.
 
 On every other iteration the hooks only note that a training forward ran (that is how an

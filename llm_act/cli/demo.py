@@ -74,19 +74,20 @@ def measure(site_tensors: dict[str, torch.Tensor], activation: str = "gelu") -> 
 
 def run_demo(seq_length: int = 256, micro_batch_size: int = 2, hidden_size: int = 512,
              num_heads: int = 8, bf16: bool = True) -> str:
-    from llm_act import testing
+    from llm_act.train import parallel
+    from llm_act.train import small_gpt
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    testing.init_parallel()
+    parallel.init_parallel()
     try:
         torch.manual_seed(0)
-        cfg = testing.small_config(hidden_size=hidden_size, num_attention_heads=num_heads,
+        cfg = small_gpt.small_config(hidden_size=hidden_size, num_attention_heads=num_heads,
                                    num_layers=1, dtype=dtype, add_bias_linear=True)
-        layer = testing.transformer_layer(cfg)
+        layer = small_gpt.transformer_layer(cfg)
         hidden = torch.randn(seq_length, micro_batch_size, hidden_size, dtype=dtype, requires_grad=True)
         rows = measure(capture_sites(layer, hidden))
     finally:
-        testing.destroy_parallel()
+        parallel.destroy_parallel()
     sbh = seq_length * micro_batch_size * hidden_size
     lines = [
         f"llm_act demo: one megatron-core GPT layer on CPU, s={seq_length} b={micro_batch_size} "

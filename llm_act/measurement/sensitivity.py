@@ -23,13 +23,13 @@ fitted fewbit3 table's error, so S is in f' units there. Deterministic codecs (n
 rounding, few-bit tables) enter the planner with their bias^2, which is what their
 `expected_error` gives. The passes use `torch.autograd.grad` (no `.grad`, no `main_grad`,
 no optimizer), rewind every RNG stream and never call the real codecs
-(`llm_act.probing.isolated`).
+(`llm_act.measurement.probing.isolated`).
 
 Per parameter group (an optimizer that normalises each parameter, as Adam does): GACT
 bounds the noise of the whole gradient, but Adam divides every parameter's update by that
 parameter's own gradient scale, so a small group (a norm's weight) whose gradient the
 codec drowns is hurt although the total looks fine. With `groups` (a group name per
-parameter, `llm_act.fidelity.group_name`), c_i is measured per group G as well, and the
+parameter, `llm_act.measurement.fidelity.group_name`), c_i is measured per group G as well, and the
 c the planner uses is the worst group's, each group's measured against its own sampling
 noise and rescaled to the whole gradient's:
 
@@ -53,7 +53,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from llm_act import probing
+from llm_act.measurement import probing
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.registry import make_codec
 from llm_act.sites import MASK_SITES, SITES

@@ -1,6 +1,6 @@
 """What the adaptive controller does over a short CPU training run of a tiny GPT.
 
-    python -m llm_act.adapt_demo --steps 200
+    python launch/adapt_demo.py --steps 200
 
 Trains a 2-layer megatron-core GPT (hidden 64, sequence 32, batch 4, dropout 0.1) on a
 synthetic copy task with plan "auto", printing every tracking iteration, every plan change
@@ -31,15 +31,16 @@ def run(steps: int = 200, budget: Optional[str] = None, interval_max: int = 64, 
         layers: int = 2, quiet: bool = False) -> dict:
     """Train and return {"controller", "losses", "seconds"}."""
     from llm_act import ActConfig
-    from llm_act import testing as T
+    from llm_act.train import parallel
+    from llm_act.train import small_gpt
     from llm_act.patches.megatron import apply
 
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-    T.init_parallel(tp=1, seed=seed)
+    parallel.init_parallel(tp=1, seed=seed)
     torch.manual_seed(seed)
     vocab, seq, batch = 128, 32, 4
-    cfg = T.small_config(num_layers=layers, dropout=0.1)
-    model = T.gpt_model(cfg, vocab_size=vocab, max_sequence_length=seq)
+    cfg = small_gpt.small_config(num_layers=layers, dropout=0.1)
+    model = small_gpt.gpt_model(cfg, vocab_size=vocab, max_sequence_length=seq)
     config = ActConfig(plan="auto", budget=budget, adapt_interval_max=interval_max, seed=seed + 1234)
     controller = apply(model, config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -66,7 +67,7 @@ def run(steps: int = 200, budget: Optional[str] = None, interval_max: int = 64, 
                   f"c {({k: float(f'{v:.2g}') for k, v in a.last.get('c', {}).items()})}, "
                   f"outlier rates {({k: round(v, 3) for k, v in a.last.get('outlier', {}).items()})}")
     seconds = time.perf_counter() - start
-    T.destroy_parallel()
+    parallel.destroy_parallel()
     return {"controller": controller, "losses": losses, "seconds": seconds}
 
 
@@ -90,7 +91,7 @@ def main(argv=None) -> None:
         print(f"  it {h['iteration']}: {h['changes']} | {h['predicted_bytes'] / 2**20:.3f} MiB, "
               f"{h['overhead_ms']:.3f} ms | {h['reason']}")
     print("sensitivity c_i:", {k: float(f"{v:.3g}") for k, v in a.sensitivity.items()})
-    print("final plan:\n" + __import__("llm_act.plans", fromlist=["describe"]).describe(c.plan))
+    print("final plan:\n" + __import__("llm_act.plan", fromlist=["describe"]).describe(c.plan))
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ def checkpoint_blocks(blocks: Iterable[torch.nn.Module], codec: Optional[str] = 
     The ledger counts each block input at (`first_layer` + i, "ln1.input"). Under
     `torch.no_grad()` a block runs as it is. Returns a handle whose `remove()` undoes it.
     """
-    from llm_act.controller import codec_seed
-    from llm_act.hooks import SavedTensorCompression
+    from llm_act.runtime.controller import codec_seed
+    from llm_act.generic.hooks import SavedTensorCompression
 
     blocks = list(blocks)
     if isinstance(first_layer, bool) or not isinstance(first_layer, int) or first_layer < 0:

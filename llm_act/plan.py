@@ -6,33 +6,39 @@ one form the Controller applies to the modules, whatever the user wrote:
 
 - "keep": every site kept (stock megatron-core);
 - "compress": every *implemented* site at its default codec (`DEFAULT_CODECS`);
-- "auto": starts as "compress"; the Controller's planner (`llm_act.adapt`) then replaces
+- "auto": starts as "compress"; the Controller's planner (`llm_act.runtime.adapt`) then replaces
   it at its tracking iterations with the MILP's plan for the measured profile, the
   `ActConfig.codecs` overrides staying pinned;
-- "recompute": Megatron-style full block recompute (`recompute.full_plan()`): `ln1.input`
+- "recompute": Megatron-style full block recompute (`recompute_layer()`): `ln1.input`
   kept, every other site recomputed in backward from it;
-- a JSON plan path (or its dict) read by `llm_act.planner.load_plan_json`;
+- a JSON plan path (or its dict) read by `load_plan_json`;
 - then `ActConfig.codecs` (site -> choice) overrides on top, for every layer.
 
 Every site of a GPT block (`llm_act.sites.SITES`) has a compressed layer that stores it.
 Choices are validated by `llm_act.codecs.registry.check_choices`; which combinations of
 "recompute" a layer can run is checked by `LayerRecompute.bind` when the plan is applied
 (before anything changes).
+
+The same module holds the planner's answer for one device (`Plan`, what `solve_plan`
+returns) and the JSON form of a plan (`Plan.to_json`, `load_plan_json`): one home for
+"plan", below both the planner and the runtime.
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
-from llm_act.codecs.registry import KEEP, MASK_CODECS, RECOMPUTE, check_choices
+from llm_act.codecs.registry import KEEP, MASK_CODECS, RECOMPUTE, check_choice, check_choices
 from llm_act.config import ActConfig
-from llm_act.sites import DEFAULT_CODECS, SITES
+from llm_act.sites import ATTENTION_INTERNAL_SITES, CHECKPOINT_SITE, DEFAULT_CODECS, SITES
 
-#: the block's checkpoint: kept or encoded, never recomputed
-CHECKPOINT_SITE = "ln1.input"
+if TYPE_CHECKING:
+    from llm_act.planner.profile import BlockProfile
 
 LayerPlan = dict[str, str]
-Plan = dict[int, LayerPlan]
+LayerPlans = dict[int, LayerPlan]
 PlanLike = Union[str, os.PathLike, Mapping[Any, Any], Sequence[Mapping[str, str]]]
 
 
@@ -40,13 +46,19 @@ def keep_layer() -> LayerPlan:
     return {site: KEEP for site in SITES}
 
 
-def recompute_layer() -> LayerPlan:
-    """Megatron's full recompute of one block: the block input kept, the rest recomputed
-    (the same choice as `llm_act.patches.megatron.recompute.full_plan()`)."""
-    return {site: KEEP if site == CHECKPOINT_SITE else RECOMPUTE for site in SITES}
+def recompute_layer(checkpoint: str = KEEP) -> LayerPlan:
+    """Megatron's "full" recompute of one block: every site recomputed from `ln1.input`, which
+    is kept (`checkpoint="keep"`) or stored with the codec `checkpoint` (GACT's CB1)."""
+    check_choice(CHECKPOINT_SITE, checkpoint)
+    return {site: checkpoint if site == CHECKPOINT_SITE else RECOMPUTE for site in SITES}
 
 
-def is_keep(plan: Plan) -> bool:
+def selective_layer() -> LayerPlan:
+    """Megatron's "selective" recompute: the core attention re-run from its kept q, k, v."""
+    return {site: RECOMPUTE if site in ATTENTION_INTERNAL_SITES else KEEP for site in SITES}
+
+
+def is_keep(plan: LayerPlans) -> bool:
     """Whether `plan` stores every value as stock megatron-core does: every site kept, or a
     dropout mask stored losslessly (`bitmask`, `regen`: same values, same RNG use). The
     attention stays stock under such a plan when `ActConfig.attention` is "auto"."""
@@ -68,7 +80,7 @@ def compress_layer(fewbit: bool = True) -> LayerPlan:
 
 
 def resolve(config: ActConfig, num_layers: int, layers: Optional[Iterable[int]] = None,
-            no_fewbit: Iterable[int] = ()) -> Plan:
+            no_fewbit: Iterable[int] = ()) -> LayerPlans:
     """The plan `config` asks for, for `layers` (default: all of range(num_layers)).
 
     `num_layers` is the model's total layer count (a JSON plan must cover all of them, also
@@ -84,7 +96,7 @@ def resolve(config: ActConfig, num_layers: int, layers: Optional[Iterable[int]] 
 
 
 def plan_from(source: PlanLike, num_layers: int, layers: Optional[Iterable[int]] = None,
-              no_fewbit: Iterable[int] = ()) -> Plan:
+              no_fewbit: Iterable[int] = ()) -> LayerPlans:
     """A plan from a mode name, a JSON plan (path or dict `{"version": 1, ...}`), a list of
     per-layer choice dicts, or a `{layer: {site: choice}}` mapping (missing sites kept).
     `no_fewbit` matters for "compress"/"auto" only; explicit choices are taken as given."""
@@ -98,8 +110,6 @@ def plan_from(source: PlanLike, num_layers: int, layers: Optional[Iterable[int]]
     if isinstance(source, str) and source == RECOMPUTE:
         return {i: recompute_layer() for i in wanted}
     if isinstance(source, Mapping) and "blocks" in source or isinstance(source, (str, os.PathLike)):
-        from llm_act.planner.milp import load_plan_json
-
         per_layer = load_plan_json(source, num_layers)
         return {i: _full(per_layer[i], f"plan layer {i}") for i in wanted}
     if isinstance(source, Mapping):
@@ -121,7 +131,7 @@ def plan_from(source: PlanLike, num_layers: int, layers: Optional[Iterable[int]]
     )
 
 
-def with_overrides(plan: Plan, codecs: Mapping[str, str]) -> Plan:
+def with_overrides(plan: LayerPlans, codecs: Mapping[str, str]) -> LayerPlans:
     """`plan` with `codecs` (site -> choice) applied at every layer."""
     overrides = _full(codecs, "codecs", fill=False)
     return {i: {**choice, **overrides} for i, choice in plan.items()}
@@ -151,7 +161,7 @@ def _layers(layers: Optional[Iterable[int]], num_layers: int) -> list[int]:
     return out
 
 
-def describe(plan: Plan) -> str:
+def describe(plan: LayerPlans) -> str:
     """A short human-readable summary: the distinct per-layer choices and their layers."""
     groups: list[tuple[LayerPlan, list[int]]] = []
     for i in sorted(plan):
@@ -166,3 +176,109 @@ def describe(plan: Plan) -> str:
         stored = {s: c for s, c in choice.items() if c != KEEP} or {"*": KEEP}
         lines.append(f"layers {members}: " + ", ".join(f"{s}={c}" for s, c in stored.items()))
     return "\n".join(lines)
+
+
+@dataclass
+class Plan:
+    """The planner's answer for one device. `choice[i][site]` is "keep", "recompute" or a
+    codec name, indexed like the `blocks` given to `solve_plan`."""
+
+    blocks: tuple[BlockProfile, ...]
+    choice: list[dict[str, str]]
+    activation_bytes: int
+    """sum over blocks of count * inflight * stored bytes, plus `peak_bytes`."""
+    overhead_ms: float
+    """added time per iteration: sum over blocks of count * per-block time."""
+    solve_seconds: float = 0.0
+    variance: float = 0.0
+    """summed noise: sum over blocks of count * sensitivity * S(option)."""
+    peak_bytes: int = 0
+    """the transient: the largest block's decoded and recomputed tensors."""
+    num_variables: int = 0
+    objective: str = "time"
+    optimal: bool = True
+    """False when the solver stopped at `time_limit` with a feasible plan not proven optimal."""
+
+    def to_dict(self, first_layer: int = 0) -> dict[str, Any]:
+        """The JSON plan; block i covers the next `blocks[i].count` layers from
+        `first_layer`, and contiguous layers with equal choices are merged."""
+        runs: list[dict[str, Any]] = []
+        layer = first_layer
+        for block, choice in zip(self.blocks, self.choice):
+            last = layer + block.count - 1
+            if runs and runs[-1]["choice"] == choice:
+                runs[-1]["layers"][1] = last
+            else:
+                runs.append({"layers": [layer, last], "choice": dict(choice)})
+            layer = last + 1
+        return {"version": 1, "blocks": runs}
+
+    def to_json(self, first_layer: int = 0, indent: Optional[int] = None) -> str:
+        return json.dumps(self.to_dict(first_layer), indent=indent)
+
+
+def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> list[dict[str, str]]:
+    """Read and validate a JSON plan `{"version": 1, "blocks": [{"layers": [a, b],
+    "choice": {site: name}}]}` (layers inclusive); returns one choice dict per layer.
+    Every layer in [0, num_layers) must be covered exactly once; sites a block does not
+    name are kept."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers: expected an int >= 1, got {num_layers!r}")
+    data = _read(source)
+    if not isinstance(data, dict):
+        raise ValueError(f"plan: expected a JSON object, got {type(data).__name__}")
+    extra = set(data) - {"version", "blocks"}
+    if extra:
+        raise ValueError(f"plan: unknown keys {sorted(extra)}; expected 'version' and 'blocks'")
+    if data.get("version") != 1:
+        raise ValueError(f"plan version: expected 1, got {data.get('version')!r}")
+    runs = data.get("blocks")
+    if not isinstance(runs, list) or not runs:
+        raise ValueError(f"plan blocks: expected a non-empty list, got {runs!r}")
+    layers: list[Optional[dict[str, str]]] = [None] * num_layers
+    owner: list[Optional[int]] = [None] * num_layers
+    for n, run in enumerate(runs):
+        where = f"plan blocks[{n}]"
+        if not isinstance(run, dict) or set(run) != {"layers", "choice"}:
+            raise ValueError(f"{where}: expected an object with keys 'layers' and 'choice', got {run!r}")
+        span, choice = run["layers"], run["choice"]
+        if (not isinstance(span, list) or len(span) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in span)
+                or not 0 <= span[0] <= span[1] < num_layers):
+            raise ValueError(
+                f"{where} layers: expected [first, last] with 0 <= first <= last < {num_layers}, got {span!r}"
+            )
+        check_choices(choice, f"{where} choice")
+        for layer in range(span[0], span[1] + 1):
+            if owner[layer] is not None:
+                raise ValueError(
+                    f"{where} layers {span}: layer {layer} is already planned by blocks[{owner[layer]}]"
+                )
+            owner[layer], layers[layer] = n, dict(choice)
+    missing = [i for i, c in enumerate(layers) if c is None]
+    if missing:
+        raise ValueError(f"plan blocks: layers {_ranges(missing)} of {num_layers} have no plan")
+    return layers  # type: ignore[return-value]
+
+
+def _read(source) -> Any:
+    if isinstance(source, dict):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"plan: expected a dict or a path to a JSON file, got {source!r}")
+    try:
+        with open(source, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as err:
+        raise ValueError(f"plan: cannot read {os.fspath(source)!r}: {err}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"plan: {os.fspath(source)!r} is not valid JSON: {err}") from None
+
+
+def _ranges(idx: list[int]) -> str:
+    out, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)

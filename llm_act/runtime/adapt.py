@@ -6,13 +6,13 @@ iterations apart, at most `ActConfig.adapt_interval_max`. At each one the `Adapt
 
 0. takes the current batch from the probe given (`controller.step(probe=...)`,
    `set_probe`) or, in every door without one, from the training step the controller's
-   hooks recorded (`llm_act.replay`: the same forward, its loss linearised at the output);
+   hooks recorded (`llm_act.measurement.replay`: the same forward, its loss linearised at the output);
 1. re-measures the sites on the current batch (`measure_profile`: bytes with the real
    outlier counts, compression ratios, errors; the op times only at the first tracking,
    they do not drift with the data), and every other time GACT's sensitivities and the
    mini-batch sampling noise (`measure_sensitivity`; the planner takes the median of the
    last three measurements of each c_i);
-2. reduces them over the ranks (`llm_act.agreement`);
+2. reduces them over the ranks (`llm_act.runtime.agreement`);
 3. solves the MILP on one rank per pipeline stage under the budget and the noise budget
    (`ActConfig.variance_budget`, else `noise_fraction` of the measured sampling noise, per
    parameter group) and broadcasts the decision; every rank switches at this step boundary;
@@ -20,7 +20,7 @@ iterations apart, at most `ActConfig.adapt_interval_max`. At each one the `Adapt
 
 Independently of the plan mode, every `ActConfig.fidelity_every` iterations (or on
 request) the recorded step is run again exact and compressed and the relative gradient
-error is reported (`llm_act.fidelity`).
+error is reported (`llm_act.measurement.fidelity`).
 
 A sharp shift -- an outlier rate, or the sensitivity of a site carrying at least 10% of the
 predicted noise, that moved by more than 2x since the last tracking -- resets the spacing to
@@ -52,12 +52,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from llm_act import agreement, plans
+from llm_act.runtime import agreement
+from llm_act.plan import plan_from
 from llm_act.codecs.registry import KEEP, RECOMPUTE
-from llm_act.logs import speaks_for_stage
+from llm_act.runtime.logs import speaks_for_stage
 from llm_act.planner.milp import InfeasibleBudget
 
-log = logging.getLogger("llm_act.controller")
+log = logging.getLogger("llm_act.runtime.controller")
 
 #: a statistic that moved by more than this factor since the last tracking resets the spacing
 SHIFT_FACTOR = 2.0
@@ -115,7 +116,7 @@ class PlanOverBudget(ValueError):
 
 def _recompute_available() -> bool:
     try:
-        plans.plan_from({0: {"mlp.fc1_input": RECOMPUTE}}, 1)
+        plan_from({0: {"mlp.fc1_input": RECOMPUTE}}, 1)
     except NotImplementedError:
         return False
     return True
@@ -202,7 +203,7 @@ class Adapter:
         """tracking points of this run (a resumed run refuses a new budget as a fresh one does)"""
         self.first = FirstForward(self)
         """the first forward's measurement, from hooks on the model (no probe needed)"""
-        from llm_act.replay import StepReplay
+        from llm_act.measurement.replay import StepReplay
 
         self.replay = StepReplay(lambda: self.measure_due() or self.fidelity_due())
         """the training step recorded for measuring where no probe is given"""
@@ -235,7 +236,7 @@ class Adapter:
     # ---- the schedule --------------------------------------------------------------------
     def measure_due(self) -> bool:
         """Whether the iteration running now (not yet counted) is a tracking iteration
-        that must record its training step (`llm_act.replay`): no probe given."""
+        that must record its training step (`llm_act.measurement.replay`): no probe given."""
         c = self.controller
         return (self.active and self.measurable and c.iteration + 1 >= self.next_track
                 and (self.track_count == 0 or self.config.adapt)
@@ -260,9 +261,9 @@ class Adapter:
             self.replay.clear()
 
     def _report_fidelity(self, probe: Optional[Callable[[], Any]]) -> None:
-        """The gradient-fidelity report of the iteration just ended (`llm_act.fidelity`),
+        """The gradient-fidelity report of the iteration just ended (`llm_act.measurement.fidelity`),
         when one is due: logged, kept in `fidelity`, averaged over the ranks."""
-        from llm_act import fidelity
+        from llm_act.measurement import fidelity
 
         c = self.controller
         if not self.fidelity_due(c.iteration):  # the iteration that has just ended
@@ -298,7 +299,7 @@ class Adapter:
 
     def _named_params(self) -> list:
         """(name, parameter) of the watched model, the parameters measuring counts."""
-        from llm_act import fidelity
+        from llm_act.measurement import fidelity
 
         return fidelity.named_params(self.replay.roots, self.controller.probe_params())
 
@@ -357,7 +358,7 @@ class Adapter:
         static memory + stored bytes exceed the budget. The measurement runs the
         memory-efficient attention, so for a plan on stock attention it is a lower bound:
         what it refuses surely does not fit."""
-        from llm_act.planner.measure import measure_profile
+        from llm_act.measurement.measure import measure_profile
 
         c = self.controller
         if probe is None:
@@ -382,9 +383,9 @@ class Adapter:
 
     # ---- one tracking point ----------------------------------------------------------------
     def track(self, probe: Callable[[], Any]) -> None:
-        from llm_act import fidelity
-        from llm_act.planner.measure import measure_profile
-        from llm_act.sensitivity import check_noise, measure_sensitivity
+        from llm_act.measurement import fidelity
+        from llm_act.measurement.measure import measure_profile
+        from llm_act.measurement.sensitivity import check_noise, measure_sensitivity
 
         c = self.controller
         it = c.iteration
@@ -491,7 +492,7 @@ class Adapter:
         in rotation (GACT's c is stable along training; each measured type costs two
         forward/backward passes), all of them the first time when a noise budget
         (`variance_budget`) makes the plan depend on every c."""
-        from llm_act.sensitivity import sensitive_sites
+        from llm_act.measurement.sensitivity import sensitive_sites
 
         every = sensitive_sites(self.controller)
         first = not self.sensitivity and self.noise_bounded()
@@ -503,7 +504,7 @@ class Adapter:
 
     def _sens_rounds(self) -> int:
         """Measurements it takes for every site type to be measured SENS_WINDOW times."""
-        from llm_act.sensitivity import sensitive_sites
+        from llm_act.measurement.sensitivity import sensitive_sites
 
         return max(1, -(-len(sensitive_sites(self.controller)) // SENS_SITES_PER_TRACK))
 
@@ -589,7 +590,7 @@ class Adapter:
             from llm_act.planner import evaluate_plan
 
             c = self.controller
-            compress = plans.plan_from("compress", c.num_layers, c.layers, c._no_fewbit())
+            compress = plan_from("compress", c.num_layers, c.layers, c._no_fewbit())
             pins = self.pins()
             # all micro-batches in flight on this stage, as the planner counts them
             # (`problem`): stage 0 of PP=2 holds two, and "compress" must fit there too
@@ -721,7 +722,7 @@ class Adapter:
         self.solver_failures = int(state.get("solver_failures", 0))
         self.sens_next = int(state.get("sens_next", 0))
         self.sampling_recent = [float(v) for v in state.get("sampling_recent", [])]
-        from llm_act.fidelity import FidelityReport
+        from llm_act.measurement.fidelity import FidelityReport
 
         self.fidelity = [FidelityReport.from_dict(r) for r in state.get("fidelity", [])]
         self.fidelity_next = int(state.get("fidelity_next", 0))
@@ -782,7 +783,7 @@ class FirstForward:
     - plan "auto" on other models (the generic path has no analytic model): a one-time
       warning that the smallest budget is not known, with what the plan in force holds.
 
-    The figures are reduced (max, `llm_act.agreement`, with its timeouts) over every rank at a
+    The figures are reduced (max, `llm_act.runtime.agreement`, with its timeouts) over every rank at a
     step boundary, so every rank of the job decides the same and raises together; inside the
     first forward (no boundary) over the ranks of this pipeline stage only (a world-wide
     collective there would wait for later stages that wait for this one), so under pipeline
@@ -999,7 +1000,7 @@ class FirstForward:
         """(the smallest budget any plan fits, static included; or None, why not)."""
         import dataclasses
 
-        from llm_act.plan_cli import min_budget
+        from llm_act.cli.plan import min_budget
         from llm_act.planner.analytic import DeviceModel, block_profile
 
         if not self.layers:

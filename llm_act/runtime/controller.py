@@ -14,13 +14,13 @@ A megatron-core layer converted by `apply` binds its whole choice at once throug
 core attention runs in the mode `attention_mode()` names ("auto": stock under a plan that
 keeps everything, memory-efficient otherwise).
 
-Under plan "auto" the Controller re-plans during training (`llm_act.adapt`): at tracking
+Under plan "auto" the Controller re-plans during training (`llm_act.runtime.adapt`): at tracking
 iterations 1, 2, 4, ... (up to `adapt_interval_max` apart, back to 1 after a sharp shift in
 the statistics) it measures the sites on the current batch, reduces the statistics over
 the ranks, solves the MILP on one rank, broadcasts the plan and switches at that step
 boundary on every rank. It measures from the training step itself: `watch(model)` (called
 by `apply` and by the DeepSpeed door) installs hooks that record the forward of a tracking
-iteration and the gradient its backward sends into the output (`llm_act.replay`); a probe
+iteration and the gradient its backward sends into the output (`llm_act.measurement.replay`); a probe
 (`with controller.step(probe=fn)`, `set_probe(fn)`) may be given instead. The same hooks
 measure the first forward with the ledger for the budget check (`adapt.FirstForward`), and
 where nothing else advances the controller, any torch `optimizer.step()` after a training
@@ -32,7 +32,7 @@ import contextlib
 import logging
 from typing import Any, Callable, Iterator, Mapping, Optional
 
-from llm_act import plans
+from llm_act.plan import LayerPlans, PlanLike, describe as describe_plan, is_keep, keep_layer, plan_from, resolve
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.config import ActConfig
@@ -58,7 +58,7 @@ def replica_seed(base: int, dp_rank: Optional[int] = None) -> int:
     averages out in the gradient all-reduce instead of adding up coherently. TP ranks of a
     replica share it; `codec_seed` moves it apart again wherever they store different data."""
     if dp_rank is None:
-        from llm_act.agreement import data_parallel_rank
+        from llm_act.runtime.agreement import data_parallel_rank
 
         dp_rank = data_parallel_rank()
     return int(base) + DP_SEED_STRIDE * int(dp_rank)
@@ -84,7 +84,7 @@ def codec_seed(base: int, layer: int, site: str, dp_rank: Optional[int] = None,
     if tp_replicated(site, sequence_parallel):
         return seed
     if tp_rank is None:
-        from llm_act.agreement import tensor_parallel_rank
+        from llm_act.runtime.agreement import tensor_parallel_rank
 
         tp_rank = tensor_parallel_rank()
     return seed + TP_SEED_STRIDE * int(tp_rank)
@@ -134,8 +134,8 @@ class Controller:
             num_layers = max(self._modules, default=-1) + 1
         self.num_layers = int(num_layers)
         self._codecs: dict[tuple[int, str, str], Codec] = {}
-        self._plan: plans.Plan = {}
-        self._pending: Optional[plans.Plan] = None
+        self._plan: LayerPlans = {}
+        self._pending: Optional[LayerPlans] = None
         self._in_step = False
         self._hooks: list[Any] = []
         self.iteration = 0
@@ -148,11 +148,11 @@ class Controller:
         #: `attach_optimizer`, "engine.step()" in the DeepSpeed door; None: nothing known
         self.boundary: Optional[str] = None
         self._any_optimizer: Any = None  # the global optimizer-step hook of `watch`
-        from llm_act.adapt import Adapter
+        from llm_act.runtime.adapt import Adapter
 
         self.adapter = Adapter(self)
         if self.enabled:
-            self._apply(plans.resolve(config, self.num_layers, self._modules, self._no_fewbit()))
+            self._apply(resolve(config, self.num_layers, self._modules, self._no_fewbit()))
 
     # ---- what it controls ---------------------------------------------------------------
     @property
@@ -166,12 +166,12 @@ class Controller:
         return tuple(sorted(self._modules))
 
     @property
-    def plan(self) -> plans.Plan:
+    def plan(self) -> LayerPlans:
         """The plan in force now, {layer: {site: choice}} (a copy)."""
         return {i: dict(c) for i, c in self._plan.items()}
 
     @property
-    def pending_plan(self) -> Optional[plans.Plan]:
+    def pending_plan(self) -> Optional[LayerPlans]:
         """A plan asked for with `set_plan` that waits for the next step boundary."""
         return None if self._pending is None else {i: dict(c) for i, c in self._pending.items()}
 
@@ -201,9 +201,9 @@ class Controller:
         if self.enabled:
             self._apply(self._plan)
 
-    def describe(self, plan: plans.Plan) -> str:
-        """`plans.describe` of `plan` over the sites the layers really store."""
-        return plans.describe({layer: {s: n for s, n in choice.items() if s in self._modules.get(layer, {})}
+    def describe(self, plan: LayerPlans) -> str:
+        """`llm_act.plan.describe` of `plan` over the sites the layers really store."""
+        return describe_plan({layer: {s: n for s, n in choice.items() if s in self._modules.get(layer, {})}
                                for layer, choice in plan.items()})
 
     def module(self, layer: int, site: str) -> Any:
@@ -218,7 +218,7 @@ class Controller:
         return self._codecs[(layer, site, name)]
 
     # ---- switching plans -----------------------------------------------------------------
-    def set_plan(self, plan: plans.PlanLike) -> None:
+    def set_plan(self, plan: LayerPlansLike) -> None:
         """Ask for `plan` ("keep", "compress", "auto", a JSON plan path or dict, a list of
         per-layer choices, or {layer: {site: choice}}); it is validated now and applied at the
         next step boundary -- or at once while nothing drives iterations yet (no step() run,
@@ -232,9 +232,9 @@ class Controller:
         `LLM_ACT_COLLECTIVE_TIMEOUT` seconds (`agreement.CollectiveError`)."""
         if not self.enabled:
             return
-        from llm_act import agreement
+        from llm_act.runtime import agreement
 
-        wanted = plans.plan_from(plan, self.num_layers, self._modules, self._no_fewbit())
+        wanted = plan_from(plan, self.num_layers, self._modules, self._no_fewbit())
         agreement.agree_plan(wanted, agreement.groups())
         self._pending = wanted
         if not self._in_step and not self._driven:
@@ -260,11 +260,11 @@ class Controller:
         chunks), whatever loop runs them:
 
         - the first training step is measured for the budget check
-          (`llm_act.adapt.FirstForward`; `layers`: the megatron-core TransformerLayers, whose
+          (`llm_act.runtime.adapt.FirstForward`; `layers`: the megatron-core TransformerLayers, whose
           TransformerConfig gives the analytic profile of plan "auto"); those hooks remove
           themselves after the first measured forward of every root;
         - plan "auto" records the training step of every tracking iteration and measures
-          with it at the step boundary (`llm_act.replay`): no probe is needed;
+          with it at the step boundary (`llm_act.measurement.replay`): no probe is needed;
         - where nothing else advances the controller (no `step()`, no attached optimizer, no
           DeepSpeed engine), every `optimizer.step()` of any torch optimizer that follows a
           training forward of `model` is the step boundary: a plain loop or Megatron-LM's
@@ -277,8 +277,8 @@ class Controller:
         self.adapter.first.install(roots, list(layers) if layers is not None else None)
         self.adapter.replay.install(roots)
         if self._any_optimizer is None:
-            from llm_act.agreement import spans
-            from llm_act.logs import default_handler, speaks_for_stage
+            from llm_act.runtime.agreement import spans
+            from llm_act.runtime.logs import default_handler, speaks_for_stage
 
             default_handler()
             start = ("'auto' starts from 'compress' and re-plans at iterations 1, 2, 4, ..."
@@ -312,14 +312,14 @@ class Controller:
         self._advance()
 
     def request_fidelity(self) -> None:
-        """Report the gradient fidelity (`llm_act.fidelity`) at the end of the next
+        """Report the gradient fidelity (`llm_act.measurement.fidelity`) at the end of the next
         iteration, besides the ones `ActConfig.fidelity_every` schedules; the report is
         logged and appended to `adapter.fidelity`. Under distributed training call it on
         every rank (the report combines the ranks' sums in one collective)."""
         self.adapter.fidelity_requested = True
 
     def probe_params(self) -> list:
-        from llm_act.probing import params_of
+        from llm_act.measurement.probing import params_of
 
         if self._probe_params is not None:
             return params_of(self._probe_params)
@@ -384,7 +384,7 @@ class Controller:
             plan, self._pending = self._pending, None
             self._apply(plan)
 
-    def _apply(self, plan: plans.Plan) -> None:
+    def _apply(self, plan: LayerPlans) -> None:
         """Give every module the codec of its (layer, site); build codecs on first use.
 
         A megatron-core layer converted by `swap.convert_layer` has a `LayerRecompute`
@@ -399,10 +399,10 @@ class Controller:
             if self._plan or plan:  # a layer refused: put the plan in force back everywhere
                 self._bind(self._plan)
             raise
-        self._plan = {layer: dict(plan.get(layer, plans.keep_layer())) for layer in self._modules}
+        self._plan = {layer: dict(plan.get(layer, keep_layer())) for layer in self._modules}
         self.set_attention_mode(self.attention_mode())
 
-    def _bind(self, plan: plans.Plan) -> None:
+    def _bind(self, plan: LayerPlans) -> None:
         for layer, stored in self._modules.items():
             choice = plan.get(layer, {})
             owner = getattr(next(iter(stored.values()), None), "_act_recompute", None)
@@ -416,14 +416,14 @@ class Controller:
     def attention_mode(self) -> str:
         """The core-attention mode in force: `ActConfig.attention` when it names a backend
         ("stock", "sdpa", "chunked"); under "auto", "stock" while the plan keeps everything
-        (exactly stock megatron-core; lossless mask codecs allowed, `plans.is_keep`) and
+        (exactly stock megatron-core; lossless mask codecs allowed, `is_keep`) and
         memory-efficient ("auto") otherwise -- also when
         the adaptive planner ("auto" plan) keeps everything: its profile was measured with
         the memory-efficient attention."""
         wanted = self.config.attention
         if wanted != "auto":
             return wanted
-        return "stock" if plans.is_keep(self._plan) and self.config.plan != "auto" else "auto"
+        return "stock" if is_keep(self._plan) and self.config.plan != "auto" else "auto"
 
     def set_attention_mode(self, mode: str) -> None:
         """Put every controlled core attention in `mode` (until the next plan is applied)."""
@@ -497,7 +497,7 @@ class Controller:
           shards stay independent.
 
         Changes take effect now, between iterations. Returns the lines it logs (logger
-        "llm_act.controller", INFO): what was restored and what was replaced."""
+        "llm_act.runtime.controller", INFO): what was restored and what was replaced."""
         if self._in_step:
             raise RuntimeError("load_state_dict: not allowed inside controller.step()")
         if not isinstance(state, Mapping) or state.get("version") != 1:
@@ -543,11 +543,11 @@ class Controller:
                     "checkpoint's plan and adaptive-planner state are not restored")
         if state.get("adapt") is not None:
             self.adapter.load_state_dict(state["adapt"])
-        self._apply(plans.plan_from(_plan_from_state(state["plan"]), self.num_layers, self._modules))
+        self._apply(plan_from(_plan_from_state(state["plan"]), self.num_layers, self._modules))
         pending = state.get("pending")
         self._pending = (
             None if pending is None
-            else plans.plan_from(_plan_from_state(pending), self.num_layers, self._modules)
+            else plan_from(_plan_from_state(pending), self.num_layers, self._modules)
         )
         return (f"act plan: restored the checkpoint's plan in force (act config unchanged, plan "
                 f"{self.config.plan!r}, {len(self.adapter.history)} adaptive changes so far)")
@@ -555,7 +555,7 @@ class Controller:
     def __repr__(self) -> str:
         if not self.enabled:
             return f"Controller(disabled, iteration={self.iteration})"
-        return f"Controller(iteration={self.iteration}, layers={list(self.layers)},\n{plans.describe(self._plan)})"
+        return f"Controller(iteration={self.iteration}, layers={list(self.layers)},\n{describe_plan(self._plan)})"
 
 
 def _config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
@@ -566,7 +566,7 @@ def _config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
             if key != "seed" and saved.get(key) != now.get(key)]
 
 
-def _plan_to_state(plan: plans.Plan) -> dict[str, dict[str, str]]:
+def _plan_to_state(plan: LayerPlans) -> dict[str, dict[str, str]]:
     return {str(i): dict(c) for i, c in plan.items()}
 
 

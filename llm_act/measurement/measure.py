@@ -2,7 +2,7 @@
 costs, on the current batch, for the planner (Adacc sec. 3.3-3.4).
 
 `measure_profile(controller, forward)` runs the model (`forward()` = one forward over the
-current batch, returning the loss) in isolated probe passes (`llm_act.probing`: RNG
+current batch, returning the loss) in isolated probe passes (`llm_act.measurement.probing`: RNG
 streams, gradients and the real codecs untouched):
 
 1. every site kept, under a `SavedTensorLedger`: the bytes "keep" stores per site (what
@@ -37,12 +37,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from llm_act import probing
+from llm_act.measurement import probing
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE, check_choice, make_codec
 from llm_act.ledger import SavedTensorLedger
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
-from llm_act.sites import MASK_SITES, SITES
+from llm_act.sites import MASK_SITES, QKV_SITES, SITES
 
 #: the sites whose producer reads each site (recomputation dependencies)
 PRODUCER_INPUTS: dict[str, tuple[str, ...]] = {
@@ -63,7 +63,6 @@ RECOMPUTABLE: frozenset[str] = frozenset(
     {"attn.qkv_input", "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input"})
 #: sites the core attention stores from its own inputs (captured by a forward pre-hook:
 #: a lossless codec there is stored raw, so a capture codec never sees the tensor)
-QKV_SITES = ("attn.q", "attn.k", "attn.v")
 
 
 @dataclass

@@ -1,0 +1,3 @@
+"""What the planner is fed: per-site bytes and times from a real step (`measure`, `replay`),
+GACT's gradient sensitivities (`sensitivity`), side passes that leave training untouched
+(`probing`) and the gradient check of a plan (`fidelity`)."""

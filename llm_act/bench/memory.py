@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
+from llm_act.planner.budget import min_budget, reference_variance
 from llm_act.sites import DEFAULT_CODECS, MASK_SITES, MOE_SITES, QK_NORM_SITES, SITES
 
 #: bits per element GACT's adaptive allocation averages (the paper's headline setting)
@@ -162,13 +163,12 @@ def planner_schemes(shape: Shape) -> list[Scheme]:
     `PLANNER_BUDGETS` (fractions of the stock stack's analytic bytes) and the noise budget
     of the "compress" plan (as `llm-act plan` does); recompute offered where the bench can
     bind it. A budget below the smallest feasible one is raised to that (said in the note)."""
-    from llm_act.cli.plan import _reference_variance, min_budget
     from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
     from llm_act.planner.analytic import block_profile
 
     stock_bytes = STACK * sum(st.nbytes for st in block_profile(analytic_shape(shape, "stock")).sites)
     block = restricted_block(block_profile(analytic_shape(shape, "auto"), count=STACK))
-    noise = _reference_variance([block])
+    noise = reference_variance([block])
     out = []
     for label, frac in PLANNER_BUDGETS.items():
         budget = int(frac * stock_bytes)
@@ -199,7 +199,7 @@ def all_schemes(shape: Shape) -> list[Scheme]:
 
 
 def codec_factory(layer_index: int, seed: int = 1234) -> Callable[[str, str], object]:
-    """codec_of(site, name) for `LayerRecompute.bind`: one instance per (site, name), seeded
+    """codec_of(site, name) for `recompute.bind_with`: one instance per (site, name), seeded
     as the Controller seeds them."""
     from llm_act.runtime.controller import codec_seed
 
@@ -219,12 +219,13 @@ def bind_layer(layer: torch.nn.Module, index: int, scheme: Scheme, seed: int = 1
     """Convert `layer` in place and bind `scheme` (stock: the layer is left untouched)."""
     if scheme.name == "stock":
         return
+    from llm_act.patches.megatron.recompute import bind_with
     from llm_act.patches.megatron.swap import convert_layer
 
     convert_layer(layer, index, attention=scheme.convert_attention)
     if scheme.convert_attention:
         layer.self_attention.core_attention.set_attention_mode(scheme.attention)
-    layer.act_recompute.bind(scheme.choice, codec_factory(index, seed))
+    bind_with(layer.act_recompute, scheme.choice, codec_factory(index, seed))
 
 
 def build_layer(shape: Shape, seed: int = 0):

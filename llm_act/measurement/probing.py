@@ -113,7 +113,7 @@ def install(controller: Any, codecs: dict[tuple[int, str], Any]) -> None:
         owner = getattr(controller.module(layer, controller.sites(layer)[0]), "_act_recompute", None) \
             if controller.sites(layer) else None
         if owner is not None:
-            owner.bind({}, lambda site, name: None)
+            owner.bind({}, {})
     for layer in controller.layers:
         for site in controller.sites(layer):
             controller.module(layer, site).set_act_codec(site, codecs.get((layer, site)))

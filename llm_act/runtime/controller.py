@@ -407,7 +407,8 @@ class Controller:
             choice = plan.get(layer, {})
             owner = getattr(next(iter(stored.values()), None), "_act_recompute", None)
             if owner is not None:
-                owner.bind(choice, lambda site, name, layer=layer: self._get_codec(layer, site, name))
+                owner.bind(choice, {site: self._get_codec(layer, site, name)
+                                    for site, name in owner.codec_names(choice).items()})
                 continue
             for site, module in stored.items():
                 name = choice.get(site, KEEP)

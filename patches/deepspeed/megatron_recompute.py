@@ -87,14 +87,14 @@ class DeepSpeedLayerRecompute(LayerRecompute):
         owner.checkpointing, owner.ds_mpu = checkpointing, mpu
         return owner
 
-    def bind(self, choice: Mapping[str, str], codec_of: Callable[[str, str], Any]) -> None:
+    def bind(self, choice: Mapping[str, str], codecs: Mapping[str, Any]) -> None:
         if route(choice, self.checkpointing, f"layer {self.index}") == DEEPSPEED:
             ds_recompute.configure(self.checkpointing, self.ds_mpu)  # may refuse: nothing changed yet
-        super().bind(choice, codec_of)
+        super().bind(choice, codecs)
 
-    def _bind_full(self, choice: Mapping[str, str], codec_of: Callable[[str, str], Any]) -> None:
+    def _bind_full(self, choice: Mapping[str, str], codecs: Mapping[str, Any]) -> None:
         if choice[CHECKPOINT_SITE] != KEEP:  # CB1: only our region can encode the block input
-            super()._bind_full(choice, codec_of)
+            super()._bind_full(choice, codecs)
             return
         for site, module in self.sites.items():
             module.set_act_codec(site, None)  # the block re-runs stock, at full precision

@@ -287,9 +287,11 @@ class LayerRecompute:
     """Binds a layer's {site: choice} to its modules, recomputation included.
 
     `sites`: what `swap.convert_layer` returned (site -> the module that stores it).
-    `bind(choice, codec_of)` sets every module's codec (`codec_of(site, name)` builds or
-    returns the shared codec instance) and installs the hooks a plan with "recompute" needs;
-    a plan without any leaves the layer exactly as the plain codec assignment would.
+    `codec_names(choice)` says which codec each site needs under `choice`; the owner of the
+    plan (the Controller) builds those once and pushes them down with `bind(choice, codecs)`,
+    which sets every module's codec and installs the hooks a plan with "recompute" needs; a
+    plan without any leaves the layer exactly as the plain codec assignment would. The layer
+    never calls back for a codec.
     """
 
     def __init__(self, layer: torch.nn.Module, sites: Mapping[str, Any], index: int):
@@ -305,10 +307,33 @@ class LayerRecompute:
             module._act_recompute = self
 
     # ---- binding ------------------------------------------------------------------------
-    def bind(self, choice: Mapping[str, str], codec_of: Callable[[str, str], Codec]) -> None:
+    def codec_names(self, choice: Mapping[str, str]) -> dict[str, str]:
+        """{site: codec name} of the codecs `bind(choice, ...)` needs: the checkpoint's under
+        full recompute; otherwise every encoded site of this layer (q/k/v included) and the
+        `regen` codec of every recomputed dropout mask."""
+        choice = self._checked(choice)
+        if is_full(choice, OPTIONAL_SITES - set(self.sites)):
+            name = choice[CHECKPOINT_SITE]
+            return {} if name == KEEP else {CHECKPOINT_SITE: name}
+        out = {}
+        for site in list(self.sites) + [s for s in QKV_SITES if s not in self.sites]:
+            name = choice[site]
+            if name == RECOMPUTE and site in MASK_SITES:
+                out[site] = "regen"
+            elif name not in (KEEP, RECOMPUTE):
+                out[site] = name
+        return out
+
+    @staticmethod
+    def _checked(choice: Mapping[str, str]) -> dict[str, str]:
         choice = {s: choice.get(s, KEEP) for s in SITES}
         for s, name in choice.items():
             check_choice(s, name)
+        return choice
+
+    def bind(self, choice: Mapping[str, str], codecs: Mapping[str, Codec]) -> None:
+        """Bind `choice` with `codecs` (site -> codec, for every site of `codec_names(choice)`)."""
+        choice = self._checked(choice)
         recomputed = {s for s, c in choice.items() if c == RECOMPUTE}
         full = is_full(choice, OPTIONAL_SITES - set(self.sites))
         if not full:
@@ -316,7 +341,7 @@ class LayerRecompute:
         self._unhook()
         self.choice = choice
         if full:
-            self._bind_full(choice, codec_of)
+            self._bind_full(choice, codecs)
             return
         self._attention_region = bool(recomputed & set(ATTENTION_INTERNAL_SITES))
         needed = set()
@@ -326,13 +351,13 @@ class LayerRecompute:
         for site, module in self.sites.items():
             name = choice[site]
             if name == RECOMPUTE:
-                codec = codec_of(site, "regen") if site in MASK_SITES else SiteRecompute(self, site)
+                codec = codecs[site] if site in MASK_SITES else SiteRecompute(self, site)
             elif name == KEEP:
                 codec = _Visible() if site in needed else None
             else:
-                codec = codec_of(site, name)
+                codec = codecs[site]
             module.set_act_codec(site, codec)
-        self._qkv_codecs = [None if choice[s] == KEEP else codec_of(s, choice[s]) for s in QKV_SITES]
+        self._qkv_codecs = [None if choice[s] == KEEP else codecs[s] for s in QKV_SITES]
         self.mode = "sites" if (recomputed - MASK_SITES) else "none"
         if self.mode == "sites":
             self._hook_sites()
@@ -388,11 +413,11 @@ class LayerRecompute:
 
         return activation_of(self.layer.mlp.config)[0]
 
-    def _bind_full(self, choice: Mapping[str, str], codec_of) -> None:
+    def _bind_full(self, choice: Mapping[str, str], codecs: Mapping[str, Codec]) -> None:
         for site, module in self.sites.items():
             module.set_act_codec(site, None)  # the block re-runs stock, at full precision
         name = choice[CHECKPOINT_SITE]
-        self._checkpoint_codec = None if name == KEEP else codec_of(CHECKPOINT_SITE, name)
+        self._checkpoint_codec = None if name == KEEP else codecs[CHECKPOINT_SITE]
         self.mode = "full"
         layer = self.layer
         stock = type(layer).forward.__get__(layer)
@@ -557,6 +582,12 @@ def _alive(ref: "weakref.ref", layer: int, site: str):
         raise RuntimeError(f"layer {layer}: the record of {site!r} was freed before a rebuild read it "
                            "(its backward already ran); please report this plan")
     return obj
+
+
+def bind_with(owner: LayerRecompute, choice: Mapping[str, str], codec_of: Callable[[str, str], Codec]) -> None:
+    """`owner.bind(choice, codecs)` with the codecs `codec_of(site, name)` builds (benches
+    and tests that bind a layer without a Controller)."""
+    owner.bind(choice, {s: codec_of(s, n) for s, n in owner.codec_names(choice).items()})
 
 
 def for_sites(sites: Mapping[str, Any]) -> Optional[LayerRecompute]:

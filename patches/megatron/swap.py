@@ -120,7 +120,7 @@ def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = Fa
 
     old = getattr(layer, "act_recompute", None)
     if old is not None:
-        old.bind({}, lambda site, name: None)  # drop hooks of an earlier conversion
+        old.bind({}, {})  # drop hooks of an earlier conversion
     layer.act_recompute = LayerRecompute(layer, sites, layer_index)
     return sites
 

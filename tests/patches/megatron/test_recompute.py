@@ -45,7 +45,7 @@ def parallel():
 
 
 def codecs(broken=None):
-    """codec_of(site, name) for `bind`; the codec of site `broken` decodes zeros."""
+    """codec_of(site, name) for `bind_with`; the codec of site `broken` decodes zeros."""
     cache = {}
 
     def codec_of(site, name):
@@ -58,7 +58,7 @@ def codecs(broken=None):
 
 
 def bind(sites, choice, broken=None):
-    R.for_sites(sites).bind(choice, codecs(broken))
+    R.bind_with(R.for_sites(sites), choice, codecs(broken))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

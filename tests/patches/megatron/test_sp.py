@@ -76,7 +76,7 @@ def _run(layer, x, gy):
 
 
 def _codec_of(seed=5, broken=None):
-    """codec_of(site, name) for `bind`; the codec of site `broken` decodes zeros."""
+    """codec_of(site, name) for `bind_with`; the codec of site `broken` decodes zeros."""
     from llm_act.codecs import make_codec
     from tests.patches import broken_codec
 
@@ -92,9 +92,9 @@ def _codec_of(seed=5, broken=None):
 
 
 def _bind(sites, choice, seed=5, broken=None):
-    from llm_act.patches.megatron.recompute import for_sites
+    from llm_act.patches.megatron.recompute import bind_with, for_sites
 
-    for_sites(sites).bind(choice, _codec_of(seed, broken))
+    bind_with(for_sites(sites), choice, _codec_of(seed, broken))
 
 
 def _to_tp2(ref_grads, layer, rank):

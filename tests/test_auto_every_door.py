@@ -76,7 +76,7 @@ def _memory(controller, plan=None) -> int:
     if plan is None:
         plan = controller.plan
     elif plan == "compress":
-        plan = plan_from("compress", controller.num_layers, controller.layers, controller._no_fewbit())
+        plan = plan_from("compress", controller.num_layers, controller.layers, controller.no_fewbit_layers())
     blocks = profile.blocks(recompute=True)
     return evaluate_plan(blocks, profile.choice_for(plan)).activation_bytes
 

@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from llm_act.measurement.controlled import ControlledModel
+
 from llm_act.measurement import probing
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.sites import MASK_SITES
@@ -77,7 +79,7 @@ def lossy_sites(plan: dict[int, dict[str, str]]) -> list[str]:
     return out
 
 
-def plan_codecs(controller: Any, plan: dict[int, dict[str, str]], seed: int,
+def plan_codecs(controller: ControlledModel, plan: dict[int, dict[str, str]], seed: int,
                 only: Optional[str] = None) -> dict[tuple[int, str], Any]:
     """Fresh codecs of `plan` for `probing.install` (recomputed sites exact); with `only`,
     that site type alone."""
@@ -91,7 +93,7 @@ def plan_codecs(controller: Any, plan: dict[int, dict[str, str]], seed: int,
     return codecs
 
 
-def _grad(controller: Any, forward: Callable[[], Any], params: list[torch.Tensor],
+def _grad(controller: ControlledModel, forward: Callable[[], Any], params: list[torch.Tensor],
           snap: probing.RngSnapshot, codecs: dict) -> list[torch.Tensor]:
     snap.restore()
     probing.install(controller, codecs)
@@ -99,7 +101,7 @@ def _grad(controller: Any, forward: Callable[[], Any], params: list[torch.Tensor
     return probing.optional_grad(loss, params)
 
 
-def measure_sums(controller: Any, forward: Callable[[], Any], named: list[tuple[str, torch.Tensor]],
+def measure_sums(controller: ControlledModel, forward: Callable[[], Any], named: list[tuple[str, torch.Tensor]],
                  plan: dict[int, dict[str, str]], sites: Sequence[str] = (), seed: int = 0
                  ) -> dict[str, float]:
     """The squared sums a report is made of, as one flat mapping (so ranks can combine it):

@@ -37,6 +37,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from llm_act.measurement.controlled import ControlledModel
+
 from llm_act.measurement import probing
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE, check_choice, make_codec
@@ -301,7 +303,7 @@ def _codec(name: str, activation: str) -> Codec:
     return make_codec(name, seed=_MEASURE_SEED, activation=activation)
 
 
-def site_codec_names(controller: Any, layer: int, site: str, x: torch.Tensor) -> list[str]:
+def site_codec_names(controller: ControlledModel, layer: int, site: str, x: torch.Tensor) -> list[str]:
     """The codecs `site` of `layer` admits: the registry's rule, few-bit codecs only where
     the MLP's activation has a fitted derivative, mask codecs on boolean masks."""
     names = []
@@ -319,7 +321,7 @@ def site_codec_names(controller: Any, layer: int, site: str, x: torch.Tensor) ->
     return names
 
 
-def _activation_name(controller: Any, layer: int) -> str:
+def _activation_name(controller: ControlledModel, layer: int) -> str:
     try:
         name = getattr(controller.module(layer, "mlp.act_input"), "act_activation", None)
     except KeyError:
@@ -401,7 +403,7 @@ def _option(codec: Codec, name: str, x: torch.Tensor, xs: torch.Tensor, side: in
     return st, enc
 
 
-def measure_profile(controller: Any, forward: Callable[[], Any], *,
+def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
                     times_from: Optional[Any] = None, repeats: int = 3,
                     codecs: Optional[Sequence[str]] = None,
                     keep_from: Optional[MeasuredProfile] = None) -> MeasuredProfile:
@@ -425,7 +427,6 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
         # unless ActConfig.attention names another backend): no softmax is stored there
         wanted = controller.config.attention
         controller.set_attention_mode("auto" if wanted == "auto" else wanted)
-        finder = _find_layers(controller)
 
         def keep_pass() -> dict:
             with SavedTensorLedger() as keep_ledger:
@@ -434,10 +435,7 @@ def measure_profile(controller: Any, forward: Callable[[], Any], *,
             snap.restore()
             return keep_ledger.by_site()
 
-        try:
-            keep = None if keep_from is not None else keep_pass()
-        finally:
-            finder.remove()
+        keep = None if keep_from is not None else keep_pass()
         probes = {(layer, site): _Capture(captured, (layer, site))
                   for layer in controller.layers for site in controller.sites(layer)
                   if not _qkv_by_hook(controller, layer, site)}
@@ -524,30 +522,18 @@ def _copy_times(profile: MeasuredProfile, old: Any) -> None:
 # ---- producer times ----------------------------------------------------------------------------
 
 
-def _find_layers(controller: Any):
-    """A global forward pre-hook that records, while it is installed, the TransformerLayers
-    bound to `controller` (apply marks them) in `controller.layer_modules` by index."""
-    from torch.nn.modules.module import register_module_forward_pre_hook
-
-    def pre(module, args):
-        if getattr(module, "_llm_act_controller", None) is controller:
-            controller.layer_modules[int(module.layer_number) - 1] = module
-
-    return register_module_forward_pre_hook(pre)
-
-
-def _layer_of(controller: Any, layer: int):
+def _layer_of(controller: ControlledModel, layer: int):
     """The TransformerLayer holding `layer`'s modules (None when not found)."""
     return controller.layer_modules.get(layer)
 
 
-def _qkv_by_hook(controller: Any, layer: int, site: str) -> bool:
+def _qkv_by_hook(controller: ControlledModel, layer: int, site: str) -> bool:
     """Whether `site` is captured by `_qkv_hooks`: q, k, v stored by a core-attention module
     (the generic path's saved-tensor hooks see them as any other site)."""
     return site in QKV_SITES and isinstance(controller.module(layer, site), torch.nn.Module)
 
 
-def _qkv_hooks(controller: Any, sink: dict) -> list:
+def _qkv_hooks(controller: ControlledModel, sink: dict) -> list:
     """Forward pre-hooks that capture the core attention's q, k, v (after rotary; GQA K/V
     un-expanded) into `sink[(layer, "attn.q")]` etc. for the layers that plan those sites."""
     handles = []
@@ -567,7 +553,7 @@ def _qkv_hooks(controller: Any, sink: dict) -> list:
     return handles
 
 
-def _no_recompute(controller: Any, layer: int) -> tuple[str, ...]:
+def _no_recompute(controller: ControlledModel, layer: int) -> tuple[str, ...]:
     """Sites of `RECOMPUTABLE` the layer cannot recompute alone: none without a megatron
     layer (no `LayerRecompute`); `mlp.fc2_input` when the MLP keeps only a mask of its
     activation input (ReLU); `ln2.input` when megatron's fused bias-dropout-add would need
@@ -588,7 +574,7 @@ def _no_recompute(controller: Any, layer: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _attention_hooks(controller: Any, sink: dict[int, tuple]) -> list:
+def _attention_hooks(controller: ControlledModel, sink: dict[int, tuple]) -> list:
     handles = []
     for layer, tl in controller.layer_modules.items():
         core = getattr(getattr(tl, "self_attention", None), "core_attention", None)
@@ -602,7 +588,7 @@ def _attention_hooks(controller: Any, sink: dict[int, tuple]) -> list:
     return handles
 
 
-def _producer_ms(controller: Any, layer: int, site: str, captured: dict, attn_call: dict,
+def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: dict, attn_call: dict,
                  repeats: int) -> Optional[float]:
     """Forward time of the op that produces `site`, re-run on its captured input."""
     tl = _layer_of(controller, layer)

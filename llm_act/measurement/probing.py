@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from llm_act.measurement.controlled import ControlledModel
+
 
 def _tracker():
     """megatron's RNG tracker when megatron-core is importable and seeded, else None."""
@@ -84,7 +86,7 @@ class _FusionOff:
 
 
 @contextlib.contextmanager
-def isolated(controller: Any, params: Iterable[torch.Tensor] = ()) -> Iterator[RngSnapshot]:
+def isolated(controller: ControlledModel, params: Iterable[torch.Tensor] = ()) -> Iterator[RngSnapshot]:
     """Run probe passes: on exit the RNG streams, `.grad` of `params`, the modules' codec
     tables and gradient-accumulation-fusion flags are as they were at entry."""
     snap = RngSnapshot()
@@ -104,7 +106,7 @@ def isolated(controller: Any, params: Iterable[torch.Tensor] = ()) -> Iterator[R
         controller.reinstall()
 
 
-def install(controller: Any, codecs: dict[tuple[int, str], Any]) -> None:
+def install(controller: ControlledModel, codecs: dict[tuple[int, str], Any]) -> None:
     """Give every (layer, site) the controller drives the codec in `codecs` (None = keep).
     A layer bound with recomputation (`LayerRecompute`) is unbound first (every site kept,
     hooks and regions removed), so probe passes see each site's tensor in forward;
@@ -151,7 +153,7 @@ def time_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 3, warmu
     return float(statistics.median(times))
 
 
-def device_of(controller: Any) -> torch.device:
+def device_of(controller: ControlledModel) -> torch.device:
     """The device of the controlled model's parameters (CPU when it has none)."""
     for m in controller.all_modules():
         for p in m.parameters(recurse=False) if isinstance(m, torch.nn.Module) else ():

@@ -53,6 +53,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from llm_act.measurement.controlled import ControlledModel
+
 from llm_act.measurement import probing
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.registry import make_codec
@@ -132,7 +134,7 @@ class _DerivativeProbe(Codec):
         return enc.data["d"]
 
 
-def _probe(controller: Any, layer: int, site: str, seed: int, record: list) -> Codec:
+def _probe(controller: ControlledModel, layer: int, site: str, seed: int, record: list) -> Codec:
     if site == "mlp.act_input":
         act = getattr(controller.module(layer, site), "act_activation", None)
         if isinstance(act, str) and act != "relu":
@@ -140,7 +142,7 @@ def _probe(controller: Any, layer: int, site: str, seed: int, record: list) -> C
     return _ValueProbe(seed, record)
 
 
-def sensitive_sites(controller: Any) -> list[str]:
+def sensitive_sites(controller: ControlledModel) -> list[str]:
     """Site types that carry noise when compressed (dropout masks never do; a ReLU MLP
     stores its activation as an exact 1-bit mask)."""
     out = []
@@ -157,7 +159,7 @@ def sensitive_sites(controller: Any) -> list[str]:
     return out
 
 
-def measure_sensitivity(controller: Any, forward: Callable[[], Any], params: Any, *,
+def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any], params: Any, *,
                         sites: Optional[Sequence[str]] = None, seed: int = 0,
                         sampling: bool = True, groups: Optional[Sequence[str]] = None) -> Sensitivity:
     """c_i for each site type in `sites` (default: all that carry noise), from two

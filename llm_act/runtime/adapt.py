@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -57,6 +57,9 @@ from llm_act.plan import plan_from
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.runtime.logs import speaks_for_stage
 from llm_act.planner.milp import InfeasibleBudget
+
+if TYPE_CHECKING:
+    from llm_act.runtime.controller import Controller  # it owns this Adapter
 
 log = logging.getLogger("llm_act.runtime.controller")
 
@@ -171,7 +174,7 @@ def describe_changes(old: dict, new: dict) -> str:
 class Adapter:
     """Tracking schedule, measurements and plan decisions of one Controller."""
 
-    def __init__(self, controller: Any):
+    def __init__(self, controller: "Controller"):
         self.controller = controller
         self.stage = 0
         """backoff stage: the next interval is min(2**stage, adapt_interval_max)"""
@@ -590,7 +593,7 @@ class Adapter:
             from llm_act.planner import evaluate_plan
 
             c = self.controller
-            compress = plan_from("compress", c.num_layers, c.layers, c._no_fewbit())
+            compress = plan_from("compress", c.num_layers, c.layers, c.no_fewbit_layers())
             pins = self.pins()
             # all micro-batches in flight on this stage, as the planner counts them
             # (`problem`): stage 0 of PP=2 holds two, and "compress" must fit there too
@@ -1000,7 +1003,7 @@ class FirstForward:
         """(the smallest budget any plan fits, static included; or None, why not)."""
         import dataclasses
 
-        from llm_act.cli.plan import min_budget
+        from llm_act.planner.budget import min_budget
         from llm_act.planner.analytic import DeviceModel, block_profile
 
         if not self.layers:

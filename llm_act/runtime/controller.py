@@ -152,7 +152,7 @@ class Controller:
 
         self.adapter = Adapter(self)
         if self.enabled:
-            self._apply(resolve(config, self.num_layers, self._modules, self._no_fewbit()))
+            self._apply(resolve(config, self.num_layers, self._modules, self.no_fewbit_layers()))
 
     # ---- what it controls ---------------------------------------------------------------
     @property
@@ -218,7 +218,7 @@ class Controller:
         return self._codecs[(layer, site, name)]
 
     # ---- switching plans -----------------------------------------------------------------
-    def set_plan(self, plan: LayerPlansLike) -> None:
+    def set_plan(self, plan: PlanLike) -> None:
         """Ask for `plan` ("keep", "compress", "auto", a JSON plan path or dict, a list of
         per-layer choices, or {layer: {site: choice}}); it is validated now and applied at the
         next step boundary -- or at once while nothing drives iterations yet (no step() run,
@@ -234,7 +234,7 @@ class Controller:
             return
         from llm_act.runtime import agreement
 
-        wanted = plan_from(plan, self.num_layers, self._modules, self._no_fewbit())
+        wanted = plan_from(plan, self.num_layers, self._modules, self.no_fewbit_layers())
         agreement.agree_plan(wanted, agreement.groups())
         self._pending = wanted
         if not self._in_step and not self._driven:
@@ -453,7 +453,7 @@ class Controller:
         sp = _sequence_parallel(self._modules.get(layer, {}).values())
         return codec_seed(self.config.seed, layer, site, sequence_parallel=sp)
 
-    def _no_fewbit(self) -> set[int]:
+    def no_fewbit_layers(self) -> set[int]:
         """Layers whose MLP activation takes no few-bit codec (the module says so with
         `act_activation = None`): "compress" gives them a value codec there."""
         out = set()

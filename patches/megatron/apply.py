@@ -135,6 +135,7 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     for layer in layers:
         unsupported.guard_compile(layer)
         layer._llm_act_controller = controller
+        controller.layer_modules[int(layer.layer_number) - 1] = layer  # what measurement reads
     agreement.agree_setup(controller)
     controller.watch(roots, layers)  # the budget check of the first step (adapt.FirstForward)
     return controller

@@ -1,0 +1,45 @@
+"""`ControlledModel`: what measurement reads from the model the runtime drives.
+
+Measurement never imports the runtime: it takes any object with these members (the
+`Controller` is one) and hands the planner `BlockProfile`s (`llm_act.planner.profile`),
+never a controller. The planner in turn reads only profiles.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from llm_act.codecs.base import Codec
+from llm_act.config import ActConfig
+
+
+class ControlledModel(Protocol):
+    """The layers whose saved tensors are planned, and the handles measurement needs."""
+
+    config: ActConfig
+    #: global layer index -> its megatron-core TransformerLayer (empty on the generic path)
+    layer_modules: dict[int, Any]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The global indices of the layers this rank holds."""
+
+    def sites(self, layer: int) -> tuple[str, ...]:
+        """The sites `layer` stores."""
+
+    def module(self, layer: int, site: str) -> Any:
+        """The compressed module that stores `site` of `layer`."""
+
+    def all_modules(self) -> list[Any]:
+        """Every compressed module (each once)."""
+
+    def reinstall(self) -> None:
+        """Give every module back the codec of the plan in force (after a probe swapped them)."""
+
+    def set_attention_mode(self, mode: str) -> None:
+        """Put every core attention in `mode` ("stock", "sdpa", "chunked", "auto")."""
+
+    def new_codec(self, layer: int, site: str, name: str, seed: int) -> Codec:
+        """A fresh codec `name` for (layer, site) with its own generator seeded `seed`."""
+
+    def no_fewbit_layers(self) -> set[int]:
+        """Layers whose MLP activation takes no few-bit codec (gated units)."""

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from llm_act.train import parallel, small_gpt
+
 
 def _batch(gen: torch.Generator, batch: int, seq: int, vocab: int):
     """A copy task: the second half of each sequence repeats the first."""
@@ -31,8 +33,6 @@ def run(steps: int = 200, budget: Optional[str] = None, interval_max: int = 64, 
         layers: int = 2, quiet: bool = False) -> dict:
     """Train and return {"controller", "losses", "seconds"}."""
     from llm_act import ActConfig
-    from llm_act.train import parallel
-    from llm_act.train import small_gpt
     from llm_act.patches.megatron import apply
 
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")

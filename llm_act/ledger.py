@@ -45,7 +45,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.nn.modules import module as _nn_module
@@ -658,6 +658,3 @@ def scope(layer: Optional[int], site: str) -> Iterator[None]:
     finally:
         _SCOPE.value = outer
 
-
-def iter_active() -> Iterable[SavedTensorLedger]:
-    return tuple(_ACTIVE)

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from llm_act.codecs import make_codec
-from llm_act.generic.hooks import GenericCompression, checkpoint_blocks, compress_saved_tensors
+from llm_act.generic.checkpoint import checkpoint_blocks
+from llm_act.generic.hooks import GenericCompression, compress_saved_tensors
 from llm_act.ledger import SavedTensorLedger
 from tests.plain_decoder import make_blocks
 

@@ -47,6 +47,8 @@ from typing import Callable, Optional
 import torch
 
 from llm_act.bench import memory as M
+from llm_act.planner.budget import min_budget, reference_variance
+from llm_act.train import parallel, small_gpt
 
 
 @dataclass(frozen=True)
@@ -119,11 +121,10 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
            least: bool = False) -> tuple[Optional[dict], Optional[str]]:
     """(choice, None), or (None, why there is none); `least`: when the budget is infeasible,
     solve at the least feasible budget instead and say so in the note."""
-    from llm_act.cli.plan import _reference_variance
     from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
 
     block = M.restricted_block(_analytic_block(shape, mbs))
-    noise = _reference_variance([block])
+    noise = reference_variance([block])
     note = None
     try:
         plan = solve_plan([block], budget, static_bytes=static_bytes, variance_budget=noise)
@@ -131,8 +132,6 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
         if not least:
             need = getattr(err, "min_budget_bytes", None)
             return None, "MILP infeasible" + ("" if need is None else f" (needs >= {_size(need)})")
-        from llm_act.cli.plan import min_budget
-
         need = min_budget([block], static_bytes, noise)
         try:
             plan = solve_plan([block], need, static_bytes=static_bytes, variance_budget=noise)
@@ -146,8 +145,6 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
 
 
 def _model(shape: GpuShape, device: torch.device, seed: int = 1234):
-    from llm_act.train import parallel
-    from llm_act.train import small_gpt
 
     cfg = small_gpt.small_config(hidden_size=shape.hidden, num_attention_heads=shape.heads,
                                num_layers=shape.layers, dtype=torch.bfloat16, dropout=0.0,

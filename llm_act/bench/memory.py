@@ -24,6 +24,7 @@ import torch
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.planner.budget import min_budget, reference_variance
 from llm_act.sites import DEFAULT_CODECS, MASK_SITES, MOE_SITES, QK_NORM_SITES, SITES
+from llm_act.train import parallel, small_gpt
 
 #: bits per element GACT's adaptive allocation averages (the paper's headline setting)
 GACT_BITS = 4
@@ -229,8 +230,6 @@ def bind_layer(layer: torch.nn.Module, index: int, scheme: Scheme, seed: int = 1
 
 
 def build_layer(shape: Shape, seed: int = 0):
-    from llm_act.train import parallel
-    from llm_act.train import small_gpt
 
     cfg = small_gpt.small_config(hidden_size=shape.h, num_attention_heads=shape.a, dtype=shape.dtype,
                                dropout=shape.dropout, num_layers=1, add_bias_linear=True)

@@ -23,6 +23,9 @@ import time
 from typing import Callable, Optional
 
 from llm_act.bench import memory as M
+from llm_act.planner.budget import reference_variance
+from llm_act.planner.presets import model_shape
+from llm_act.train import parallel
 
 DEPTHS = (24, 48, 96, 128)
 MODEL = "gpt-1.3b"
@@ -35,7 +38,7 @@ COMPARED = ("stock", "megatron selective", "megatron full", "ActNN int2", "GACT 
 def _base_block(model: str):
     """(one block of `model`'s analytic profile at micro-batch 1, with the options the
     bench can bind; its stock bytes)."""
-    from llm_act.planner.analytic import block_profile, model_shape
+    from llm_act.planner.analytic import block_profile
 
     base = M.restricted_block(block_profile(model_shape(model, micro_batch_size=1)))
     return base, sum(s.nbytes for s in base.sites)
@@ -43,14 +46,13 @@ def _base_block(model: str):
 
 def solve_times(depths=DEPTHS, model: str = MODEL) -> list[dict]:
     """[{layers, variables, seconds, activation_fraction, overhead_ms}] per depth."""
-    from llm_act.cli.plan import _reference_variance
     from llm_act.planner import solve_plan
 
     base, per_block = _base_block(model)
     rows = []
     for n in depths:
         blocks = [dataclasses.replace(base, count=n)]
-        noise = _reference_variance(blocks)
+        noise = reference_variance(blocks)
         t0 = time.perf_counter()
         plan = solve_plan(blocks, int(BUDGET_FRACTION * n * per_block), variance_budget=noise)
         wall = time.perf_counter() - t0
@@ -75,13 +77,12 @@ def distinct_problem(n: int, model: str = MODEL, seed: int = 0):
     import random
 
     from llm_act.planner import BlockProfile
-    from llm_act.cli.plan import _reference_variance
 
     base, per_block = _base_block(model)
     rng = random.Random(seed)
     factors = [0.5 + rng.random() for _ in range(n)]
     uniform_block = BlockProfile(base.sites, count=n).scaled(sum(factors) / n)
-    noise = 0.8 * _reference_variance([uniform_block])
+    noise = 0.8 * reference_variance([uniform_block])
     budget = int(BUDGET_FRACTION * n * per_block) + per_block
     return [base.scaled(f) for f in factors], budget, noise, uniform_block
 
@@ -141,7 +142,6 @@ def compare(shape: M.Shape, rows: Optional[list[dict]] = None,
             measured[r["scheme"]] = sum(n for (layer, _), n in r["by_site"].items() if layer == 0)
     missing = [n for n in names if n not in measured]
     if missing:
-        from llm_act.train import parallel
 
         parallel.init_parallel(seed=1234)
         try:

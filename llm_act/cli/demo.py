@@ -12,6 +12,7 @@ import torch
 
 from llm_act.codecs import make_codec
 from llm_act.sites import DEFAULT_CODECS
+from llm_act.train import parallel, small_gpt
 
 # site -> (module path inside a TransformerLayer, which tensor of the call)
 _CAPTURE = {
@@ -74,8 +75,6 @@ def measure(site_tensors: dict[str, torch.Tensor], activation: str = "gelu") -> 
 
 def run_demo(seq_length: int = 256, micro_batch_size: int = 2, hidden_size: int = 512,
              num_heads: int = 8, bf16: bool = True) -> str:
-    from llm_act.train import parallel
-    from llm_act.train import small_gpt
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     parallel.init_parallel()

@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     from llm_act.cli.plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)
-    from llm_act.train.compare import add_parser as add_train_parser
+    from llm_act.cli.train import add_parser as add_train_parser
 
     add_train_parser(sub)
     return p
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args, argv)
     if args.command == "train":
-        from llm_act.train.compare import main as run_train
+        from llm_act.cli.train import main as run_train
 
         return run_train(args)
     if args.command == "plan":

@@ -21,6 +21,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from llm_act import ledger as _ledger
+from llm_act.generic.hooks import SavedTensorCompression
+from llm_act.runtime.controller import codec_seed
 
 _MARK = "_llm_act_checkpointed"
 
@@ -51,9 +53,6 @@ def checkpoint_blocks(blocks: Iterable[torch.nn.Module], codec: Optional[str] = 
     The ledger counts each block input at (`first_layer` + i, "ln1.input"). Under
     `torch.no_grad()` a block runs as it is. Returns a handle whose `remove()` undoes it.
     """
-    from llm_act.runtime.controller import codec_seed
-    from llm_act.generic.hooks import SavedTensorCompression
-
     blocks = list(blocks)
     if isinstance(first_layer, bool) or not isinstance(first_layer, int) or first_layer < 0:
         raise ValueError(f"first_layer: expected a non-negative int, got {first_layer!r}")

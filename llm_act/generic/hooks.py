@@ -40,7 +40,7 @@ bytes of what is kept raw, are reported to the active `SavedTensorLedger`s, sinc
 innermost `saved_tensors_hooks` fires and the ledger's own hook sees nothing here.
 
 `checkpoint_blocks` (GACT's CB1, Megatron's "full" recompute) lives in
-`llm_act.generic.checkpoint` and is re-exported here.
+`llm_act.generic.checkpoint`, which builds on this module.
 """
 from __future__ import annotations
 
@@ -421,9 +421,5 @@ class GenericCompression(torch.nn.Module):
             return self.module(*args, **kwargs)
 
 
-from llm_act.generic.checkpoint import CheckpointHandle, checkpoint_blocks  # noqa: E402
-
-__all__ = [
-    "DEFAULT_MIN_NUMEL", "CheckpointHandle", "GenericCompression", "HookStats",
-    "SavedTensorCompression", "checkpoint_blocks", "compress_saved_tensors",
-]
+__all__ = ["DEFAULT_MIN_NUMEL", "GenericCompression", "HookStats", "SavedTensorCompression",
+           "compress_saved_tensors"]

@@ -162,18 +162,6 @@ class MeasuredProfile:
                 acc.setdefault(site, []).append(st.outlier_rate)
         return {s: sum(v) / len(v) for s, v in acc.items()}
 
-    def compression_ratios(self, plan: Mapping[int, Mapping[str, str]]) -> dict[str, float]:
-        """Per site type: keep bytes / bytes stored under `plan`, over all layers."""
-        keep: dict[str, int] = {}
-        stored: dict[str, int] = {}
-        for (layer, site), st in self.sites.items():
-            choice = plan.get(layer, {}).get(site, KEEP)
-            if choice not in (KEEP, RECOMPUTE) and choice not in st.options:
-                continue
-            keep[site] = keep.get(site, 0) + st.keep_bytes
-            stored[site] = stored.get(site, 0) + st.stored(choice)
-        return {s: keep[s] / stored[s] if stored[s] else math.inf for s in keep}
-
     def predicted_bytes(self, plan: Mapping[int, Mapping[str, str]], include_other: bool = True) -> int:
         """Bytes held at the end of forward under `plan` ({layer: {site: choice}})."""
         total = self.other_bytes if include_other else 0

@@ -117,14 +117,6 @@ class PlanOverBudget(ValueError):
             f"{gb_up:.3f}GB, or use plan 'auto', which chooses per site to fit the budget")
 
 
-def _recompute_available() -> bool:
-    try:
-        plan_from({0: {"mlp.fc1_input": RECOMPUTE}}, 1)
-    except NotImplementedError:
-        return False
-    return True
-
-
 def _inflight() -> int:
     """Micro-batches in flight on this pipeline stage under 1F1B: p - k."""
     try:
@@ -568,7 +560,7 @@ class Adapter:
         pins = self.pins()
         inflight = _inflight()
         blocks = profile.blocks(self.sensitivity or None, inflight=inflight,
-                                recompute=_recompute_available(), exclude=pins)
+                                recompute=True, exclude=pins)
         pinned = sum(st.stored(pins[site]) for (_, site), st in profile.sites.items() if site in pins)
         return blocks, self._static_bytes() + profile.other_bytes + inflight * pinned
 
@@ -1012,7 +1004,6 @@ class FirstForward:
             return None, "the first layer's input was not seen"
         device = DeviceModel() if torch.cuda.is_available() else DeviceModel.cpu()
         pins = self.adapter.pins()
-        recompute = _recompute_available()
         controlled = set(self.controller.layers)
         counts: dict[int, list] = {}
         for layer in self.layers:
@@ -1030,9 +1021,7 @@ class FirstForward:
                             (o.nbytes for o in st.codecs if o.name == name), st.nbytes)
                         pinned += count * inflight * stored
                         continue
-                    sites.append(dataclasses.replace(
-                        st, inputs=tuple(i for i in st.inputs if i not in pins),
-                        forward_ms=st.forward_ms if recompute else None))
+                    sites.append(dataclasses.replace(st, inputs=tuple(i for i in st.inputs if i not in pins)))
                 blocks.append(dataclasses.replace(block, sites=tuple(sites)))
             return int(min_budget(blocks, static + pinned, self.controller.config.variance_budget)), ""
         except ValueError as err:

@@ -22,6 +22,7 @@ import torch
 
 from llm_act._imports import require
 from llm_act.runtime.agreement import timed
+from llm_act.train import parallel, small_gpt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,8 +80,6 @@ def _model(args: argparse.Namespace, vocab: int):
                                  num_kv_heads=max(1, args.num_attention_heads // 2),
                                  max_positions=args.seq_length, seed=args.seed)
         return model, lambda m, b: hf_decoder.lm_loss(m, b.tokens, b.labels)
-    from llm_act.train import parallel
-    from llm_act.train import small_gpt
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     parallel.init_parallel(rank=rank, world_size=world, seed=args.seed)

@@ -13,16 +13,15 @@ from llm_act.codecs import make_codec
 from llm_act.codecs.registry import CODEC_NAMES, check_choice
 from llm_act.planner import InfeasibleBudget, evaluate_plan, solve_plan
 from llm_act.planner.analytic import (
-    MODELS,
     DeviceModel,
     block_profile,
     codec_variance,
-    model_shape,
     outer_bytes,
     parameters_per_rank,
     stage_blocks,
     static_bytes,
 )
+from llm_act.planner.presets import MODELS, model_shape
 from llm_act.sites import SITES
 
 S, B, H, A = 1024, 4, 1024, 16  # a GPT-2-medium-like block

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from llm_act.planner.analytic import DeviceModel, ModelShape, block_profile, model_shape, parameters_per_rank
+from llm_act.planner.analytic import DeviceModel, ModelShape, block_profile, parameters_per_rank
+from llm_act.planner.presets import model_shape
 from llm_act.sites import DENSE_MLP_SITES, MOE_SITES
 
 

@@ -20,6 +20,7 @@ from llm_act.planner import (
     SolverError,
     evaluate_plan,
     load_plan_json,
+    milp,
     solve_plan,
 )
 from llm_act.planner.analytic import ModelShape, block_profile
@@ -497,8 +498,6 @@ def test_evaluate_plan_agrees_with_the_independent_evaluator():
 def _first_calls_undecided(monkeypatch, n):
     """Make the first `n` solver calls end undecided ("error"), as HiGHS 1.16's presolve does
     on a budget a byte below its edge; later calls solve for real."""
-    from llm_act.planner import milp
-
     real, calls = milp._solve, []
 
     def solve(prob, deadline):
@@ -521,8 +520,6 @@ def test_an_undecided_solve_below_the_edge_is_an_infeasible_budget(monkeypatch):
 
 
 def test_an_undecided_solve_above_the_edge_is_a_solver_error(monkeypatch):
-    from llm_act.planner import SolverError
-
     blocks = [gpt_block(count=4)]
     with pytest.raises(InfeasibleBudget) as err:
         solve_plan(blocks, 1)
@@ -537,7 +534,6 @@ def test_a_solve_error_is_retried_without_presolve(monkeypatch):
     """The real retry path: HiGHS (or CBC) ending in a solve error on its first try is asked
     again without presolve, and that answer is used."""
     import pulp
-    from llm_act.planner import milp
 
     seen = []
     real = pulp.LpProblem.solve
@@ -562,8 +558,6 @@ def test_a_solver_that_crashes_is_a_try_that_decided_nothing(monkeypatch):
     decides nothing under a noise budget that no plan within memory meets, that is named
     (InfeasibleVariance), not passed on as a solver error."""
     import pulp
-
-    from llm_act.planner import milp
 
     calls = []
 

@@ -15,9 +15,12 @@ Such a model has no compressed layers, but it does have repeated blocks (the lon
 - per-block recompute (Megatron's "full", GACT's CB1) when the config asks for plan
   "recompute": the block keeps only its input (`ln1.input`, kept or encoded) and re-runs
   in backward, through `torch.utils.checkpoint` or, when the DeepSpeed config has
-  `"activation_checkpointing"`, through `deepspeed.checkpointing` (see `recompute`).
-  Until the plans know "recompute" (issue 4), the controller's plan shows such blocks as
-  "keep" and `GenericModel.recompute` tells that they are recomputed.
+  `"activation_checkpointing"`, through `deepspeed.checkpointing` (see `recompute`). The
+  controller's plan shows each such block as `llm_act.plan.recompute_layer(...)` (`ln1.input`
+  kept or its codec, every other site "recompute"); `BlockRecompute` binds that choice by
+  keeping the block's site hooks off, so the block input is encoded once, by the wrapper.
+  Whether a block recomputes is fixed when `apply` runs (the wrapper is installed then): a
+  plan that switches between whole-block recompute and per-site codecs later is refused.
 
 Never more than stock (`llm_act.generic.hooks`): each saved tensor is encoded in its logical shape
 (never as a flat storage buffer), once per storage, and only where its codec's size formula
@@ -39,7 +42,7 @@ from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
 from llm_act.config import ActConfig
 from llm_act.runtime.controller import SEED_STRIDE, Controller, replica_seed
 from llm_act.generic.hooks import SavedTensorCompression
-from llm_act.sites import MASK_SITES
+from llm_act.sites import CHECKPOINT_SITE, MASK_SITES
 
 #: last path component of a submodule of a block -> the site of what it saves
 SITE_OF: dict[str, str] = {
@@ -122,6 +125,58 @@ class BlockSites:
     @property
     def compressing(self) -> bool:
         return any(c is not None for c in self.codecs.values())
+
+
+class BlockRecompute:
+    """How the Controller binds one generic block's {site: choice}: the block's owner in the
+    controller's sense (`_act_recompute` of its `BlockSites`, as a megatron-core layer has a
+    `LayerRecompute`), so plans holding "recompute" are bound here and never built as codecs.
+
+    A block recomputes as a whole or not at all, and which is fixed by `apply` (it installs
+    the wrapper): with `recompute`, the only choice it binds is `recompute_layer(checkpoint)`
+    (every site but `ln1.input` recomputed, `ln1.input` = `checkpoint`, the codec the
+    wrapper encodes the block input with) and every site hook stays off; without, per-site
+    codecs exactly as the plain codec assignment gives them, and no "recompute". Sites the
+    block does not offer (masks, MoE) are not looked at.
+    """
+
+    def __init__(self, sites: BlockSites, recompute: bool, checkpoint: str = KEEP):
+        self.sites, self.recompute, self.checkpoint = sites, recompute, checkpoint
+        sites._act_recompute = self
+
+    def codec_names(self, choice: dict[str, str]) -> dict[str, str]:
+        """{site: codec name} of the codecs `bind(choice, ...)` needs: none when the block
+        recomputes (the wrapper builds the block input's codec itself)."""
+        stored = self._checked(choice)
+        if self.recompute:
+            return {}
+        return {s: n for s, n in stored.items() if n != KEEP}
+
+    def bind(self, choice: dict[str, str], codecs: dict[str, Codec]) -> None:
+        """Give every site of the block its codec under `choice` (None: kept, or recomputed
+        with the whole block)."""
+        stored = self._checked(choice)
+        for site, name in stored.items():
+            self.sites.set_act_codec(site, None if self.recompute or name == KEEP else codecs[site])
+
+    def _checked(self, choice: dict[str, str]) -> dict[str, str]:
+        stored = {s: choice.get(s, KEEP) for s in self.sites.codecs}
+        where = f"generic block {self.sites.act_layer}"
+        if self.recompute:
+            wrong = {s: n for s, n in stored.items()
+                     if n != (self.checkpoint if s == CHECKPOINT_SITE else RECOMPUTE)}
+            if wrong:
+                raise ValueError(
+                    f"{where} is recomputed as a whole from {CHECKPOINT_SITE} = {self.checkpoint!r} "
+                    f"(plan \"recompute\" when llm_act was applied), which a plan cannot change: "
+                    f"got {wrong}")
+        else:
+            recomputed = sorted(s for s, n in stored.items() if n == RECOMPUTE)
+            if recomputed:
+                raise ValueError(
+                    f"{where} cannot recompute {recomputed}: generic blocks recompute only as a "
+                    "whole, with plan \"recompute\" when llm_act is applied")
+        return stored
 
 
 class _BlockHooks(SavedTensorCompression):
@@ -220,18 +275,25 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
         if getattr(block, "_llm_act_generic", None) is not None:
             raise ValueError(f"model: block {i} was already prepared by llm_act")
     recompute = config.plan == RECOMPUTE
-    ckpt_codec = config.codecs.get("ln1.input", KEEP)
+    ckpt_codec = config.codecs.get(CHECKPOINT_SITE, KEEP)
+    names = generic_sites()
     if recompute:
         recompute_lib.check(checkpointing, ckpt_codec, len(blocks))
-        # the plans do not hold "recompute" yet (issue 4): the controller keeps the sites
-        config = dataclasses.replace(config, plan=KEEP, codecs={})
+        other = sorted(s for s, c in config.codecs.items()
+                       if s in names and s != CHECKPOINT_SITE and c != RECOMPUTE)
+        if other:
+            raise ValueError(
+                f"codecs: under plan \"recompute\" a generic block is recomputed as a whole from "
+                f"its input; only codecs['{CHECKPOINT_SITE}'] applies, not {other}"
+            )
     elif any(c == RECOMPUTE for c in config.codecs.values()):
         raise ValueError(
             "codecs: a generic block cannot recompute single sites; use plan \"recompute\" "
             "to recompute whole blocks"
         )
-    names = generic_sites()
     sites = [BlockSites(i, names) for i in range(len(blocks))]
+    for bs in sites:
+        BlockRecompute(bs, recompute, ckpt_codec)
     controller = Controller(config, {i: dict.fromkeys(names, s) for i, s in enumerate(sites)},
                             num_layers=len(blocks))
     hooks = []

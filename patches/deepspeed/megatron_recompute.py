@@ -30,8 +30,8 @@ from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.config import ActConfig
 from llm_act.runtime.controller import Controller
 from llm_act.patches.deepspeed import recompute as ds_recompute
-from llm_act.patches.megatron.recompute import CHECKPOINT_SITE, LayerRecompute, is_full
-from llm_act.sites import MASK_SITES, SITES
+from llm_act.patches.megatron.recompute import LayerRecompute, is_full
+from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, SITES
 
 #: where a layer's choice recomputes: nowhere, in DeepSpeed's checkpoint, in llm_act's regions
 NONE, DEEPSPEED, REGIONS = "none", "deepspeed", "regions"
@@ -63,7 +63,7 @@ def route(choice: Mapping[str, str], checkpointing: Any, where: str = "layer") -
 
 
 def _megatron_rng() -> tuple[Callable, Callable]:
-    from llm_act.patches.megatron.recompute import capture_rng, replay_rng
+    from llm_act.patches.megatron.rng_replay import capture_rng, replay_rng
 
     return capture_rng, replay_rng
 

@@ -87,7 +87,7 @@ def wrap_blocks(blocks: list[torch.nn.Module], codec: Optional[str], checkpointi
                 seed: int = 1234, mpu: Any = None) -> None:
     """Recompute every block in backward (see the module docstring)."""
     if checkpointing is None or not checkpointing.configured:
-        from llm_act.generic.hooks import checkpoint_blocks
+        from llm_act.generic.checkpoint import checkpoint_blocks
 
         checkpoint_blocks(blocks, codec, seed=seed)
         return

@@ -88,7 +88,7 @@ class ActModule:
             if getattr(self, "act_record_sink", None) is not None:
                 # a recomputation may rebuild a later site from this one's record: keep x
                 # itself through the compressed path (the bytes stock keeps)
-                from llm_act.patches.megatron.recompute import _Visible
+                from llm_act.patches.megatron.recompute_codec import _Visible
 
                 return _Visible()
             return None

@@ -94,7 +94,7 @@ class ActSequentialMLP(ActModule, SequentialMLP):
         if not bool((p != 0).any()):  # padding only: a zero output, nothing stored
             return PaddingOnly.apply(x, p, expert.linear_fc1.weight, expert.linear_fc2.weight)
         from llm_act.patches.megatron.mlp import activation_of
-        from llm_act.patches.megatron.recompute import SiteRecompute, _Visible
+        from llm_act.patches.megatron.recompute_codec import SiteRecompute, _Visible
 
         n = x.shape[0]
         codecs, recompute = {}, set()

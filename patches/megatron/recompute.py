@@ -1,71 +1,42 @@
 """Recomputation in backward: the choice "recompute" for a site of a megatron-core block.
 
 A recomputed site is one its consumer keeps *nothing* of: in backward the tensor is rebuilt
-by re-running its producer on the producer's input, which is itself stored (kept), decoded
-(a value codec) or recomputed, back to the nearest stored tensor. The producers:
+by re-running its producer (`recompute_producers`) back to the nearest stored tensor.
+`LayerRecompute` binds a layer's {site: choice} to its modules. A consumer that is a
+compressed module (`ActModule`) gets `SiteRecompute` as its codec (`recompute_codec`); the
+layer's per-forward frame (`recompute_region._Frame`) rebuilds under `torch.no_grad()` (the
+consumer's backward needs only the value), re-entering every module through `__call__` (so
+hooks fire and ZeRO-3 gathers), with megatron's RNG states replayed (`rng_replay`) so a
+dropout draws the same mask.
 
-    attn.qkv_input <- input_layernorm(ln1.input)
-    attn.out       <- core_attention(attn.q, attn.k, attn.v)       (needs the attention region)
-    ln2.input      <- self_attn_bda(linear_proj(attn.out), ln1.input)   (hidden dropout replayed)
-    mlp.fc1_input  <- pre_mlp_layernorm(ln2.input)
-    mlp.act_input  <- linear_fc1(mlp.fc1_input) (+ bias)
-    mlp.fc2_input  <- activation(mlp.act_input)
-    moe.router_input <- pre_mlp_layernorm(ln2.input)
-    moe.act_input  <- an expert's fc1(moe.fc1_input)                  (inside the expert's backward)
-    moe.fc2_input  <- activation(moe.act_input) * moe.routing          (inside the expert's backward)
-
-`moe.fc1_input` and `moe.routing` come out of the token dispatcher (collectives under expert
-parallelism): they are recomputed only with the whole block.
-
-A consumer that is a compressed module (`ActModule`) gets `SiteRecompute` as its codec: its
-"encode" stores a ticket on the layer's per-forward `_Frame`, its "decode" asks the frame for
-the value. The frame rebuilds under `torch.no_grad()` (the consumer's backward needs only the
-value), re-entering every module through `__call__` (so hooks fire and ZeRO-3 gathers), with
-megatron's RNG states (default generator, device generator, tracker) replayed through
-`megatron.core.tensor_parallel.random`'s helpers so a dropout draws the same mask. A group
-of consecutive recomputed sites is rebuilt once: the chain's values are cached until their
-own consumers take them (the transient of one group).
-
-Stock modules whose internals are sites use a *region* (megatron's CheckpointFunction with
-its inputs kept or encoded): the core attention (`attn.softmax`, `attn.dropout_mask`
-recomputed: Megatron's "selective", q/k/v stored per their choices) and the whole block
-("full": every site but `ln1.input` recomputed, GACT's CB1: the block input kept or encoded,
-and backward re-runs the block from its decoded copy at full precision).
-`attn.q/k/v` and the qk-layernorm inputs are recomputed only with the whole block. Masks
-chosen "recompute" are regenerated from the recorded generator state (the `regen` codec).
+Stock modules whose internals are sites use a *region* (`recompute_region._Region`:
+megatron's CheckpointFunction with its inputs kept or encoded): the core attention
+(`attn.softmax`, `attn.dropout_mask` recomputed: Megatron's "selective", q/k/v stored per
+their choices) and the whole block ("full": every site but `ln1.input` recomputed, GACT's
+CB1: the block input kept or encoded, and backward re-runs the block from its decoded copy
+at full precision). `attn.q/k/v` and the qk-layernorm inputs are recomputed only with the
+whole block. Masks chosen "recompute" are regenerated from the recorded generator state
+(the `regen` codec).
 
 A recomputed region holds collectives under tensor parallelism: every rank of a TP group
 must bind the same choices.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from llm_act.codecs.base import Codec, Encoded
+from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, check_choice
 from llm_act.sites import (ATTENTION_INTERNAL_SITES, CHECKPOINT_SITE, DENSE_MLP_SITES, MASK_SITES, MOE_SITES,
                            QK_NORM_SITES, QKV_SITES, SITES)
-from llm_act.patches.megatron.act_module import report_to_ledger
+from llm_act.patches.megatron.recompute_codec import SiteRecompute, _Visible
+from llm_act.patches.megatron.recompute_producers import MOE_FULL_ONLY, PRODUCER_INPUTS
+from llm_act.patches.megatron.recompute_region import _Box, _Frame, _Region, _alive
+from llm_act.patches.megatron.rng_replay import capture_rng, is_recomputing, recomputing, replay_rng
 
-#: site -> the sites its producer reads
-PRODUCER_INPUTS: dict[str, tuple[str, ...]] = {
-    "attn.qkv_input": ("ln1.input",),
-    "attn.out": QKV_SITES,
-    "ln2.input": ("attn.out", "ln1.input"),
-    "mlp.fc1_input": ("ln2.input",),
-    "mlp.act_input": ("mlp.fc1_input",),
-    "mlp.fc2_input": ("mlp.act_input",),
-    "moe.router_input": ("ln2.input",),
-    "moe.act_input": ("moe.fc1_input",),
-    "moe.fc2_input": ("moe.act_input", "moe.routing"),
-}
-#: MoE sites recomputed only with the whole block (the token dispatcher produces them)
-MOE_FULL_ONLY = ("moe.fc1_input", "moe.routing")
 #: sites a layer may lack (no qk-layernorm; a dense MLP or an MoE layer, not both)
 OPTIONAL_SITES = frozenset(QK_NORM_SITES) | frozenset(DENSE_MLP_SITES) | frozenset(MOE_SITES)
 
@@ -74,213 +45,6 @@ def is_full(choice: Mapping[str, str], absent: frozenset = frozenset()) -> bool:
     """Whether `choice` recomputes every site but the block input (and the `absent` sites, which
     the layer does not have: the qk-layernorm inputs of a block without them)."""
     return all(choice.get(s, KEEP) == RECOMPUTE for s in SITES if s != CHECKPOINT_SITE and s not in absent)
-
-
-# ---- RNG: megatron's own helpers --------------------------------------------------------------
-
-
-def _random():
-    from megatron.core.tensor_parallel import random
-
-    return random
-
-
-def capture_rng() -> tuple:
-    """(CPU state, device state, tracker states) as megatron's CheckpointFunction records them."""
-    return _random()._get_all_rng_states()
-
-
-@contextlib.contextmanager
-def replay_rng(states: tuple) -> Iterator[None]:
-    """Run with the RNG states `states` (from `capture_rng`), then restore the current ones.
-    The tracker gets a copy of the recorded dict, so `states` can be replayed again."""
-    random = _random()
-    cpu, device, tracker = states
-    with random._fork_rng():
-        random._set_all_rng_states(cpu, device, dict(tracker))
-        yield
-
-
-_LOCAL = threading.local()
-
-
-def is_recomputing() -> bool:
-    """True while llm_act re-runs a forward in backward (regions run their stock path then)."""
-    return getattr(_LOCAL, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _LOCAL.depth -= 1
-
-
-# ---- pseudo-codecs ------------------------------------------------------------------------------
-
-
-class _Visible(Codec):
-    """"keep" through a compressed module: the record holds x itself (same bytes as stock),
-    so a recomputation downstream can read it."""
-
-    name = KEEP
-    lossless = True
-
-    def encode(self, x: torch.Tensor) -> Encoded:
-        return Encoded(KEEP, x.shape, x.dtype, x.device, {"x": x})
-
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        return enc.data["x"]
-
-    def nbytes_for(self, shape, dtype) -> int:
-        return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-
-
-class SiteRecompute(Codec):
-    """The "recompute" choice as a codec: stores a ticket (0 bytes), decode rebuilds."""
-
-    name = RECOMPUTE
-    lossless = True
-
-    def __init__(self, owner: "LayerRecompute", site: str):
-        super().__init__(0)
-        self.owner, self.site = owner, site
-
-    def encode(self, x: torch.Tensor) -> Encoded:
-        frame = self.owner.frame
-        if frame is None:
-            raise RuntimeError(
-                f"site {self.site!r} of layer {self.owner.index}: 'recompute' needs the layer's "
-                "forward to run through the TransformerLayer (its hooks open the frame)")
-        frame.pending.add(self.site)
-        return Encoded(RECOMPUTE, x.shape, x.dtype, x.device, {}, {"frame": frame, "site": self.site})
-
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        return enc.meta["frame"].take(enc.meta["site"])
-
-    def nbytes_for(self, shape, dtype) -> int:
-        return 0
-
-
-# ---- regions: megatron's CheckpointFunction with kept or encoded inputs --------------------------
-
-
-class _Box:
-    """What a region stored, readable from outside its autograd context (for rebuilds)."""
-
-    def __init__(self, codecs: list, layer: Optional[int], sites: list):
-        self.codecs, self.layer, self.sites = codecs, layer, sites
-        self.stored: list = []
-        self.rng: tuple = ()
-
-    def store(self, tensors) -> None:
-        seen: set[int] = set()
-        for t, codec, site in zip(tensors, self.codecs, self.sites):
-            if codec is None:
-                st = t.untyped_storage()
-                if site is not None and id(st) not in seen:
-                    report_to_ledger(self.layer, site, t, st.nbytes())
-                seen.add(id(st))
-                self.stored.append(("raw", t))
-            else:
-                enc = codec.encode(t)
-                if site is not None:
-                    report_to_ledger(self.layer, site, enc, enc.nbytes, replaces=t)
-                self.stored.append((codec, enc))
-
-    def value(self, i: int) -> torch.Tensor:
-        kind, item = self.stored[i]
-        return item if kind == "raw" else kind.decode(item)
-
-
-class _Region(torch.autograd.Function):
-    """out = run(*xs) under no_grad; xs stored by `box`; backward re-runs `rerun` with grad
-    on the stored (decoded) copies under the recorded RNG states and backpropagates."""
-
-    @staticmethod
-    def forward(ctx, run, rerun, box, *xs):
-        box.rng = capture_rng()
-        with torch.no_grad():
-            outs = run(*xs)
-        box.store(xs)
-        ctx.rerun, ctx.box = rerun, box
-        ctx.needs = [x.requires_grad for x in xs]
-        return outs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        box = ctx.box
-        inputs = [box.value(i).detach().requires_grad_(need) for i, need in enumerate(ctx.needs)]
-        ctx.box = None
-        with replay_rng(box.rng), torch.enable_grad(), recomputing():
-            outs = ctx.rerun(*inputs)
-        pairs = [(o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None) + tuple(x.grad if need else None for x, need in zip(inputs, ctx.needs))
-
-
-# ---- one layer's forward state ------------------------------------------------------------------
-
-
-class _Frame:
-    """One forward of one layer: stored values, RNG states and the rebuild cache.
-
-    It refers to the records and the attention box only weakly: their owners are the autograd
-    contexts that store them, and the frame is itself referred to by those contexts (its
-    tickets). A strong reference closes a cycle through the C++ graph that Python's collector
-    cannot see, so a step that fails before its backward (an out-of-memory, say) would keep
-    the whole graph alive for good -- 102 GiB on an H200 after one out-of-memory probe."""
-
-    def __init__(self, owner: "LayerRecompute"):
-        self.owner = owner
-        self.choice = dict(owner.choice)
-        self.values: dict[str, Callable[[], torch.Tensor]] = {}
-        self.cache: dict[str, torch.Tensor] = {}
-        self.pending: set[str] = set()
-        self.rng: dict[str, tuple] = {}
-        self.attention: Optional[tuple] = None  # (weakref to box, call) of the core-attention region
-
-    def value(self, site: str) -> torch.Tensor:
-        if site in self.cache:
-            return self.cache[site]
-        if self.choice.get(site) == RECOMPUTE and site in PRODUCER_INPUTS:
-            v = self.owner.rebuild(self, site)
-            if site in self.pending:
-                self.cache[site] = v
-            return v
-        getter = self.values.get(site)
-        if getter is None:
-            raise RuntimeError(
-                f"layer {self.owner.index}: site {site!r} is needed to recompute "
-                f"{sorted(self.pending)} but was not stored in forward")
-        return getter()
-
-    def take(self, site: str) -> torch.Tensor:
-        v = self.value(site)
-        self.pending.discard(site)
-        self.cache.pop(site, None)
-        self._trim()
-        return v
-
-    def _trim(self) -> None:
-        """Drop what no pending rebuild needs any more (records stay alive only as needed)."""
-        needed: set[str] = set()
-        todo = [s for s in self.pending if self.choice.get(s) == RECOMPUTE]
-        while todo:
-            s = todo.pop()
-            for i in PRODUCER_INPUTS.get(s, ()):
-                if i not in needed:
-                    needed.add(i)
-                    if self.choice.get(i) == RECOMPUTE:
-                        todo.append(i)
-        for table in (self.values, self.cache):
-            for s in [s for s in table if s not in needed and s not in self.pending]:
-                del table[s]
-        if not (needed & set(QKV_SITES)) and "attn.out" not in needed:
-            self.attention = None
 
 
 class LayerRecompute:
@@ -572,16 +336,6 @@ class LayerRecompute:
             return out, None
 
         return forward
-
-
-def _alive(ref: "weakref.ref", layer: int, site: str):
-    """The object behind `ref`; its autograd context keeps it until its own backward, which
-    comes after every rebuild that reads it."""
-    obj = ref()
-    if obj is None:
-        raise RuntimeError(f"layer {layer}: the record of {site!r} was freed before a rebuild read it "
-                           "(its backward already ran); please report this plan")
-    return obj
 
 
 def bind_with(owner: LayerRecompute, choice: Mapping[str, str], codec_of: Callable[[str, str], Codec]) -> None:

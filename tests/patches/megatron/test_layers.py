@@ -335,7 +335,7 @@ def test_sequence_parallel_linear_compresses_the_local_shard():
     x = torch.randn(S, B, H)
     ref = grads(lin, x)
     lin.sequence_parallel = True
-    from llm_act.patches.megatron.recompute import _Visible
+    from llm_act.patches.megatron.recompute_codec import _Visible
 
     lin.set_act_codec("attn.qkv_input", _Visible())
     got = grads(lin, x)

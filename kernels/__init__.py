@@ -2,8 +2,10 @@
 
 Layout: `<family>_ref.py` is the readable specification in plain torch (runs anywhere);
 `<family>_triton.py` holds the `@triton.jit` kernels and their launchers with the same
-signatures. Codecs call `use_triton(x)` to pick: the kernel on CUDA tensors, the
-reference on CPU. Tests run the kernels on CPU under `TRITON_INTERPRET=1`.
+signatures. `custom_ops.py` registers each launcher/reference pair as a torch custom op
+(`torch.ops.llm_act.*`, with a fake implementation for torch.compile), which the codecs
+call; the op picks with `use_triton(x)`: the kernel on CUDA tensors, the reference on
+CPU. Tests run the kernels on CPU under `TRITON_INTERPRET=1`.
 
 No GPU-only semantics (every kernel and its reference agree bit for bit by construction,
 not only under the interpreter, whose numpy arithmetic is always correctly rounded):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from llm_act.kernels.int_quant_ref import seeded_noise
 from llm_act.kernels.packing_ref import pack_bits, unpack_bits
 
 BITS_ALLOWED = (2, 4, 8)
@@ -131,10 +132,18 @@ def dual_stats_ref(x2: torch.Tensor, pool: int, bits: int):
     return lfc, h, fin, lo, step, bad
 
 
-def dual_encode_ref(x2: torch.Tensor, pool: int, bits: int, noise: torch.Tensor):
+def dual_encode_ref(
+    x2: torch.Tensor, pool: int, bits: int,
+    noise: torch.Tensor | None = None, seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lfc bf16 [nb, C], codes uint8 [s, row_bytes], zero bf16 [C], step bf16 [C] signed)
-    of the [s, C] matrix `x2`, with uniforms `noise` [s, C] for the stochastic rounding."""
+    of the [s, C] matrix `x2`, with uniforms `noise` [s, C] for the stochastic rounding, or
+    a `seed` to draw them from (`int_quant_ref.seeded_noise`): exactly one of the two."""
+    if (noise is None) == (seed is None):
+        raise ValueError("dual_encode needs exactly one of `noise` and `seed`")
     s, C = x2.shape
+    if noise is None:
+        noise = seeded_noise(seed, s * C, x2.device).view(s, C)
     lfc, h, fin, lo, step, bad = dual_stats_ref(x2, pool, bits)
     top = (1 << bits) - 1
     levels = top - bad.float()

@@ -124,12 +124,32 @@ def finite_stats(xf: torch.Tensor, valid: torch.Tensor, dim: int):
     return lo, hi, amax, bad
 
 
+def seeded_noise(seed: torch.Tensor | None, n: int, device) -> torch.Tensor | None:
+    """U[0, 1) float32 [n] from a private generator seeded with `seed` (a 1-element int
+    tensor), or None without a seed: the references' stand-in for the kernels'
+    `tl.rand(seed, i)` (same distribution, another stream; torch's global generator is
+    never touched)."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device).manual_seed(int(seed.reshape(-1)[0].item()))
+    return torch.rand(n, generator=gen, device=device)
+
+
 # ---- per group ----------------------------------------------------------------------------
-def int_quant_encode_ref(x, bits, group_size, symmetric, noise=None):
-    """(packed uint8 [ceil(n*bits/8)], scale float32 [G], zero float32 [G] or empty)."""
+def int_quant_encode_ref(
+    x: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+    noise: torch.Tensor | None = None, seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [ceil(n*bits/8)], scale float32 [G], zero float32 [G] or empty).
+
+    `noise` (u per element) or else `seed` (`seeded_noise`) rounds stochastically; neither:
+    nearest.
+    """
     check_bits(bits, symmetric)
     xf = x.reshape(-1).to(torch.float32)
     n = xf.numel()
+    if noise is None:
+        noise = seeded_noise(seed, n, x.device)
     G = num_groups(n, group_size)
     pad = G * group_size - n
     xp = torch.cat([xf, xf.new_zeros(pad)]).view(G, group_size)
@@ -144,7 +164,10 @@ def int_quant_encode_ref(x, bits, group_size, symmetric, noise=None):
     return pack_bits(codes.reshape(-1)[:n], bits), scale, zero
 
 
-def int_quant_decode_ref(packed, scale, zero, bits, group_size, symmetric, numel, dtype):
+def int_quant_decode_ref(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
+    symmetric: bool, numel: int, dtype: torch.dtype,
+) -> torch.Tensor:
     """1-D tensor of `dtype` with `numel` values."""
     codes = unpack_bits(packed, bits, numel).to(torch.int64)
     gid = torch.arange(numel, device=packed.device) // group_size
@@ -153,11 +176,16 @@ def int_quant_decode_ref(packed, scale, zero, bits, group_size, symmetric, numel
 
 
 # ---- per slice along an axis (x viewed as [rows, C]) --------------------------------------
-def int_quant_axis_encode_ref(x, bits, symmetric, noise=None):
+def int_quant_axis_encode_ref(
+    x: torch.Tensor, bits: int, symmetric: bool,
+    noise: torch.Tensor | None = None, seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [rows, C] -> (packed codes of x.reshape(-1), scale float32 [C], zero [C] or empty)."""
     check_bits(bits, symmetric)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [rows, C], got shape {tuple(x.shape)}")
+    if noise is None:
+        noise = seeded_noise(seed, x.numel(), x.device)
     xf = x.to(torch.float32)
     lo, hi, amax, bad = finite_stats(xf, torch.ones_like(xf, dtype=torch.bool), 0)
     scale, zero = quant_params(lo, hi, amax, bad, bits, symmetric)
@@ -167,7 +195,10 @@ def int_quant_axis_encode_ref(x, bits, symmetric, noise=None):
     return pack_bits(codes.reshape(-1), bits), scale, zero
 
 
-def int_quant_axis_decode_ref(packed, scale, zero, bits, symmetric, numel, dtype):
+def int_quant_axis_decode_ref(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, symmetric: bool,
+    numel: int, dtype: torch.dtype,
+) -> torch.Tensor:
     """1-D tensor of `dtype` with `numel` values (row-major [numel // C, C], C = scale.numel())."""
     C = scale.numel()
     codes = unpack_bits(packed, bits, numel).to(torch.int64).view(-1, C)

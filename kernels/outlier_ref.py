@@ -21,7 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from llm_act.kernels.int_quant_ref import int_quant_decode_ref, int_quant_encode_ref
+from llm_act.kernels.int_quant_ref import (
+    int_quant_decode_ref,
+    int_quant_encode_ref,
+    seeded_noise,
+)
 
 BITS = 4
 LEVELS = (1 << BITS) - 1  # 15 steps in an unflagged group, 14 in a flagged one
@@ -103,16 +107,15 @@ def outlier_encode_ref(
     """Encode contiguous `x2` [rows, C] given sorted outlier channel indices `idx`.
 
     `noise`: float [rows*C] in [0, 1) for stochastic rounding; `seed` (1-element int
-    tensor) draws it here from a generator seeded with it (the kernel uses Philox instead:
+    tensor) draws it here (`int_quant_ref.seeded_noise`; the kernel uses Philox instead:
     same distribution, other stream); neither: nearest rounding.
     Returns (packed uint8 [ceil(rows*C/2)], scale float32 [G] (sign bit = non-finite
     flag), zero float32 [G], values x2.dtype [rows, n]).
     """
     rows, C = x2.shape
     n = rows * C
-    if noise is None and seed is not None:
-        gen = torch.Generator(device=x2.device).manual_seed(int(seed.reshape(-1)[0].item()))
-        noise = torch.rand(n, generator=gen, device=x2.device)
+    if noise is None:
+        noise = seeded_noise(seed, n, x2.device)
     values = x2[:, idx.long()]
     values = torch.where(torch.isfinite(values), values, torch.full_like(values, float("nan")))
     # outlier positions take their group's inlier min: code 0, no effect on the range

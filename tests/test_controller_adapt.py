@@ -207,7 +207,7 @@ def test_a_solver_failure_keeps_the_plan_warns_once_and_is_counted(caplog, monke
     def broken(*_args, **_kwargs):
         raise RuntimeError("HiGHS: Not Solved")
 
-    monkeypatch.setattr("llm_act.planner.solve_plan", broken)
+    monkeypatch.setattr("llm_act.runtime.adapt.solve_plan", broken)
     with caplog.at_level(logging.WARNING, logger="llm_act.runtime.controller"):
         steps = _train(model, controller, opt, gen, 7)  # iterations 2-8: tracked at 2, 4, 8
     a = controller.adapter

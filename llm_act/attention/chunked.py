@@ -26,6 +26,7 @@ import torch
 
 from llm_act.attention import _common as C
 from llm_act.attention._stash import Report, Stash, restore
+from llm_act.codecs.bitmask import BitMask
 
 DEFAULT_CHUNK = 128
 MASK_STORAGES = ("regen", "bitmask")
@@ -212,7 +213,6 @@ class _ChunkedAttention(torch.autograd.Function):
                         ("attn.out", lse)):
             stash.add(site, x)
         if p > 0.0 and tiles is not None:
-            from llm_act.codecs.bitmask import BitMask
             codec = BitMask()
             for t in tiles:
                 stash.add("attn.dropout_mask", t, codec)

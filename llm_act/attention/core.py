@@ -25,6 +25,7 @@ from llm_act.attention.chunked import (DEFAULT_CHUNK, MASK_STORAGES, _chunks, ch
 from llm_act.attention.sdpa import generator_as_default, sdpa_attention, sdpa_call
 from llm_act.attention.unfused import unfused_attention
 from llm_act.codecs.base import Codec
+from llm_act.codecs.registry import KEEP, make_codec
 
 BACKENDS = ("auto", "sdpa", "chunked", "unfused")
 CODEC_SITES = ("attn.q", "attn.k", "attn.v", "attn.softmax", "attn.dropout_mask")
@@ -43,8 +44,6 @@ def pick_backend(backend: str, dropout_p: float, device: torch.device) -> str:
 
 
 def _codecs(codecs: Optional[Mapping[str, Union[Codec, str, None]]]) -> dict[str, Optional[Codec]]:
-    from llm_act.codecs.registry import KEEP, make_codec
-
     out: dict[str, Optional[Codec]] = {}
     for site, c in (codecs or {}).items():
         if site not in CODEC_SITES:

@@ -33,6 +33,11 @@ import torch
 
 from llm_act.bench import memory as M
 from llm_act.planner.milp import DECODE_GROUPS
+from llm_act.train import parallel
+from llm_act.train.args import build_parser, check
+from llm_act.train.data import embedded_corpus
+from llm_act.train.loop import quiet_megatron_warnings
+from llm_act.train.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,6 @@ def unigram_entropy(tokens: np.ndarray) -> float:
 def train_args(steps: int, seed: int, quick: bool, extra=(), model: Optional[Model] = None):
     """The flags of `model` (default: the small bench GPT; `quick`: micro-batch 4);
     `extra`: more flags, e.g. `--act-compress`."""
-    from llm_act.train.args import build_parser, check
-
     m = model or (QUICK_MODEL if quick else MODELS[0])
     p = build_parser()
     argv = ["--num-layers", str(m.layers), "--hidden-size", str(m.hidden),
@@ -135,8 +138,6 @@ def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Opti
     step's first micro-batch (bytes in the layers and outside them), measuring share.
     `extra`: more flags for the run."""
     import tempfile
-
-    from llm_act.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as folder:
         args = train_args(steps, seed, quick, extra=_flags(plan, budget, model, folder) + tuple(extra),
@@ -196,10 +197,6 @@ def run(steps: int = 300, quick: bool = False, seeds=SEEDS, plans=PLANS, models=
     """Stock and every plan at every seed on every model. `previous`: a result of the same
     settings whose runs are reused (an interrupted bench goes on where it stopped); `save`
     is called with the result after every run."""
-    from llm_act.train import parallel
-    from llm_act.train.data import embedded_corpus
-    from llm_act.train.loop import quiet_megatron_warnings
-
     quiet_megatron_warnings()
     data = embedded_corpus()
     result = {"steps": steps, "seeds": list(seeds), "plans": list(plans), "sha256": data.sha256,

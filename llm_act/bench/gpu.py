@@ -46,9 +46,14 @@ from typing import Callable, Optional
 
 import torch
 
-from llm_act.bench import memory as M
+from llm_act.bench import kernels, memory as M
 from llm_act.planner.budget import min_budget, reference_variance
 from llm_act.train import parallel, small_gpt
+from llm_act.bench.timing import machine_line, median_ms
+from llm_act.ledger import SavedTensorLedger
+from llm_act.plan import recompute_layer, selective_layer
+from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
+from llm_act.planner.analytic import block_profile, ModelShape
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,6 @@ TARGET_KERNEL_OF_COPY = 0.90
 
 
 def _scheme(name: str, choice: Optional[dict] = None) -> M.Scheme:
-    from llm_act.plan import recompute_layer, selective_layer
-
     base = {STOCK: {}, SELECTIVE: selective_layer(), FULL: recompute_layer(), KEEP: {},
             COMPRESS: M.compress_choice()}
     return M.Scheme(name, "", dict(choice if choice is not None else base[name]),
@@ -94,8 +97,6 @@ def _scheme(name: str, choice: Optional[dict] = None) -> M.Scheme:
 
 @functools.lru_cache(maxsize=256)
 def _analytic_block(shape: GpuShape, mbs: int):
-    from llm_act.planner.analytic import ModelShape, block_profile
-
     ms = ModelShape(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
                     seq_length=shape.seq, micro_batch_size=mbs, vocab_size=shape.vocab,
                     position_embedding="rope", attention="sdpa")
@@ -121,8 +122,6 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
            least: bool = False) -> tuple[Optional[dict], Optional[str]]:
     """(choice, None), or (None, why there is none); `least`: when the budget is infeasible,
     solve at the least feasible budget instead and say so in the note."""
-    from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
-
     block = M.restricted_block(_analytic_block(shape, mbs))
     noise = reference_variance([block])
     note = None
@@ -214,9 +213,6 @@ def _measure(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int
              capacity: Optional[int]) -> dict:
     """One cell: {"ms", "tokens_per_s", "mem_bytes"}; repeat=0: one step for memory only.
     Raises `_Failed` when it does not fit (memory freed first)."""
-    from llm_act.bench.timing import median_ms
-    from llm_act.ledger import SavedTensorLedger
-
     cuda = device.type == "cuda"
     ids = torch.randint(0, shape.vocab, (mbs, shape.seq), device=device)
     pos = torch.arange(shape.seq, device=device).unsqueeze(0).expand(mbs, -1)
@@ -298,8 +294,6 @@ def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, 
     leaves on the card (seen on an H200: after a scheme's out-of-memory probes the next
     scheme failed at micro-batch 1, and fitted in a fresh process) never decides another's
     numbers; a scheme that crashes there is a row with its error, not the end of the run."""
-    from llm_act.bench.timing import machine_line
-
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = dev.type == "cuda"
     sizes = tuple(sizes or (GPU_SIZES if cuda else (1, 2)))
@@ -704,8 +698,6 @@ def markdown(result: dict, kernel_rows: Optional[list[dict]] = None, kernel_head
              + (f"; capacity {_size(cap)}" if cap else "") + ".", "",
              table(result), "", "Targets (ratios within this run):", "", *targets(result, kernel_rows)]
     if kernel_rows:
-        from llm_act.bench import kernels
-
         lines += ["", "Codec bandwidth against copy bandwidth:", "", kernels.table(kernel_header, kernel_rows)]
     return "\n".join(lines)
 

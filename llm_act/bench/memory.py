@@ -24,7 +24,13 @@ import torch
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.planner.budget import min_budget, reference_variance
 from llm_act.sites import DEFAULT_CODECS, MASK_SITES, MOE_SITES, QK_NORM_SITES, SITES
-from llm_act.train import parallel, small_gpt
+from llm_act.train import parallel, rng, small_gpt
+from llm_act.ledger import SavedTensorLedger
+from llm_act.patches.megatron.recompute import bind_with
+from llm_act.plan import recompute_layer, selective_layer
+from llm_act.planner import BlockProfile, InfeasibleBudget, InfeasibleVariance, SiteProfile, solve_plan
+from llm_act.planner.analytic import block_profile, ModelShape
+from llm_act.runtime.controller import codec_seed
 
 #: bits per element GACT's adaptive allocation averages (the paper's headline setting)
 GACT_BITS = 4
@@ -85,8 +91,6 @@ def compress_choice() -> dict[str, str]:
 def fixed_schemes() -> list[Scheme]:
     """Stock, Megatron's recompute modes and each paper's scheme as a fixed plan (GACT's is
     solved per shape in `gact_scheme`)."""
-    from llm_act.plan import recompute_layer, selective_layer
-
     return [
         Scheme("stock", "megatron-core", {}, note="every tensor as megatron-core saves it"),
         Scheme("megatron selective", "Megatron-LM", selective_layer(),
@@ -107,8 +111,6 @@ def fixed_schemes() -> list[Scheme]:
 
 
 def analytic_shape(shape: Shape, attention: str):
-    from llm_act.planner.analytic import ModelShape
-
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[shape.dtype]
     return ModelShape(num_layers=1, hidden_size=shape.h, num_attention_heads=shape.a,
                       seq_length=shape.s, micro_batch_size=shape.b, dtype=dt,
@@ -118,8 +120,6 @@ def analytic_shape(shape: Shape, attention: str):
 def restricted_block(block, codecs: Optional[dict] = None, recompute: tuple = SITE_RECOMPUTABLE):
     """`block` with each site's options limited (`codecs`: site -> allowed names, None =
     all) and "recompute" offered only at `recompute` sites (what the bench can bind)."""
-    from llm_act.planner import BlockProfile, SiteProfile
-
     sites = []
     for st in block.sites:
         allowed = None if codecs is None else codecs.get(st.name)
@@ -134,9 +134,6 @@ def gact_scheme(shape: Shape) -> Scheme:
     a budget of `GACT_BITS` bits per element on average (masks at 1 bit), on the analytic
     profile of this block with megatron's stock attention (GACT compresses the softmax),
     solved for a stack of `STACK` blocks (plus the MILP's transient peak)."""
-    from llm_act.planner import solve_plan
-    from llm_act.planner.analytic import block_profile
-
     block = block_profile(analytic_shape(shape, "stock"), count=STACK)
     allowed = {st.name: (("bitmask",) if st.name in MASK_SITES else GACT_CODECS) for st in block.sites}
     block = restricted_block(block, allowed, recompute=())
@@ -164,9 +161,6 @@ def planner_schemes(shape: Shape) -> list[Scheme]:
     `PLANNER_BUDGETS` (fractions of the stock stack's analytic bytes) and the noise budget
     of the "compress" plan (as `llm-act plan` does); recompute offered where the bench can
     bind it. A budget below the smallest feasible one is raised to that (said in the note)."""
-    from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
-    from llm_act.planner.analytic import block_profile
-
     stock_bytes = STACK * sum(st.nbytes for st in block_profile(analytic_shape(shape, "stock")).sites)
     block = restricted_block(block_profile(analytic_shape(shape, "auto"), count=STACK))
     noise = reference_variance([block])
@@ -202,8 +196,6 @@ def all_schemes(shape: Shape) -> list[Scheme]:
 def codec_factory(layer_index: int, seed: int = 1234) -> Callable[[str, str], object]:
     """codec_of(site, name) for `recompute.bind_with`: one instance per (site, name), seeded
     as the Controller seeds them."""
-    from llm_act.runtime.controller import codec_seed
-
     cache: dict = {}
 
     def codec_of(site: str, name: str):
@@ -220,7 +212,6 @@ def bind_layer(layer: torch.nn.Module, index: int, scheme: Scheme, seed: int = 1
     """Convert `layer` in place and bind `scheme` (stock: the layer is left untouched)."""
     if scheme.name == "stock":
         return
-    from llm_act.patches.megatron.recompute import bind_with
     from llm_act.patches.megatron.swap import convert_layer
 
     convert_layer(layer, index, attention=scheme.convert_attention)
@@ -284,9 +275,6 @@ def ledger_and_held(forward: Callable[[], torch.Tensor], runs: int = 3):
     forward starts from one RNG state, so all draw the same dropout masks. Otherwise each
     draws new ones, and what a data-dependent codec stores (outlier_int4's outliers) moves
     by kilobytes with how far the RNG had advanced -- that is, with which tests ran before."""
-    from llm_act.ledger import SavedTensorLedger
-    from llm_act.train import rng
-
     state = rng.get_state()
     with SavedTensorLedger() as led:
         out = forward()
@@ -298,8 +286,6 @@ def ledger_and_held(forward: Callable[[], torch.Tensor], runs: int = 3):
 def measure(shape: Shape, scheme: Scheme, process: bool = False) -> dict:
     """{"total", "by_site", "held"} of one forward of the block under `scheme`."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    from llm_act.ledger import SavedTensorLedger
 
     layer = build_layer(shape)
     bind_layer(layer, 0, scheme)

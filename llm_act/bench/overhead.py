@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import time
 
+from llm_act.bench.convergence import train_args
+from llm_act.train import parallel
+from llm_act.train.data import embedded_corpus
+from llm_act.train.loop import quiet_megatron_warnings
+from llm_act.train.trainer import Trainer
+
 
 def run(steps: int = 300, quick: bool = False, seed: int = 1234) -> dict:
     """{steps, seconds, measuring_seconds, fraction, tracked, changes} of one "auto" run."""
-    from llm_act.bench.convergence import train_args
-    from llm_act.train import parallel
-    from llm_act.train.data import embedded_corpus
-    from llm_act.train.loop import quiet_megatron_warnings
-    from llm_act.train.trainer import Trainer
-
     quiet_megatron_warnings()
     args = train_args(steps, seed, quick, extra=("--act-compress", "--act-compress-plan", "auto"))
     parallel.init(args)

@@ -26,6 +26,8 @@ from llm_act.bench import memory as M
 from llm_act.planner.budget import reference_variance
 from llm_act.planner.presets import model_shape
 from llm_act.train import parallel
+from llm_act.planner import BlockProfile, evaluate_plan, solve_plan
+from llm_act.planner.analytic import block_profile
 
 DEPTHS = (24, 48, 96, 128)
 MODEL = "gpt-1.3b"
@@ -38,16 +40,12 @@ COMPARED = ("stock", "megatron selective", "megatron full", "ActNN int2", "GACT 
 def _base_block(model: str):
     """(one block of `model`'s analytic profile at micro-batch 1, with the options the
     bench can bind; its stock bytes)."""
-    from llm_act.planner.analytic import block_profile
-
     base = M.restricted_block(block_profile(model_shape(model, micro_batch_size=1)))
     return base, sum(s.nbytes for s in base.sites)
 
 
 def solve_times(depths=DEPTHS, model: str = MODEL) -> list[dict]:
     """[{layers, variables, seconds, activation_fraction, overhead_ms}] per depth."""
-    from llm_act.planner import solve_plan
-
     base, per_block = _base_block(model)
     rows = []
     for n in depths:
@@ -76,8 +74,6 @@ def distinct_problem(n: int, model: str = MODEL, seed: int = 0):
     (room for the transient)."""
     import random
 
-    from llm_act.planner import BlockProfile
-
     base, per_block = _base_block(model)
     rng = random.Random(seed)
     factors = [0.5 + rng.random() for _ in range(n)]
@@ -94,8 +90,6 @@ def distinct_solve_times(depths=DISTINCT_DEPTHS, model: str = MODEL,
     added time -- against the best plan the full MILP finds in `time_limit` seconds
     (`fast=False`), and the best uniform plan (every layer choosing alike, at the mean
     sensitivity). `gap` = fast / reference - 1 (negative: the fast plan is the better)."""
-    from llm_act.planner import solve_plan
-
     rows = []
     for n in depths:
         blocks, budget, noise, uniform_block = distinct_problem(n, model, seed)
@@ -114,16 +108,12 @@ def distinct_solve_times(depths=DISTINCT_DEPTHS, model: str = MODEL,
 
 
 def _analytic_block(shape: M.Shape, scheme: M.Scheme):
-    from llm_act.planner.analytic import block_profile
-
     attention = scheme.attention if scheme.convert_attention else "stock"
     return block_profile(M.analytic_shape(shape, attention))
 
 
 def predicted_block_bytes(shape: M.Shape, scheme: M.Scheme) -> int:
     """Stored bytes of one block under `scheme` by the analytic profile (no peak)."""
-    from llm_act.planner import evaluate_plan
-
     block = _analytic_block(shape, scheme)
     names = {s.name for s in block.sites}
     choice = {s: c for s, c in scheme.choice.items() if s in names}

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from llm_act.bench.timing import machine_line
+from llm_act.bench import convergence as C, gpu as G, kernels, memory as M, overhead as O, planner as P
 
 GPU_PENDING = ("pending: no GPU in this run. A session with an H100/H200 fills this section in "
                "one device call (about 9 minutes at most, every step under its own `timeout`): "
@@ -80,8 +81,6 @@ def memory_plot(rows: list[dict], path: str) -> str:
 
 
 def memory_section(rows: list[dict], command: str, wall_s: float, plot: Optional[str]) -> str:
-    from llm_act.bench import memory as M
-
     shape = rows[0]["shape"]
     lines = [
         "## 1. Memory per layer (ledger)", "",
@@ -102,8 +101,6 @@ def memory_section(rows: list[dict], command: str, wall_s: float, plot: Optional
 
 
 def convergence_section(result: dict, command: str, plot: Optional[str]) -> str:
-    from llm_act.bench import convergence as C
-
     models = "; ".join(f"**{name}**: {e['describe']}" for name, e in result["models"].items())
     lines = [
         f"## 2. Convergence ({result['steps']} steps{', quick' if result.get('quick') else ''})", "",
@@ -129,8 +126,6 @@ def convergence_section(result: dict, command: str, plot: Optional[str]) -> str:
 def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: str, wall_s: float,
                     shape_desc: str, distinct_rows: Optional[list[dict]] = None,
                     overhead: Optional[dict] = None) -> str:
-    from llm_act.bench import overhead as O, planner as P
-
     return "\n".join([
         "## 3. Planner", "",
         provenance(command, wall_s), "",
@@ -169,8 +164,6 @@ def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: s
 def gpu_section(result: Optional[dict], command: str, kernels_text: Optional[str] = None,
                 wall_s: Optional[float] = None, kernel_rows: Optional[list[dict]] = None,
                 kernel_header: str = "", plot: Optional[str] = None) -> str:
-    from llm_act.bench import gpu as G
-
     lines = ["## 4. GPU", ""]
     if result is None:
         return "\n".join(lines + [GPU_PENDING])
@@ -199,8 +192,6 @@ def write(path: str, sections: list[str]) -> str:
 def run_memory(quick: bool, output_dir: str, command: str, log=print) -> tuple[list[dict], str]:
     import time
 
-    from llm_act.bench import memory as M
-
     t0 = time.perf_counter()
     base = M.Shape(s=128, b=2, h=256, a=8) if quick else M.Shape()
     shapes = [base] if quick else [base, M.Shape(dropout=0.1)]
@@ -219,8 +210,6 @@ def run_convergence(quick: bool, output_dir: str, command: str, log=print,
     its runs are kept), `save_json`: where the result is saved after every run."""
     import json
     import time
-
-    from llm_act.bench import convergence as C
 
     if result is None or not result.get("complete"):
         t0 = time.perf_counter() - (result or {}).get("wall_s", 0.0)
@@ -249,15 +238,12 @@ def run_planner(quick: bool, command: str, memory_rows: Optional[list[dict]] = N
                 log=print) -> tuple[dict, str]:
     import time
 
-    from llm_act.bench import memory as M, planner as P
-
     t0 = time.perf_counter()
     solve = P.solve_times(P.DEPTHS[:2] if quick else P.DEPTHS)
     distinct = P.distinct_solve_times(P.DEPTHS[:1], time_limit=2.0) if quick else P.distinct_solve_times()
     shape = (M.Shape(s=128, b=2, h=256, a=8, dropout=0.1) if quick else M.Shape(dropout=0.1))
     names = ("stock", "megatron full", "compress (Adacc)", "planner middle") if quick else P.COMPARED
     comp = P.compare(shape, memory_rows, names=names, log=log)
-    from llm_act.bench import overhead as O
 
     over = O.run(steps=20 if quick else 300, quick=quick)
     text = planner_section(solve, comp, command, time.perf_counter() - t0, shape.describe(), distinct, over)
@@ -275,7 +261,6 @@ def run_gpu(command: str, log=print, output_dir: Optional[str] = None) -> tuple[
         text = gpu_section(None, command)
         log(text)
         return None, text
-    from llm_act.bench import gpu as G, kernels
 
     t0 = time.perf_counter()
     header, krows = kernels.run(size_mib=256.0, device="cuda")

@@ -13,6 +13,7 @@ import torch
 from llm_act.codecs import make_codec
 from llm_act.sites import DEFAULT_CODECS
 from llm_act.train import parallel, small_gpt
+from llm_act.codecs.fewbit import derivative
 
 # site -> (module path inside a TransformerLayer, which tensor of the call)
 _CAPTURE = {
@@ -58,8 +59,6 @@ def capture_sites(layer: torch.nn.Module, hidden: torch.Tensor, mask=None) -> di
 
 def measure(site_tensors: dict[str, torch.Tensor], activation: str = "gelu") -> list[dict]:
     """Encode each site's tensor with its default codec; bytes and relative RMS error per site."""
-    from llm_act.codecs.fewbit import derivative
-
     rows = []
     for site, x in site_tensors.items():
         name = DEFAULT_CODECS[site]

@@ -18,6 +18,10 @@ import sys
 import warnings
 from typing import Callable, NoReturn
 
+from llm_act.bench import kernels
+from llm_act.bench.report import main as run_bench
+from llm_act.kernels import kernel_choice
+
 
 def _number(kind: Callable[[str], float], text: str) -> Callable[[str], float]:
     """An argparse type: `kind` above zero (a zero or negative shape ends in a traceback
@@ -98,8 +102,6 @@ def _check_user_input(parser: argparse.ArgumentParser, args: argparse.Namespace)
     """Refuse what the user got wrong before any work starts, with one line naming it: the
     environment, and every path a command reads or writes (these failed, with a traceback,
     only after minutes of training or benchmarking)."""
-    from llm_act.kernels import kernel_choice
-
     try:
         kernel_choice()
     except ValueError as err:
@@ -157,8 +159,6 @@ def main(argv: list[str] | None = None) -> int:
                        bf16=args.bf16))
         return 0
     if args.command == "bench" and args.suite == "kernels":
-        from llm_act.bench import kernels
-
         size = 8.0 if args.quick else args.size_mib
         header, rows = kernels.run(size_mib=size, device=args.device)
         text = kernels.table(header, rows)
@@ -168,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(text + "\n")
         return 0
     if args.command == "bench":
-        from llm_act.bench.report import main as run_bench
-
         return run_bench(args, argv)
     if args.command == "train":
         from llm_act.cli.train import main as run_train

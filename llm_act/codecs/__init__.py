@@ -23,7 +23,7 @@ _LAZY = {
     "OutlierInt4": "llm_act.codecs.outlier",
     "DualPrecision": "llm_act.codecs.dual",
     "BitMask": "llm_act.codecs.bitmask",
-    "RegenMask": "llm_act.codecs.bitmask",
+    "RegenMask": "llm_act.codecs.regen",
     "FP8": "llm_act.codecs.fp8",
     "FewBit": "llm_act.codecs.fewbit",
 }

@@ -22,15 +22,7 @@ import torch
 
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.kernels import dual_ref as ref
-from llm_act.kernels import use_triton
-
-
-def _kernels(x: torch.Tensor):
-    if use_triton(x):
-        from llm_act.kernels import dual_triton
-
-        return dual_triton.dual_encode, dual_triton.dual_decode
-    return ref.dual_encode_ref, ref.dual_decode_ref
+from llm_act.kernels import custom_ops, use_triton
 
 
 class DualPrecision(Codec):
@@ -79,22 +71,21 @@ class DualPrecision(Codec):
         if x.numel() == 0:
             return self._record(x)
         x2 = self._as_matrix(x)
-        encode_fn, _ = _kernels(x2)
         gen = self.generator(x.device)
         if use_triton(x2):
             seed = torch.randint(0, 2**31 - 1, (1,), generator=gen, device=x.device)
-            lfc, codes, zero, step = encode_fn(x2, self.pool, self.hfc_bits, seed=seed)
+            lfc, codes, zero, step = custom_ops.dual_encode(x2, self.pool, self.hfc_bits,
+                                                            seed=seed)
         else:
             noise = torch.rand(x2.shape, generator=gen, device=x.device)
-            lfc, codes, zero, step = encode_fn(x2, self.pool, self.hfc_bits, noise)
+            lfc, codes, zero, step = custom_ops.dual_encode(x2, self.pool, self.hfc_bits, noise)
         return self._record(x, lfc=lfc, codes=codes, zero=zero, step=step)
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
         d = enc.data
         s, C = self._matrix(enc.shape)
-        _, decode_fn = _kernels(d["codes"])
-        y2 = decode_fn(d["lfc"], d["codes"], d["zero"], d["step"], self.pool,
-                       self.hfc_bits, s, C, enc.dtype)
+        y2 = custom_ops.dual_decode(d["lfc"], d["codes"], d["zero"], d["step"], self.pool,
+                                    self.hfc_bits, s, C, enc.dtype)
         shape = tuple(enc.shape) or (1,)
         k = self._dim(len(shape))
         moved = (shape[k],) + shape[:k] + shape[k + 1:]

@@ -16,15 +16,7 @@ import torch
 
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.kernels import fp8_ref as ref
-from llm_act.kernels import use_triton
-
-
-def _kernels(x: torch.Tensor):
-    if use_triton(x):
-        from llm_act.kernels import fp8_triton
-
-        return fp8_triton.fp8_encode, fp8_triton.fp8_decode
-    return ref.fp8_encode_ref, ref.fp8_decode_ref
+from llm_act.kernels import custom_ops
 
 
 class FP8(Codec):
@@ -48,13 +40,12 @@ class FP8(Codec):
         return n + 4 * ref.num_blocks(n, self.block)
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        encode_fn, _ = _kernels(x)
-        payload, scale = encode_fn(x, self.block, self.fmt)
+        payload, scale = custom_ops.fp8_encode(x, self.block, self.fmt)
         return self._record(x, payload=payload, scale=scale)
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
-        _, decode_fn = _kernels(enc.data["payload"])
-        out = decode_fn(enc.data["payload"], enc.data["scale"], self.block, self.fmt, enc.dtype)
+        out = custom_ops.fp8_decode(enc.data["payload"], enc.data["scale"], self.block,
+                                    self.fmt, enc.dtype)
         return out.view(enc.shape)
 
     def expected_error(self, x: torch.Tensor) -> float:

@@ -22,18 +22,8 @@ import torch
 
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.kernels import int_quant_ref as ref
-from llm_act.kernels import use_triton
+from llm_act.kernels import custom_ops, use_triton
 from llm_act.kernels.packing_ref import packed_numel
-
-
-def _kernels(t: torch.Tensor):
-    if use_triton(t):
-        from llm_act.kernels import int_quant_triton as tri
-
-        return (tri.int_quant_encode, tri.int_quant_decode,
-                tri.int_quant_axis_encode, tri.int_quant_axis_decode)
-    return (ref.int_quant_encode_ref, ref.int_quant_decode_ref,
-            ref.int_quant_axis_encode_ref, ref.int_quant_axis_decode_ref)
 
 
 class IntQuant(Codec):
@@ -99,20 +89,20 @@ class IntQuant(Codec):
                                     dtype=torch.float32)}
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        enc_fn, _, axis_enc_fn, _ = _kernels(x)
         meta = {}
         if x.numel() == 0:
             codes = torch.empty(0, dtype=torch.uint8, device=x.device)
             return self._finish(x, codes, None, None, meta)
         if self.axis is None:
-            codes, scale, zero = enc_fn(x, self.bits, self.group_size, self.symmetric,
-                                        **self._rounding(x))
+            codes, scale, zero = custom_ops.int_quant_encode(
+                x, self.bits, self.group_size, self.symmetric, **self._rounding(x))
         else:
             ax = self._axis_of(x.dim())
             moved = x.movedim(ax, -1).contiguous()
             meta["axis"], meta["moved_shape"] = ax, moved.shape
-            codes, scale, zero = axis_enc_fn(moved.view(-1, moved.shape[-1]), self.bits,
-                                             self.symmetric, **self._rounding(x))
+            codes, scale, zero = custom_ops.int_quant_axis_encode(
+                moved.view(-1, moved.shape[-1]), self.bits, self.symmetric,
+                **self._rounding(x))
         return self._finish(x, codes, scale, zero, meta)
 
     def _finish(self, x, codes, scale, zero, meta) -> Encoded:
@@ -128,12 +118,12 @@ class IntQuant(Codec):
     def _decode(self, enc: Encoded) -> torch.Tensor:
         codes, scale = enc.data["codes"], enc.data["scale"]
         zero = enc.data.get("zero", scale.new_empty(0))
-        _, dec_fn, _, axis_dec_fn = _kernels(codes)
         if self.axis is None:
-            flat = dec_fn(codes, scale, zero, self.bits, self.group_size, self.symmetric,
-                          enc.numel, enc.dtype)
+            flat = custom_ops.int_quant_decode(codes, scale, zero, self.bits, self.group_size,
+                                               self.symmetric, enc.numel, enc.dtype)
             return flat.view(enc.shape)
-        flat = axis_dec_fn(codes, scale, zero, self.bits, self.symmetric, enc.numel, enc.dtype)
+        flat = custom_ops.int_quant_axis_decode(codes, scale, zero, self.bits, self.symmetric,
+                                                enc.numel, enc.dtype)
         return flat.view(enc.meta["moved_shape"]).movedim(-1, enc.meta["axis"]).contiguous()
 
     # ---- error model -----------------------------------------------------------------

@@ -31,8 +31,8 @@ import math
 import torch
 
 from llm_act.codecs.base import Codec, Encoded
+from llm_act.kernels import custom_ops, use_triton
 from llm_act.kernels import outlier_ref as ref
-from llm_act.kernels import use_triton
 
 
 def _matrix_shape(shape) -> tuple[int, int]:
@@ -45,15 +45,6 @@ def _matrix_shape(shape) -> tuple[int, int]:
 
 def _index_dtype(C: int) -> torch.dtype:
     return torch.int16 if C <= torch.iinfo(torch.int16).max else torch.int32
-
-
-def _kernels(x: torch.Tensor):
-    if use_triton(x):
-        from llm_act.kernels import outlier_triton
-
-        return outlier_triton.outlier_colsum, outlier_triton.outlier_encode, \
-            outlier_triton.outlier_decode
-    return ref.outlier_colsum_ref, ref.outlier_encode_ref, ref.outlier_decode_ref
 
 
 class OutlierInt4(Codec):
@@ -108,8 +99,7 @@ class OutlierInt4(Codec):
     # ---- encode / decode --------------------------------------------------------------
     def select(self, x2: torch.Tensor) -> torch.Tensor:
         """Sorted int64 outlier channel indices of the [rows, C] matrix `x2` (host sync)."""
-        colsum_fn, _, _ = _kernels(x2)
-        return ref.select_outliers(colsum_fn(x2), self.z_threshold,
+        return ref.select_outliers(custom_ops.outlier_colsum(x2), self.z_threshold,
                                    self.max_outliers(x2.shape[1]))
 
     def _encode(self, x: torch.Tensor) -> Encoded:
@@ -121,14 +111,15 @@ class OutlierInt4(Codec):
             return enc
         x2 = x.view(rows, C)
         idx = self.select(x2)
-        _, encode_fn, _ = _kernels(x2)
         gen = self.generator(x.device)
         if use_triton(x2):
             seed = torch.randint(0, 2**31 - 1, (1,), generator=gen, device=x.device)
-            packed, scale, zero, values = encode_fn(x2, idx, self.group_size, seed=seed)
+            packed, scale, zero, values = custom_ops.outlier_encode(
+                x2, idx, self.group_size, seed=seed)
         else:
             noise = torch.rand(rows * C, generator=gen, device=x.device)
-            packed, scale, zero, values = encode_fn(x2, idx, self.group_size, noise=noise)
+            packed, scale, zero, values = custom_ops.outlier_encode(
+                x2, idx, self.group_size, noise=noise)
         enc = self._record(x, packed=packed, scale=scale, zero=zero, values=values,
                            index=idx.to(_index_dtype(C)))
         enc.meta.update(n_outliers=int(idx.numel()), rows=rows, channels=C,
@@ -138,10 +129,9 @@ class OutlierInt4(Codec):
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
         d = enc.data
-        _, _, decode_fn = _kernels(d["packed"])
-        out = decode_fn(d["packed"], d["scale"], d["zero"], d["index"], d["values"],
-                        enc.meta["group_size"], enc.meta["rows"], enc.meta["channels"],
-                        enc.dtype)
+        out = custom_ops.outlier_decode(d["packed"], d["scale"], d["zero"], d["index"],
+                                        d["values"], enc.meta["group_size"], enc.meta["rows"],
+                                        enc.meta["channels"], enc.dtype)
         return out.view(enc.shape)
 
     # ---- error model ------------------------------------------------------------------

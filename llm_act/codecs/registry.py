@@ -57,7 +57,7 @@ def _bitmask(seed: int = 1234, **_ignored) -> Codec:
 
 
 def _regen(seed: int = 1234, **_ignored) -> Codec:
-    from llm_act.codecs.bitmask import RegenMask
+    from llm_act.codecs.regen import RegenMask
 
     return RegenMask(seed=seed)
 

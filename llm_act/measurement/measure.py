@@ -32,229 +32,20 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from llm_act.measurement.controlled import ControlledModel
-
+from llm_act.measurement.profile import RECOMPUTABLE, MeasuredProfile, OptionStats, SiteStats
 from llm_act.measurement import probing
 from llm_act.codecs.base import Codec, Encoded
-from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE, check_choice, make_codec
+from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, check_choice, make_codec
 from llm_act.ledger import SavedTensorLedger
-from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
 from llm_act.sites import MASK_SITES, QKV_SITES, SITES
+from llm_act.codecs.fewbit import derivative
 
-#: the sites whose producer reads each site (recomputation dependencies)
-PRODUCER_INPUTS: dict[str, tuple[str, ...]] = {
-    "attn.qkv_input": ("ln1.input",),
-    "attn.out": ("attn.q", "attn.k", "attn.v", "attn.qkv_input"),
-    "ln2.input": ("attn.out", "ln1.input", "attn.hidden_dropout_mask"),
-    "mlp.fc1_input": ("ln2.input",),
-    "mlp.act_input": ("mlp.fc1_input",),
-    "mlp.fc2_input": ("mlp.act_input",),
-}
 _MEASURE_SEED = 20240611
-#: sites the planner may choose "recompute" for one by one (`LayerRecompute.bind` rebuilds
-#: each from its producer's inputs). Not offered: `attn.q/k/v` (recomputed only with the
-#: whole block), `attn.out`, `attn.softmax`, `attn.dropout_mask` (the core attention is
-#: recomputed as one region: plan "recompute" or a JSON plan asks for it), and the hidden
-#: dropout masks ("recompute" there is the `regen` codec, which is offered).
-RECOMPUTABLE: frozenset[str] = frozenset(
-    {"attn.qkv_input", "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input"})
-#: sites the core attention stores from its own inputs (captured by a forward pre-hook:
-#: a lossless codec there is stored raw, so a capture codec never sees the tensor)
-
-
-@dataclass
-class OptionStats:
-    """One codec on one site's real tensor."""
-
-    nbytes: int
-    """stored bytes: the encoding plus the exact side tensors the compressed path keeps"""
-    error: float
-    """expected squared error per element (`expected_error`; bias^2 for nearest rounding)"""
-    rel_error: float
-    """`error` over the tensor's power: S(option), the noise per unit of sensitivity"""
-    encode_ms: float = 0.0
-    decode_ms: float = 0.0
-
-
-@dataclass
-class SiteStats:
-    """One site of one layer, measured."""
-
-    layer: int
-    site: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    keep_bytes: int
-    side_bytes: int
-    options: dict[str, OptionStats] = field(default_factory=dict)
-    forward_ms: Optional[float] = None
-    outlier_rate: float = 0.0
-    """share of channels outlier_int4 keeps exactly"""
-
-    def stored(self, choice: str) -> int:
-        if choice == KEEP:
-            return self.keep_bytes
-        if choice == RECOMPUTE:
-            return 0
-        return self.options[choice].nbytes
-
-    def ratio(self, choice: str) -> float:
-        """keep bytes / stored bytes under `choice` (the compression ratio reached)."""
-        stored = self.stored(choice)
-        return self.keep_bytes / stored if stored else math.inf
-
-
-@dataclass
-class MeasuredProfile:
-    """Per (layer, site) measurements of one run of `measure_profile`."""
-
-    sites: dict[tuple[int, str], SiteStats]
-    other_bytes: int
-    """bytes the keep-everything forward holds outside the planned sites"""
-    device: str = "cpu"
-    no_recompute: dict[int, tuple[str, ...]] = field(default_factory=dict)
-    """layer -> sites of `RECOMPUTABLE` that its configuration cannot recompute alone"""
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        return tuple(sorted({layer for layer, _ in self.sites}))
-
-    def layer_sites(self, layer: int) -> tuple[str, ...]:
-        return tuple(s for s in SITES if (layer, s) in self.sites)
-
-    def groups(self) -> list[list[int]]:
-        """Layers with the same planned sites and shapes (identical blocks), in order."""
-        out: dict[tuple, list[int]] = {}
-        for layer in self.layers:
-            key = tuple((s, self.sites[(layer, s)].shape, self.sites[(layer, s)].dtype,
-                         tuple(sorted(self.sites[(layer, s)].options)))
-                        for s in self.layer_sites(layer))
-            out.setdefault(key, []).append(layer)
-        return list(out.values())
-
-    def recomputable(self, layer: int, site: str) -> bool:
-        """Whether the planner may offer "recompute" at `site` of `layer` (`RECOMPUTABLE`,
-        minus what the layer's configuration rules out)."""
-        return site in RECOMPUTABLE and site not in self.no_recompute.get(layer, ())
-
-    def carry_options(self, old: "MeasuredProfile") -> None:
-        """Codec figures this profile did not measure, taken from `old` (an earlier
-        profile of the same model) for the same layer and site."""
-        for key, st in self.sites.items():
-            before = old.sites.get(key)
-            if before is None or before.shape != st.shape:
-                continue
-            for name, opt in before.options.items():
-                st.options.setdefault(name, opt)
-            st.options = {n: st.options[n] for n in CODEC_NAMES if n in st.options}  # registry order
-
-    # ---- statistics the controller tracks ----------------------------------------------
-    def outlier_rates(self) -> dict[str, float]:
-        """Mean share of outlier channels per site type (sites with an outlier_int4 option)."""
-        acc: dict[str, list[float]] = {}
-        for (_, site), st in self.sites.items():
-            if "outlier_int4" in st.options:
-                acc.setdefault(site, []).append(st.outlier_rate)
-        return {s: sum(v) / len(v) for s, v in acc.items()}
-
-    def predicted_bytes(self, plan: Mapping[int, Mapping[str, str]], include_other: bool = True) -> int:
-        """Bytes held at the end of forward under `plan` ({layer: {site: choice}})."""
-        total = self.other_bytes if include_other else 0
-        for (layer, site), st in self.sites.items():
-            total += st.stored(plan.get(layer, {}).get(site, KEEP))
-        return total
-
-    def noise(self, plan: Mapping[int, Mapping[str, str]], sensitivity: Mapping[str, float]) -> float:
-        """Predicted compression noise of `plan`: sum over layers and sites of c_i * S."""
-        return sum(self.noise_by_site(plan, sensitivity).values())
-
-    def noise_by_site(self, plan: Mapping[int, Mapping[str, str]],
-                      sensitivity: Mapping[str, float]) -> dict[str, float]:
-        """Per site type: sum over layers of c_i * S(choice) under `plan`."""
-        out: dict[str, float] = {}
-        for (layer, site), st in self.sites.items():
-            choice = plan.get(layer, {}).get(site, KEEP)
-            if choice in st.options:
-                out[site] = out.get(site, 0.0) + float(sensitivity.get(site, 0.0)) * st.options[choice].rel_error
-        return out
-
-    def times(self) -> dict[str, dict[str, Any]]:
-        """{site: {"forward_ms": ..., "codecs": {name: (encode_ms, decode_ms)}}} from the
-        first layer holding each site type (plain data, for checkpoints)."""
-        out: dict[str, dict[str, Any]] = {}
-        for (_, site), st in sorted(self.sites.items(), key=lambda kv: (kv[0][0], SITES.index(kv[0][1]))):
-            if site not in out:
-                out[site] = {"forward_ms": st.forward_ms,
-                             "codecs": {n: (o.encode_ms, o.decode_ms) for n, o in st.options.items()}}
-        return out
-
-    # ---- for the planner ---------------------------------------------------------------
-    def blocks(self, sensitivity: Optional[Mapping[str, float]] = None, inflight: int = 1,
-               per_layer: bool = False, recompute: bool = False,
-               candidates: Optional[Mapping[str, Sequence[str]]] = None,
-               exclude: Sequence[str] = ()) -> list[BlockProfile]:
-        """`BlockProfile`s in layer order: one per group of identical layers (`count` = its
-        size; bytes the mean over the group, rounded up, so totals are exact for the uniform
-        plan a group gets), or one per layer with `per_layer`. `recompute`: offer
-        "recompute" (the producer's measured forward time); `candidates`: site -> the codec
-        names to offer (default: all measured); `exclude`: sites left out (fixed choices)."""
-        sens = dict(sensitivity or {})
-        groups = [[layer] for layer in self.layers] if per_layer else self.groups()
-        out = []
-        for group in groups:
-            sites = tuple(s for s in self.layer_sites(group[0]) if s not in exclude)
-            profiles = []
-            for site in sites:
-                stats = [self.sites[(layer, site)] for layer in group]
-                names = [n for n in stats[0].options
-                         if candidates is None or site not in candidates or n in candidates[site]]
-                options = tuple(
-                    CodecOption(
-                        name,
-                        _mean_up([s.options[name].nbytes for s in stats]),
-                        stats[0].options[name].encode_ms,
-                        stats[0].options[name].decode_ms,
-                        sum(s.options[name].rel_error for s in stats) / len(stats),
-                    )
-                    for name in names
-                )
-                fwd = (stats[0].forward_ms if recompute and all(self.recomputable(layer, site) for layer in group)
-                       else None)
-                inputs = tuple(d for d in PRODUCER_INPUTS.get(site, ()) if d in sites)
-                default_c = 0.0 if site in MASK_SITES else 1.0
-                profiles.append(SiteProfile(site, _mean_up([s.keep_bytes for s in stats]), fwd,
-                                            inputs, options, float(sens.get(site, default_c))))
-            out.append(BlockProfile(tuple(profiles), count=len(group), inflight=inflight))
-        return out
-
-    def block_layers(self, per_layer: bool = False) -> list[list[int]]:
-        """The layers behind each entry of `blocks(per_layer=...)`, in the same order."""
-        return [[layer] for layer in self.layers] if per_layer else self.groups()
-
-    def plan_from_choice(self, choice: Sequence[Mapping[str, str]], per_layer: bool = False
-                         ) -> dict[int, dict[str, str]]:
-        """{layer: {site: choice}} from a `solve_plan` answer over `blocks(per_layer)`."""
-        out: dict[int, dict[str, str]] = {}
-        for layers, ch in zip(self.block_layers(per_layer), choice):
-            for layer in layers:
-                out[layer] = dict(ch)
-        return out
-
-    def choice_for(self, plan: Mapping[int, Mapping[str, str]], per_layer: bool = False,
-                   exclude: Sequence[str] = ()) -> list[dict[str, str]]:
-        """The per-block choice list of `plan` for `evaluate_plan` over `blocks(per_layer,
-        exclude=...)` (a group takes its first layer's choice)."""
-        return [{s: plan.get(layers[0], {}).get(s, KEEP) for s in self.layer_sites(layers[0]) if s not in exclude}
-                for layers in self.block_layers(per_layer)]
-
-
-def _mean_up(values: Sequence[int]) -> int:
-    return -(-sum(values) // len(values))
 
 
 # ---- capture ---------------------------------------------------------------------------------
@@ -327,8 +118,6 @@ def _power(x: torch.Tensor) -> float:
 
 def derivative_power(x: torch.Tensor, activation: str) -> float:
     """Mean of f'(x)^2: the power of what a few-bit codec stores."""
-    from llm_act.codecs.fewbit import derivative
-
     return _power(derivative(activation)(x.detach().float()))
 
 

@@ -59,6 +59,7 @@ from llm_act.measurement import probing
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.registry import make_codec
 from llm_act.sites import MASK_SITES, SITES
+from llm_act.codecs.fewbit import derivative
 
 #: the codec whose random draws measure c at value sites
 PROBE_CODEC = "int4"
@@ -120,8 +121,6 @@ class _DerivativeProbe(Codec):
         self.record = record
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        from llm_act.codecs.fewbit import derivative
-
         d = derivative(self.activation)(x.detach().float())
         var = max(float(self.table_codec.expected_error(x)), 1e-12)
         sign = torch.randint(0, 2, d.shape, generator=self.generator(x.device), device=x.device)

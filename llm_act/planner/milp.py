@@ -41,7 +41,6 @@ a fraction of a second, within 0.05% of a 60 s search on 24-512 distinct layers.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -49,10 +48,10 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 from llm_act._imports import require
-from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE, check_choices
+from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE
 from llm_act.plan import Plan
 from llm_act.planner.lagrange import blind_input, lagrange_plan
 from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count

@@ -57,6 +57,16 @@ from llm_act.plan import plan_from
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.runtime.logs import speaks_for_stage
 from llm_act.planner.milp import InfeasibleBudget
+from llm_act.codecs.fewbit import ACTIVATIONS
+from llm_act.ledger import current_ledger, SavedTensorLedger
+from llm_act.measurement import fidelity
+from llm_act.measurement.fidelity import FidelityReport
+from llm_act.measurement.measure import measure_profile
+from llm_act.measurement.replay import StepReplay
+from llm_act.measurement.sensitivity import check_noise, measure_sensitivity, sensitive_sites
+from llm_act.planner import evaluate_plan, InfeasibleVariance, solve_plan
+from llm_act.planner.analytic import block_profile, DeviceModel, DTYPES, ModelShape
+from llm_act.planner.budget import min_budget
 
 if TYPE_CHECKING:
     from llm_act.runtime.controller import Controller  # it owns this Adapter
@@ -198,8 +208,6 @@ class Adapter:
         """tracking points of this run (a resumed run refuses a new budget as a fresh one does)"""
         self.first = FirstForward(self)
         """the first forward's measurement, from hooks on the model (no probe needed)"""
-        from llm_act.measurement.replay import StepReplay
-
         self.replay = StepReplay(lambda: self.measure_due() or self.fidelity_due())
         """the training step recorded for measuring where no probe is given"""
         self.measure_seconds = 0.0
@@ -258,8 +266,6 @@ class Adapter:
     def _report_fidelity(self, probe: Optional[Callable[[], Any]]) -> None:
         """The gradient-fidelity report of the iteration just ended (`llm_act.measurement.fidelity`),
         when one is due: logged, kept in `fidelity`, averaged over the ranks."""
-        from llm_act.measurement import fidelity
-
         c = self.controller
         if not self.fidelity_due(c.iteration):  # the iteration that has just ended
             return
@@ -294,8 +300,6 @@ class Adapter:
 
     def _named_params(self) -> list:
         """(name, parameter) of the watched model, the parameters measuring counts."""
-        from llm_act.measurement import fidelity
-
         return fidelity.named_params(self.replay.roots, self.controller.probe_params())
 
     def _after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
@@ -353,8 +357,6 @@ class Adapter:
         static memory + stored bytes exceed the budget. The measurement runs the
         memory-efficient attention, so for a plan on stock attention it is a lower bound:
         what it refuses surely does not fit."""
-        from llm_act.measurement.measure import measure_profile
-
         c = self.controller
         if probe is None:
             self._warn_once("no_probe_budget", "llm_act: the budget of plan %r is not checked without a "
@@ -378,10 +380,6 @@ class Adapter:
 
     # ---- one tracking point ----------------------------------------------------------------
     def track(self, probe: Callable[[], Any]) -> None:
-        from llm_act.measurement import fidelity
-        from llm_act.measurement.measure import measure_profile
-        from llm_act.measurement.sensitivity import check_noise, measure_sensitivity
-
         c = self.controller
         it = c.iteration
         g = agreement.groups()
@@ -487,8 +485,6 @@ class Adapter:
         in rotation (GACT's c is stable along training; each measured type costs two
         forward/backward passes), all of them the first time when a noise budget
         (`variance_budget`) makes the plan depend on every c."""
-        from llm_act.measurement.sensitivity import sensitive_sites
-
         every = sensitive_sites(self.controller)
         first = not self.sensitivity and self.noise_bounded()
         if first or len(every) <= SENS_SITES_PER_TRACK:
@@ -499,8 +495,6 @@ class Adapter:
 
     def _sens_rounds(self) -> int:
         """Measurements it takes for every site type to be measured SENS_WINDOW times."""
-        from llm_act.measurement.sensitivity import sensitive_sites
-
         return max(1, -(-len(sensitive_sites(self.controller)) // SENS_SITES_PER_TRACK))
 
     def _shifts(self, stats: dict[str, dict[str, float]]) -> list[str]:
@@ -567,8 +561,6 @@ class Adapter:
     def solve_alone(self, profile: Any, budget: int):
         """The plan this rank would choose from `profile` alone (no agreement): the planner's
         answer over `problem(profile)`, for diagnostics and tests."""
-        from llm_act.planner import solve_plan
-
         blocks, static = self.problem(profile)
         sol = solve_plan(blocks, budget, static_bytes=static, variance_budget=self.noise_budget())
         return profile.plan_from_choice(sol.choice)
@@ -582,8 +574,6 @@ class Adapter:
         if free is not None:
             budget = int(free[0] + free[1] - GPU_MARGIN * device_memory_bytes())
         else:
-            from llm_act.planner import evaluate_plan
-
             c = self.controller
             compress = plan_from("compress", c.num_layers, c.layers, c.no_fewbit_layers())
             pins = self.pins()
@@ -604,8 +594,6 @@ class Adapter:
         """The decision of the source rank, as plain data for the broadcast: a plan, or
         None with why (`refused`: a user budget too small at the first tracking; `failure`:
         the solver broke). Never raises: every rank must learn the outcome."""
-        from llm_act.planner import InfeasibleVariance, solve_plan
-
         out: dict[str, Any] = {"plan": None, "budget": budget, "reasons": reasons,
                                "predicted_bytes": 0, "activation_bytes": 0, "overhead_ms": 0.0,
                                "refused": None, "failure": None}
@@ -717,7 +705,6 @@ class Adapter:
         self.solver_failures = int(state.get("solver_failures", 0))
         self.sens_next = int(state.get("sens_next", 0))
         self.sampling_recent = [float(v) for v in state.get("sampling_recent", [])]
-        from llm_act.measurement.fidelity import FidelityReport
 
         self.fidelity = [FidelityReport.from_dict(r) for r in state.get("fidelity", [])]
         self.fidelity_next = int(state.get("fidelity_next", 0))
@@ -827,8 +814,6 @@ class FirstForward:
         self.handles = []
 
     def _pre(self, module: Any, args: Any) -> None:
-        from llm_act.ledger import SavedTensorLedger, current_ledger
-
         key = id(module)
         if key in self.measured_roots or key in self._ledgers or not torch.is_grad_enabled():
             return
@@ -963,9 +948,6 @@ class FirstForward:
 
     def model_shape(self, tconfig: Any, count: int):
         """The analytic `ModelShape` of layers built from `tconfig` at the observed input."""
-        from llm_act.codecs.fewbit import ACTIVATIONS
-        from llm_act.planner.analytic import DTYPES, ModelShape
-
         s_local, b, h = self.shape
         tp = int(getattr(tconfig, "tensor_model_parallel_size", 1) or 1)
         sp = bool(getattr(tconfig, "sequence_parallel", False))
@@ -994,9 +976,6 @@ class FirstForward:
     def min_budget(self, static: int, inflight: int) -> tuple[Optional[int], str]:
         """(the smallest budget any plan fits, static included; or None, why not)."""
         import dataclasses
-
-        from llm_act.planner.budget import min_budget
-        from llm_act.planner.analytic import DeviceModel, block_profile
 
         if not self.layers:
             return None, "the model has no megatron-core layers, and the generic path has no analytic model"

@@ -37,6 +37,11 @@ from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.config import ActConfig
 from llm_act.sites import SITES, tp_replicated
+from llm_act.measurement.probing import params_of
+from llm_act.runtime import agreement
+from llm_act.runtime.adapt import Adapter
+from llm_act.runtime.agreement import data_parallel_rank, spans, tensor_parallel_rank
+from llm_act.runtime.logs import default_handler, speaks_for_stage
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +63,6 @@ def replica_seed(base: int, dp_rank: Optional[int] = None) -> int:
     averages out in the gradient all-reduce instead of adding up coherently. TP ranks of a
     replica share it; `codec_seed` moves it apart again wherever they store different data."""
     if dp_rank is None:
-        from llm_act.runtime.agreement import data_parallel_rank
-
         dp_rank = data_parallel_rank()
     return int(base) + DP_SEED_STRIDE * int(dp_rank)
 
@@ -84,8 +87,6 @@ def codec_seed(base: int, layer: int, site: str, dp_rank: Optional[int] = None,
     if tp_replicated(site, sequence_parallel):
         return seed
     if tp_rank is None:
-        from llm_act.runtime.agreement import tensor_parallel_rank
-
         tp_rank = tensor_parallel_rank()
     return seed + TP_SEED_STRIDE * int(tp_rank)
 
@@ -148,7 +149,6 @@ class Controller:
         #: `attach_optimizer`, "engine.step()" in the DeepSpeed door; None: nothing known
         self.boundary: Optional[str] = None
         self._any_optimizer: Any = None  # the global optimizer-step hook of `watch`
-        from llm_act.runtime.adapt import Adapter
 
         self.adapter = Adapter(self)
         if self.enabled:
@@ -232,7 +232,6 @@ class Controller:
         `LLM_ACT_COLLECTIVE_TIMEOUT` seconds (`agreement.CollectiveError`)."""
         if not self.enabled:
             return
-        from llm_act.runtime import agreement
 
         wanted = plan_from(plan, self.num_layers, self._modules, self.no_fewbit_layers())
         agreement.agree_plan(wanted, agreement.groups())
@@ -277,9 +276,6 @@ class Controller:
         self.adapter.first.install(roots, list(layers) if layers is not None else None)
         self.adapter.replay.install(roots)
         if self._any_optimizer is None:
-            from llm_act.runtime.agreement import spans
-            from llm_act.runtime.logs import default_handler, speaks_for_stage
-
             default_handler()
             start = ("'auto' starts from 'compress' and re-plans at iterations 1, 2, 4, ..."
                      if self.config.plan == "auto" else repr(self.config.plan))
@@ -319,8 +315,6 @@ class Controller:
         self.adapter.fidelity_requested = True
 
     def probe_params(self) -> list:
-        from llm_act.measurement.probing import params_of
-
         if self._probe_params is not None:
             return params_of(self._probe_params)
         if self.layer_modules:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from llm_act.runtime import agreement
+
 #: the attribute that marks the handler `default_handler` added
 MARK = "_llm_act_default"
 
@@ -25,8 +27,6 @@ def speaks_for_stage() -> bool:
     """True on the rank that prints its pipeline stage's plan: under megatron-core's
     parallel state the last of the stage's tensor- and data-parallel ranks (Megatron-LM and
     our loop print from the last rank), else rank 0; and a process running alone."""
-    from llm_act.runtime import agreement
-
     try:
         import torch.distributed as dist
 

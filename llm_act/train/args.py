@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
+from llm_act.patches.megatron.args import add_arguments, config_from_args
+
 
 def build_parser(prog: str = "pretrain_gpt.py", add_help: bool = True) -> argparse.ArgumentParser:
     """The loop's parser (`add_help=False`: for use as an argparse parent)."""
-    from llm_act.patches.megatron.args import add_arguments
-
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, add_help=add_help,
                                 description="GPT pretraining on megatron-core (llm_act's loop; "
                                             "CPU with gloo, or GPUs with NCCL)")
@@ -102,8 +102,6 @@ def _positive(p: argparse.ArgumentParser, args: argparse.Namespace, *names: str)
 
 def check(p: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Validate combinations and fill the derived values (data_parallel_size, ...)."""
-    from llm_act.patches.megatron.args import config_from_args
-
     if args.fp16:
         p.error("--fp16: not supported (fp16 needs a loss scaler this loop does not have on CPU); "
                 "use --bf16 or fp32")

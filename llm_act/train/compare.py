@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional
 from llm_act.kernels import codec_backend
 from llm_act.sites import OUTER_SITES, SITES
 from llm_act.train import parallel, rng
-from llm_act.train.loop import load_data, quiet_megatron_warnings
+from llm_act.train.loop import load_data
 from llm_act.train.trainer import Trainer
 
 MiB = 2**20

@@ -23,6 +23,8 @@ from llm_act.kernels import codec_backend
 from llm_act.plan import describe as describe_plan
 from llm_act.train import checkpoint, data as data_lib, parallel
 from llm_act.train.trainer import Trainer
+from llm_act.runtime.logs import default_handlers
+from llm_act.train.args import build_parser, check
 
 MiB = 2**20
 
@@ -89,8 +91,6 @@ def _controller_log(say: Callable[[str], None]):
                 say(msg)
             elif record.levelno >= logging.WARNING:
                 print(msg, file=sys.stderr, flush=True)
-
-    from llm_act.runtime.logs import default_handlers
 
     logger = logging.getLogger("llm_act")
     handler, level = Say(logging.INFO), logger.level
@@ -217,8 +217,6 @@ def quiet_megatron_warnings() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`pretrain_gpt.py` / `torchrun ... pretrain_gpt.py`: parse, init, train, tear down."""
-    from llm_act.train.args import build_parser, check
-
     quiet_megatron_warnings()
     parser = build_parser()
     args = check(parser, parser.parse_args(argv), parallel.world_size())

@@ -14,6 +14,10 @@ from typing import Any, Optional
 
 import torch
 
+from llm_act.config import ActConfig
+from llm_act.patches.megatron import apply, block_spec
+from llm_act.train.small_gpt import local_layer_spec
+
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron-LM's padding: a multiple of make-vocab-size-divisible-by x TP."""
@@ -60,12 +64,8 @@ def transformer_config(args: argparse.Namespace):
 
 
 def _layer_spec(args: argparse.Namespace, tconfig, act_config):
-    from llm_act.train.small_gpt import local_layer_spec
-
     if not args.sequence_parallel:
         return local_layer_spec(normalization=args.normalization)
-    from llm_act.config import ActConfig
-    from llm_act.patches.megatron import block_spec
 
     # plan "keep": the converted classes run stock code; apply() binds the real plan later
     return block_spec(act_config or ActConfig(plan="keep"), tconfig, normalization=args.normalization)
@@ -128,7 +128,5 @@ def build(args: argparse.Namespace, act_config: Optional[Any] = None):
     chunks = [model]
     controller = None
     if act_config is not None:
-        from llm_act.patches.megatron import apply
-
         controller = apply(chunks, act_config)
     return chunks, tconfig, controller

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from llm_act._imports import require
+from llm_act.patches.megatron import cpu_shim
 
 def world_size() -> int:
     """The world size the launcher asks for (1 without a launcher)."""
@@ -24,8 +25,6 @@ def world_size() -> int:
 def init(args: argparse.Namespace) -> None:
     """Start the process group (if needed) and megatron's parallel state for `args`."""
     from megatron.core import parallel_state as ps
-
-    from llm_act.patches.megatron import cpu_shim
 
     cuda = torch.cuda.is_available()
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
@@ -99,7 +98,6 @@ def init_parallel(
     import torch.distributed as dist
 
     require("megatron.core", "llm_act.train.parallel")
-    from llm_act.patches.megatron import cpu_shim
 
     cpu_shim.install()
     from megatron.core import parallel_state

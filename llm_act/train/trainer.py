@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from llm_act.runtime.agreement import timed
-from llm_act.train import checkpoint, model as model_lib, optim, rng
+from llm_act.train import checkpoint, gpu, model as model_lib, optim, rng
 from llm_act.train.data import Batch, Samples, TokenData, micro_batch
+from llm_act.ledger import SavedTensorLedger
 
 
 @dataclass
@@ -55,7 +56,6 @@ class Trainer:
         rng.seed_all(args.seed)
         self.chunks, self.tconfig, self.controller = model_lib.build(args, args.act_config)
         if self.cuda:  # megatron-core's DDP and optimizer (see gpu.py; untested here)
-            from llm_act.train import gpu
 
             self.chunks = gpu.wrap(self.chunks, self.tconfig)
             self.optimizer: Any = gpu.GpuOptimizer(self.chunks, self.tconfig, args)
@@ -88,8 +88,6 @@ class Trainer:
                             (batch.tokens, batch.labels, batch.loss_mask, batch.position_ids)))
         run = functools.partial(model, batch.tokens, batch.position_ids, None, labels=batch.labels)
         if self._measure_next:
-            from llm_act.ledger import SavedTensorLedger
-
             self._measure_next = False
             self.ledger = SavedTensorLedger()
             with self.ledger:

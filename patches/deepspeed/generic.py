@@ -42,7 +42,8 @@ from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
 from llm_act.config import ActConfig
 from llm_act.runtime.controller import SEED_STRIDE, Controller, replica_seed
 from llm_act.generic.hooks import SavedTensorCompression
-from llm_act.sites import CHECKPOINT_SITE, MASK_SITES
+from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, MOE_SITES, SITES
+from llm_act.patches.deepspeed import recompute as recompute_lib
 
 #: last path component of a submodule of a block -> the site of what it saves
 SITE_OF: dict[str, str] = {
@@ -244,8 +245,6 @@ def generic_sites() -> tuple[str, ...]:
     """The sites a generic block offers the controller: those plans may compress, masks
     excepted (the hooks bit-pack saved masks losslessly anyway), and the MoE sites (the
     generic path names its sites by submodule; a Hugging Face MoE block has other names)."""
-    from llm_act.sites import MOE_SITES, SITES
-
     return tuple(s for s in SITES if s not in MASK_SITES and s not in MOE_SITES)
 
 
@@ -265,8 +264,6 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
     `checkpointing`: DeepSpeed's `activation_checkpointing` settings (`ds_config.Checkpointing`)
     or None; with them, recompute goes through `deepspeed.checkpointing` (with `mpu`).
     """
-    from llm_act.patches.deepspeed import recompute as recompute_lib
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_not_checkpointing(model)

@@ -32,6 +32,7 @@ from llm_act.runtime import agreement
 from llm_act._imports import require
 from llm_act.config import ActConfig
 from llm_act.patches.deepspeed import ds_config
+from llm_act.runtime.controller import Controller
 
 
 def _is_megatron(model: Any) -> bool:
@@ -47,8 +48,6 @@ def _is_megatron(model: Any) -> bool:
 def _patch(model: Any, config: Optional[ActConfig], checkpointing: ds_config.Checkpointing,
            mpu: Any):
     """(controller, generic handle or None): apply our patches to `model` in place."""
-    from llm_act.runtime.controller import Controller
-
     if config is None or not config.enabled:
         return Controller(config if config is not None else ActConfig(enabled=False)), None
     if _is_megatron(model):

@@ -32,6 +32,10 @@ from llm_act.runtime.controller import Controller
 from llm_act.patches.deepspeed import recompute as ds_recompute
 from llm_act.patches.megatron.recompute import LayerRecompute, is_full
 from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, SITES
+from llm_act.patches.megatron import apply as megatron_apply
+from llm_act.patches.megatron.apply import transformer_layers
+from llm_act.patches.megatron.rng_replay import capture_rng, replay_rng
+from llm_act.plan import resolve
 
 #: where a layer's choice recomputes: nowhere, in DeepSpeed's checkpoint, in llm_act's regions
 NONE, DEEPSPEED, REGIONS = "none", "deepspeed", "regions"
@@ -63,8 +67,6 @@ def route(choice: Mapping[str, str], checkpointing: Any, where: str = "layer") -
 
 
 def _megatron_rng() -> tuple[Callable, Callable]:
-    from llm_act.patches.megatron.rng_replay import capture_rng, replay_rng
-
     return capture_rng, replay_rng
 
 
@@ -128,10 +130,6 @@ def apply(model: Any, config: ActConfig, checkpointing: Any = None, mpu: Any = N
     The plan `config` asks for is routed first (`route`, and DeepSpeed's checkpointing is
     configured if a layer needs it), so what cannot work raises before the model changes.
     """
-    from llm_act.plan import resolve
-    from llm_act.patches.megatron import apply as megatron_apply
-    from llm_act.patches.megatron.apply import transformer_layers
-
     if not config.enabled or checkpointing is None or not checkpointing.configured:
         return megatron_apply(model, config)
     mpu = _default_mpu(mpu)
@@ -153,6 +151,4 @@ def apply(model: Any, config: ActConfig, checkpointing: Any = None, mpu: Any = N
 
 def owners(model: Any) -> list[Optional[LayerRecompute]]:
     """The `LayerRecompute` of every TransformerLayer of `model`, in module order."""
-    from llm_act.patches.megatron.apply import transformer_layers
-
     return [getattr(layer, "act_recompute", None) for layer in transformer_layers(model)]

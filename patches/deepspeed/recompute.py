@@ -30,6 +30,7 @@ import torch
 
 from llm_act import ledger as _ledger
 from llm_act.codecs.registry import KEEP
+from llm_act.generic.checkpoint import checkpoint_blocks
 
 _MARK = "_llm_act_checkpointed"
 
@@ -87,8 +88,6 @@ def wrap_blocks(blocks: list[torch.nn.Module], codec: Optional[str], checkpointi
                 seed: int = 1234, mpu: Any = None) -> None:
     """Recompute every block in backward (see the module docstring)."""
     if checkpointing is None or not checkpointing.configured:
-        from llm_act.generic.checkpoint import checkpoint_blocks
-
         checkpoint_blocks(blocks, codec, seed=seed)
         return
     check(checkpointing, codec or KEEP, len(blocks))

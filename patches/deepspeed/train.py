@@ -22,7 +22,10 @@ import torch
 
 from llm_act._imports import require
 from llm_act.runtime.agreement import timed
-from llm_act.train import parallel, small_gpt
+from llm_act.train import data as data_lib, parallel, small_gpt
+from llm_act.ledger import SavedTensorLedger
+from llm_act.patches.deepspeed import ds_config, hf_decoder, initialize
+from llm_act.plan import describe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def ds_config_from(args: argparse.Namespace) -> dict[str, Any]:
     """The DeepSpeed config dict with the command-line overrides applied."""
-    from llm_act.patches.deepspeed import ds_config
-
     ds = ds_config.load(ds_config.source(args, None, None))
     if args.zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = args.zero_stage
@@ -73,8 +74,6 @@ def ds_config_from(args: argparse.Namespace) -> dict[str, Any]:
 def _model(args: argparse.Namespace, vocab: int):
     """(module, loss function(module, batch) -> loss)."""
     if args.model == "hf":
-        from llm_act.patches.deepspeed import hf_decoder
-
         model = hf_decoder.build("llama", vocab_size=vocab, hidden_size=args.hidden_size,
                                  num_layers=args.num_layers, num_heads=args.num_attention_heads,
                                  num_kv_heads=max(1, args.num_attention_heads // 2),
@@ -110,8 +109,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     if not args.compare:
         result = _train(args, ds, log)
     else:
-        from llm_act.patches.deepspeed import ds_config
-
         off = json.loads(json.dumps(ds))
         off[ds_config.SECTION] = {**off.get(ds_config.SECTION, {}), "enabled": False}
         result = {"off": _train(args, off, log), "on": _train(args, ds, log)}
@@ -127,10 +124,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
 
 
 def _train(args: argparse.Namespace, ds: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
-    from llm_act.ledger import SavedTensorLedger
-    from llm_act.patches.deepspeed import initialize
-    from llm_act.train import data as data_lib
-
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     say = log if rank == 0 else (lambda _msg: None)
     corpus = data_lib.embedded_corpus()
@@ -183,8 +176,6 @@ def _train(args: argparse.Namespace, ds: dict[str, Any], log: Callable[[str], No
 
 
 def _plan_line(plan: dict) -> str:
-    from llm_act.plan import describe
-
     return describe(plan).replace("\n", "; ")
 
 

@@ -15,6 +15,8 @@ import torch
 
 from llm_act.codecs.base import Codec
 from llm_act.sites import check_site
+from llm_act import ledger
+from llm_act.patches.megatron.recompute_codec import _Visible
 
 
 class ActModule:
@@ -88,8 +90,6 @@ class ActModule:
             if getattr(self, "act_record_sink", None) is not None:
                 # a recomputation may rebuild a later site from this one's record: keep x
                 # itself through the compressed path (the bytes stock keeps)
-                from llm_act.patches.megatron.recompute_codec import _Visible
-
                 return _Visible()
             return None
         return codec
@@ -123,6 +123,4 @@ def report_to_ledger(layer, site: str, record, nbytes: int, replaces=None) -> No
 
     `replaces` is the raw tensor the record stands for. A no-op without an active ledger.
     """
-    from llm_act import ledger
-
     ledger.report(layer, site, record, int(nbytes), replaces=replaces)

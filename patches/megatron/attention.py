@@ -47,6 +47,9 @@ from llm_act._imports import require
 from llm_act.codecs.base import Codec
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
 from llm_act.sites import QKV_SITES
+from llm_act import ledger
+from llm_act.attention import attention, pick_backend
+from llm_act.patches.megatron.dropout import StoredMaskDropout
 
 require("megatron.core", "llm_act.patches.megatron.attention")
 from megatron.core import tensor_parallel  # noqa: E402
@@ -70,7 +73,6 @@ class _StoredMaskAttentionDropout(torch.nn.Dropout):
         if (spec is None or not self.training or not torch.is_grad_enabled() or not x.requires_grad
                 or not 0.0 < p < 1.0 or x.numel() == 0):
             return super().forward(x)
-        from llm_act.patches.megatron.dropout import StoredMaskDropout
 
         codec, owner = spec
         return StoredMaskDropout.apply(x, p, codec, owner, "attn.dropout_mask")
@@ -190,9 +192,6 @@ class ActCoreAttention(ActModule, DotProductAttention):
                        "s x s mask (only causal and unmasked attention are memory-efficient)")
 
     def _efficient(self, query, key, value, causal: bool, codecs: dict) -> torch.Tensor:
-        from llm_act import ledger
-        from llm_act.attention import attention, pick_backend
-
         mode = self.act_attention
         p = float(self.attention_dropout.p) if self.training else 0.0
         backend = "unfused" if mode in ("stock", "unfused") else pick_backend(mode, p, query.device)

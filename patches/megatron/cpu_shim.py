@@ -53,6 +53,8 @@ from typing import Any, Callable
 
 import torch
 
+from llm_act._imports import require
+
 MARK = "_llm_act_cpu_shim"
 
 #: Modules whose functions call torch.cuda.current_device()/synchronize() or build on "cuda".
@@ -370,7 +372,6 @@ def install(megatron_lm: bool = False) -> list[str]:
     global _installed
     if torch.cuda.is_available():
         return []
-    from llm_act._imports import require
 
     require("megatron.core", "the megatron-core CPU shim")
     done: list[str] = []

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from llm_act.codecs.base import Codec, Encoded
+from llm_act.codecs.bitmask import BitMask
 
 
 class Record:
@@ -250,8 +251,6 @@ def _bitmask() -> Codec:
     no random state away from the Controller)."""
     global _BITMASK
     if _BITMASK is None:
-        from llm_act.codecs.bitmask import BitMask
-
         _BITMASK = BitMask()
     return _BITMASK
 

@@ -22,6 +22,8 @@ from llm_act.codecs.base import Codec
 from llm_act.patches.megatron.act_module import ActModule
 from llm_act.patches.megatron.moe_functions import (
     ACT, FC1, FC2, ROUTING, EncodedRouterGating, ExpertFFN, ExpertStore, PaddingOnly)
+from llm_act.patches.megatron import unsupported
+from llm_act.patches.megatron.recompute_codec import _Visible, SiteRecompute
 
 require("megatron.core", "llm_act.patches.megatron.moe")
 from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
@@ -94,7 +96,6 @@ class ActSequentialMLP(ActModule, SequentialMLP):
         if not bool((p != 0).any()):  # padding only: a zero output, nothing stored
             return PaddingOnly.apply(x, p, expert.linear_fc1.weight, expert.linear_fc2.weight)
         from llm_act.patches.megatron.mlp import activation_of
-        from llm_act.patches.megatron.recompute_codec import SiteRecompute, _Visible
 
         n = x.shape[0]
         codecs, recompute = {}, set()
@@ -112,8 +113,6 @@ class ActSequentialMLP(ActModule, SequentialMLP):
 def convert_moe(layer: torch.nn.Module) -> dict[str, ActModule]:
     """Convert `layer.mlp` (a megatron-core MoELayer) in place; return site -> module.
     Idempotent (converted modules go back to every site "keep")."""
-    from llm_act.patches.megatron import unsupported
-
     mlp = layer.mlp
     unsupported.check_moe(mlp.config, mlp)
     router, experts = mlp.router, mlp.experts

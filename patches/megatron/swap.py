@@ -15,6 +15,7 @@ from llm_act.patches.megatron.dropout import ActBiasDropoutAdd
 from llm_act.patches.megatron.linear import ActColumnParallelLinear, ActRowParallelLinear
 from llm_act.patches.megatron.mlp import ActMLP
 from llm_act.patches.megatron.norm import ActLayerNorm, ActRMSNorm
+from llm_act.patches.megatron.recompute import LayerRecompute
 
 require("megatron.core", "llm_act.patches.megatron.swap")
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
@@ -116,7 +117,6 @@ def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = Fa
         sites.update(convert_attention(layer, layer_index))
     for module in sites.values():
         module.act_layer = layer_index
-    from llm_act.patches.megatron.recompute import LayerRecompute
 
     old = getattr(layer, "act_recompute", None)
     if old is not None:

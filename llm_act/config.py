@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from llm_act.codecs.registry import check_choice
+
 PLAN_MODES = ("auto", "keep", "compress", "recompute")
 ATTENTION_MODES = ("auto", "stock", "sdpa", "chunked")
 #: plan "auto"'s default noise budget, as a fraction of the measured sampling noise
@@ -119,8 +121,6 @@ class ActConfig:
             self.budget = parse_bytes(self.budget, "budget")
         if not isinstance(self.codecs, dict):
             raise ValueError(f"codecs: expected a mapping site -> codec name, got {self.codecs!r}")
-        from llm_act.codecs.registry import check_choice
-
         for site, name in self.codecs.items():
             try:
                 check_choice(site, name)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from llm_act.cli import main
+from llm_act.cli.main import main
 from llm_act.planner import load_plan_json
 from llm_act.sites import SITES
 

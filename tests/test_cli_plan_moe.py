@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from llm_act.cli import main
+from llm_act.cli.main import main
 from llm_act.sites import MOE_SITES
 
 MIXTRAL = ["plan", "--model", "mixtral-8x7b", "--seq-length", "4096", "--dp", "8", "--zero-stage", "1"]

@@ -1,4 +1,2 @@
-"""`llm-act`: the command line (`main`), one module per subcommand that needs more than a flag."""
-from llm_act.cli.main import main
-
-__all__ = ["main"]
+"""`llm-act`: the command line (`llm_act.cli.main`), one module per subcommand that needs more
+than a flag (`plan`, `train`, `demo`) and the parsing they share (`parsing`)."""

@@ -16,35 +16,16 @@ import json
 import os
 import sys
 import warnings
-from typing import Callable, NoReturn
 
 from llm_act.bench import kernels
 from llm_act.bench.report import main as run_bench
+from llm_act.cli.parsing import POSITIVE_FLOAT, POSITIVE_INT, fail
 from llm_act.kernels import kernel_choice
+from llm_act.cli.demo import run_demo
+from llm_act.cli.plan import add_parser as add_plan_parser, run as run_plan
+from llm_act.cli.train import add_parser as add_train_parser, main as run_train
 
 
-def _number(kind: Callable[[str], float], text: str) -> Callable[[str], float]:
-    """An argparse type: `kind` above zero (a zero or negative shape ends in a traceback
-    deep inside megatron-core otherwise)."""
-    def parse(value: str) -> float:
-        try:
-            x = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {text}, got {value!r}") from None
-        if not x > 0:
-            raise argparse.ArgumentTypeError(f"expected {text}, got {value!r}")
-        return x
-    return parse
-
-
-def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    """A user error found after parsing: one line and exit code 2 (argparse's `error` would
-    print the whole usage, dozens of lines for `train`, above it)."""
-    parser.exit(2, f"{parser.prog}: error: {message}\n")
-
-
-_POSITIVE_INT = _number(int, "a positive integer")
-_POSITIVE_FLOAT = _number(float, "a positive number")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,10 +36,10 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="compression demo on a megatron-core GPT block (CPU)",
                           allow_abbrev=False)
-    demo.add_argument("--seq-length", type=_POSITIVE_INT, default=256)
-    demo.add_argument("--micro-batch-size", type=_POSITIVE_INT, default=2)
-    demo.add_argument("--hidden-size", type=_POSITIVE_INT, default=512)
-    demo.add_argument("--num-attention-heads", type=_POSITIVE_INT, default=8)
+    demo.add_argument("--seq-length", type=POSITIVE_INT, default=256)
+    demo.add_argument("--micro-batch-size", type=POSITIVE_INT, default=2)
+    demo.add_argument("--hidden-size", type=POSITIVE_INT, default=512)
+    demo.add_argument("--num-attention-heads", type=POSITIVE_INT, default=8)
     demo.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     demo.set_defaults(cmd_parser=demo)
 
@@ -66,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                            allow_abbrev=False)
     bsub = bench.add_subparsers(dest="suite", required=True)
     k = bsub.add_parser("kernels", help="codec bandwidth vs copy bandwidth", allow_abbrev=False)
-    k.add_argument("--size-mib", type=_POSITIVE_FLOAT, default=256.0,
+    k.add_argument("--size-mib", type=POSITIVE_FLOAT, default=256.0,
                    help="tensor size per codec (the issue asks for >= 256 MiB on a GPU)")
     k.add_argument("--quick", action="store_true", help="8 MiB tensors, for a CPU smoke run")
     k.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
@@ -89,10 +70,8 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--save-json", default=None,
                             help="save the result as JSON after every run; if the file holds an "
                                  "unfinished result of the same settings, its runs are kept")
-    from llm_act.cli.plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)
-    from llm_act.cli.train import add_parser as add_train_parser
 
     add_train_parser(sub)
     return p
@@ -152,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
                 if getattr(args, n, None) is not None), parser)
     _check_user_input(sub, args)
     if args.command == "demo":
-        from llm_act.cli.demo import run_demo
-
         print(run_demo(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                        hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
                        bf16=args.bf16))
@@ -170,12 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return run_bench(args, argv)
     if args.command == "train":
-        from llm_act.cli.train import main as run_train
-
         return run_train(args)
     if args.command == "plan":
-        from llm_act.cli.plan import run as run_plan
-
         return run_plan(args, parser)
     return 2
 

@@ -16,6 +16,7 @@ import math
 import sys
 from typing import Optional, Union
 
+from llm_act.cli.parsing import POSITIVE_INT
 from llm_act.config import parse_bytes
 from llm_act.planner.analytic import ATTENTION_MODES, DeviceModel, ModelShape, layer_forward_ms
 from llm_act.planner.budget import StageResult, plan_stages
@@ -32,16 +33,6 @@ def _size(text: str) -> int:
         return parse_bytes(text, "size")
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err).replace("size: ", "")) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _probability(text: str) -> float:
@@ -83,13 +74,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                        allow_abbrev=False)
     p.add_argument("--model", required=True, choices=list(MODELS))
-    p.add_argument("--seq-length", type=_positive, default=None,
+    p.add_argument("--seq-length", type=POSITIVE_INT, default=None,
                    help="tokens per sequence (default: the model's context length)")
-    p.add_argument("--micro-batch-size", type=_positive, default=1)
-    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size")
-    p.add_argument("--dp", type=_positive, default=1, help="data-parallel size (ZeRO shards over it)")
-    p.add_argument("--ep", type=_positive, default=1,
+    p.add_argument("--micro-batch-size", type=POSITIVE_INT, default=1)
+    p.add_argument("--tp", type=POSITIVE_INT, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=POSITIVE_INT, default=1, help="pipeline-parallel size")
+    p.add_argument("--dp", type=POSITIVE_INT, default=1, help="data-parallel size (ZeRO shards over it)")
+    p.add_argument("--ep", type=POSITIVE_INT, default=1,
                    help="expert-parallel size (MoE models: the experts are split over it)")
     p.add_argument("--moe-capacity-factor", type=_capacity, default=None,
                    help="MoE expert capacity factor (default: dropless); each expert keeps at most "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from llm_act.cli.main import fail
+from llm_act.cli.parsing import fail
 from llm_act.train import compare
 from llm_act.train.args import build_parser, check
 from llm_act.train.loop import quiet_megatron_warnings

@@ -2,48 +2,23 @@
 
 `make_codec(name)` builds one by its registry name; the classes are importable here:
 `IntQuant`, `OutlierInt4`, `DualPrecision`, `BitMask`, `RegenMask`, `FP8`, `FewBit`,
-and `llm_act.codecs.fewbit.fit_derivative`.
+and `llm_act.codecs.fewbit.fit_derivative`. One module per codec, named like its kernels in
+`llm_act.kernels` (`<stem>_ref.py`, `<stem>_triton.py`) and its tests (`test_<stem>.py`).
 """
 from __future__ import annotations
 
-import importlib
-
+from llm_act.codecs import fewbit
 from llm_act.codecs.base import Codec, Encoded
-from llm_act.codecs.registry import (
-    CHOICE_NAMES,
-    CODEC_NAMES,
-    KEEP,
-    RECOMPUTE,
-    check_choice,
-    make_codec,
-)
-
-_LAZY = {
-    "IntQuant": "llm_act.codecs.int_quant",
-    "OutlierInt4": "llm_act.codecs.outlier",
-    "DualPrecision": "llm_act.codecs.dual",
-    "BitMask": "llm_act.codecs.bitmask",
-    "RegenMask": "llm_act.codecs.regen",
-    "FP8": "llm_act.codecs.fp8",
-    "FewBit": "llm_act.codecs.fewbit",
-}
+from llm_act.codecs.bitmask import BitMask
+from llm_act.codecs.dual import DualPrecision
+from llm_act.codecs.fewbit import FewBit
+from llm_act.codecs.fp8 import FP8
+from llm_act.codecs.int_quant import IntQuant
+from llm_act.codecs.outlier import OutlierInt4
+from llm_act.codecs.regen import RegenMask
+from llm_act.codecs.registry import CHOICE_NAMES, CODEC_NAMES, KEEP, RECOMPUTE, check_choice, make_codec
 
 __all__ = [
-    "Codec",
-    "Encoded",
-    "CODEC_NAMES",
-    "CHOICE_NAMES",
-    "KEEP",
-    "RECOMPUTE",
-    "check_choice",
-    "make_codec",
-    *_LAZY,
+    "BitMask", "CHOICE_NAMES", "CODEC_NAMES", "Codec", "DualPrecision", "Encoded", "FP8", "FewBit",
+    "IntQuant", "KEEP", "OutlierInt4", "RECOMPUTE", "RegenMask", "check_choice", "fewbit", "make_codec",
 ]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    if name == "fewbit":
-        return importlib.import_module("llm_act.codecs.fewbit")
-    raise AttributeError(f"module 'llm_act.codecs' has no attribute {name!r}")

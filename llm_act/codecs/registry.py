@@ -5,6 +5,13 @@ from typing import Callable, Mapping
 
 from llm_act.codecs.base import Codec
 from llm_act.sites import MASK_SITES, check_site
+from llm_act.codecs.bitmask import BitMask
+from llm_act.codecs.dual import DualPrecision
+from llm_act.codecs.fewbit import FewBit
+from llm_act.codecs.fp8 import FP8
+from llm_act.codecs.int_quant import IntQuant
+from llm_act.codecs.outlier import OutlierInt4
+from llm_act.codecs.regen import RegenMask
 
 #: Choices that are not codecs.
 KEEP, RECOMPUTE = "keep", "recompute"
@@ -13,29 +20,21 @@ NON_CODECS = (KEEP, RECOMPUTE)
 
 def _intquant(**kw) -> Callable[..., Codec]:
     def make(seed: int = 1234, **_ignored) -> Codec:
-        from llm_act.codecs.int_quant import IntQuant
-
         return IntQuant(seed=seed, **kw)
 
     return make
 
 
 def _outlier(seed: int = 1234, **_ignored) -> Codec:
-    from llm_act.codecs.outlier import OutlierInt4
-
     return OutlierInt4(seed=seed)
 
 
 def _dual(seed: int = 1234, **_ignored) -> Codec:
-    from llm_act.codecs.dual import DualPrecision
-
     return DualPrecision(seed=seed)
 
 
 def _fp8(fmt: str) -> Callable[..., Codec]:
     def make(seed: int = 1234, **_ignored) -> Codec:
-        from llm_act.codecs.fp8 import FP8
-
         return FP8(fmt=fmt, seed=seed)
 
     return make
@@ -43,22 +42,16 @@ def _fp8(fmt: str) -> Callable[..., Codec]:
 
 def _fewbit(bits: int) -> Callable[..., Codec]:
     def make(seed: int = 1234, activation: str = "gelu", **_ignored) -> Codec:
-        from llm_act.codecs.fewbit import FewBit
-
         return FewBit(activation, bits, seed=seed)
 
     return make
 
 
 def _bitmask(seed: int = 1234, **_ignored) -> Codec:
-    from llm_act.codecs.bitmask import BitMask
-
     return BitMask(seed=seed)
 
 
 def _regen(seed: int = 1234, **_ignored) -> Codec:
-    from llm_act.codecs.regen import RegenMask
-
     return RegenMask(seed=seed)
 
 

@@ -175,7 +175,7 @@ def test_bench_all_quick_writes_every_section(quick_convergence, tmp_path, capsy
     `--convergence-json` does) writes benchmarks.md with the four sections and the plots."""
     import json
 
-    from llm_act.cli import main
+    from llm_act.cli.main import main
 
     saved = tmp_path / "conv.json"
     saved.write_text(json.dumps(quick_convergence[0]))

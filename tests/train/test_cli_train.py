@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from llm_act import cli
+from llm_act.cli import main as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from llm_act.plan import describe
 from llm_act.train import parallel, small_gpt
 
 
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
         print(f"  it {h['iteration']}: {h['changes']} | {h['predicted_bytes'] / 2**20:.3f} MiB, "
               f"{h['overhead_ms']:.3f} ms | {h['reason']}")
     print("sensitivity c_i:", {k: float(f"{v:.3g}") for k, v in a.sensitivity.items()})
-    print("final plan:\n" + __import__("llm_act.plan", fromlist=["describe"]).describe(c.plan))
+    print("final plan:\n" + describe(c.plan))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 from llm_act import ActConfig
 from llm_act.config import NOISE_FRACTION
 from llm_act.measurement.sensitivity import sensitive_sites
-from tests.test_controller_adapt import _setup, _train
+from tests.runtime.test_controller_adapt import _setup, _train
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 warnings.filterwarnings("ignore", message=".*activation compression adds gradient noise.*")

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from llm_act.bench import memory as M
-from llm_act.planner.milp import DECODE_GROUPS
+from llm_act.planner.transient import DECODE_GROUPS
 from llm_act.train import parallel
 from llm_act.train.args import build_parser, check
 from llm_act.train.data import embedded_corpus

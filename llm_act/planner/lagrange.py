@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
+from llm_act.planner.transient import decode_groups
 
 _BISECT = 30  # steps of each bisection (log-scale over ~12 decades: ~3e-8 relative)
 _VAR_RTOL = 1e-6
@@ -89,10 +90,8 @@ class LagrangeProblem:
         self.nbytes = [s.nbytes for s in first.sites]
         # the transient is held at a bound of the reference plan's: a site it keeps stays
         # kept and a site it does not recompute is not recomputed, so no block's transient
-        # (recomputed sites + one decode group, `milp.transient_bytes`) exceeds the
+        # (recomputed sites + one decode group, `transient.transient_bytes`) exceeds the
         # reference's recomputed bytes + the largest group of the sites it does not keep
-        from llm_act.planner.milp import decode_groups  # late: milp imports this module
-
         def held(i: int, name: str) -> bool:
             return all(classes[k].options[i][p[i]].name == name for k, p in enumerate(reference))
 

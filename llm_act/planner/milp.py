@@ -55,6 +55,7 @@ from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE
 from llm_act.plan import Plan
 from llm_act.planner.lagrange import blind_input, lagrange_plan
 from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
+from llm_act.planner.transient import decode_groups, transient_bytes
 
 log = logging.getLogger(__name__)
 
@@ -102,28 +103,6 @@ class InfeasibleVariance(ValueError):
             f"variance_budget={variance_budget!r} cannot be met within the memory budget: "
             f"the least achievable summed noise is {min_variance!r}"
         )
-
-
-#: sites whose decoded copies one backward op needs at once (any other site is its own group)
-DECODE_GROUPS: tuple[frozenset[str], ...] = (frozenset({"attn.q", "attn.k", "attn.v", "attn.out"}),)
-
-
-def decode_groups(names: Sequence[str]) -> list[list[int]]:
-    """Indices of `names` grouped by what is decoded at once (`DECODE_GROUPS`), in order."""
-    groups: dict[Any, list[int]] = {}
-    for i, name in enumerate(names):
-        key = next((g for g in DECODE_GROUPS if name in g), name)
-        groups.setdefault(key, []).append(i)
-    return list(groups.values())
-
-
-def transient_bytes(nbytes: Sequence[int], choices: Sequence[str], names: Sequence[str]) -> int:
-    """The backward transient of one block under `choices`: the recomputed sites' bytes
-    plus the largest decode group's compressed sites' bytes (see the module docstring)."""
-    rec = sum(n for n, c in zip(nbytes, choices) if c == RECOMPUTE)
-    dec = max((sum(nbytes[i] for i in g if choices[i] not in (KEEP, RECOMPUTE))
-               for g in decode_groups(names)), default=0)
-    return rec + dec
 
 
 @dataclass

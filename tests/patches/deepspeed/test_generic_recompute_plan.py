@@ -12,30 +12,7 @@ from llm_act.codecs import registry
 from llm_act.config import ActConfig
 from llm_act.plan import compress_layer, recompute_layer
 from llm_act.patches.deepspeed import generic
-
-
-class Block(torch.nn.Module):
-    def __init__(self, h=32):
-        super().__init__()
-        self.ln_1 = torch.nn.LayerNorm(h)
-        self.c_fc = torch.nn.Linear(h, 4 * h)
-        self.act = torch.nn.GELU()
-        self.down_proj = torch.nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        return x + self.down_proj(self.act(self.c_fc(self.ln_1(x))))
-
-
-class Net(torch.nn.Module):
-    def __init__(self, n=3):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(Block() for _ in range(n))
-        self.head = torch.nn.Linear(32, 8)
-
-    def forward(self, x):
-        for block in self.layers:
-            x = block(x)
-        return self.head(x)
+from tests.patches.deepspeed.test_config import Net  # the same small stack of blocks
 
 
 def _pair(n=3):

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from llm_act import ActConfig
+from llm_act.ledger import SavedTensorLedger
 from llm_act.runtime.adapt import BudgetTooSmall
 from llm_act.runtime.controller import ANY_OPTIMIZER
-from llm_act.ledger import SavedTensorLedger
 from tests.patches.megatron import gpt_runs as R
 from tests.test_budget_doors import _ds_steps, _engine, _plain_steps, pp2_run
 

@@ -47,13 +47,13 @@ from typing import Callable, Optional
 import torch
 
 from llm_act.bench import kernels, memory as M
-from llm_act.planner.budget import min_budget, reference_variance
-from llm_act.train import parallel, small_gpt
 from llm_act.bench.timing import machine_line, median_ms
 from llm_act.ledger import SavedTensorLedger
 from llm_act.plan import recompute_layer, selective_layer
 from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
 from llm_act.planner.analytic import block_profile, ModelShape
+from llm_act.planner.budget import min_budget, reference_variance
+from llm_act.train import parallel, small_gpt
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,15 @@ from typing import Callable, Optional
 import torch
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
-from llm_act.planner.budget import min_budget, reference_variance
-from llm_act.sites import DEFAULT_CODECS, MASK_SITES, MOE_SITES, QK_NORM_SITES, SITES
-from llm_act.train import parallel, rng, small_gpt
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.megatron.recompute import bind_with
 from llm_act.plan import recompute_layer, selective_layer
 from llm_act.planner import BlockProfile, InfeasibleBudget, InfeasibleVariance, SiteProfile, solve_plan
 from llm_act.planner.analytic import block_profile, ModelShape
+from llm_act.planner.budget import min_budget, reference_variance
 from llm_act.runtime.controller import codec_seed
+from llm_act.sites import DEFAULT_CODECS, MASK_SITES, MOE_SITES, QK_NORM_SITES, SITES
+from llm_act.train import parallel, rng, small_gpt
 
 #: bits per element GACT's adaptive allocation averages (the paper's headline setting)
 GACT_BITS = 4

@@ -23,11 +23,11 @@ import time
 from typing import Callable, Optional
 
 from llm_act.bench import memory as M
+from llm_act.planner import BlockProfile, evaluate_plan, solve_plan
+from llm_act.planner.analytic import block_profile
 from llm_act.planner.budget import reference_variance
 from llm_act.planner.presets import model_shape
 from llm_act.train import parallel
-from llm_act.planner import BlockProfile, evaluate_plan, solve_plan
-from llm_act.planner.analytic import block_profile
 
 DEPTHS = (24, 48, 96, 128)
 MODEL = "gpt-1.3b"

@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from llm_act.bench.timing import machine_line
 from llm_act.bench import convergence as C, gpu as G, kernels, memory as M, overhead as O, planner as P
+from llm_act.bench.timing import machine_line
 
 GPU_PENDING = ("pending: no GPU in this run. A session with an H100/H200 fills this section in "
                "one device call (about 9 minutes at most, every step under its own `timeout`): "

@@ -3,4 +3,5 @@ import sys
 
 from llm_act.cli.main import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The README's main job until the training loop lands: compress a real GPT block's activations.
+"""`llm-act demo`: every default codec on the activations of one real GPT block, in seconds.
 
 Builds one stock megatron-core `TransformerLayer` on CPU, runs forward + backward on random
 input, captures the tensor at every site of the design brief (by module hooks on the stock
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from llm_act.codecs import make_codec
+from llm_act.codecs.fewbit import derivative
 from llm_act.sites import DEFAULT_CODECS
 from llm_act.train import parallel, small_gpt
-from llm_act.codecs.fewbit import derivative
 
 # site -> (module path inside a TransformerLayer, which tensor of the call)
 _CAPTURE = {

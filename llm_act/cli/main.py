@@ -19,11 +19,11 @@ import warnings
 
 from llm_act.bench import kernels
 from llm_act.bench.report import main as run_bench
-from llm_act.cli.parsing import POSITIVE_FLOAT, POSITIVE_INT, fail
-from llm_act.kernels import kernel_choice
 from llm_act.cli.demo import run_demo
+from llm_act.cli.parsing import POSITIVE_FLOAT, POSITIVE_INT, fail
 from llm_act.cli.plan import add_parser as add_plan_parser, run as run_plan
 from llm_act.cli.train import add_parser as add_train_parser, main as run_train
+from llm_act.kernels import kernel_choice
 
 
 

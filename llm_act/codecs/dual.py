@@ -21,8 +21,8 @@ import math
 import torch
 
 from llm_act.codecs.base import Codec, Encoded
-from llm_act.kernels import dual_ref as ref
 from llm_act.kernels import custom_ops, use_triton
+from llm_act.kernels import dual_ref as ref
 
 
 class DualPrecision(Codec):

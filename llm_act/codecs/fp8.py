@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from llm_act.codecs.base import Codec, Encoded
-from llm_act.kernels import fp8_ref as ref
 from llm_act.kernels import custom_ops
+from llm_act.kernels import fp8_ref as ref
 
 
 class FP8(Codec):

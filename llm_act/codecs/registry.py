@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from llm_act.codecs.base import Codec
-from llm_act.sites import MASK_SITES, check_site
 from llm_act.codecs.bitmask import BitMask
 from llm_act.codecs.dual import DualPrecision
 from llm_act.codecs.fewbit import FewBit
@@ -12,6 +11,7 @@ from llm_act.codecs.fp8 import FP8
 from llm_act.codecs.int_quant import IntQuant
 from llm_act.codecs.outlier import OutlierInt4
 from llm_act.codecs.regen import RegenMask
+from llm_act.sites import MASK_SITES, check_site
 
 #: Choices that are not codecs.
 KEEP, RECOMPUTE = "keep", "recompute"

@@ -32,8 +32,8 @@ import torch
 
 from llm_act.measurement.controlled import ControlledModel
 
-from llm_act.measurement import probing
 from llm_act.codecs.registry import KEEP, RECOMPUTE
+from llm_act.measurement import probing
 from llm_act.sites import MASK_SITES
 
 log = logging.getLogger(__name__)

@@ -36,14 +36,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from llm_act.measurement.controlled import ControlledModel
-from llm_act.measurement.profile import RECOMPUTABLE, MeasuredProfile, OptionStats, SiteStats
-from llm_act.measurement import probing
 from llm_act.codecs.base import Codec, Encoded
+from llm_act.codecs.fewbit import derivative
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, check_choice, make_codec
 from llm_act.ledger import SavedTensorLedger
+from llm_act.measurement import probing
+from llm_act.measurement.controlled import ControlledModel
+from llm_act.measurement.measured_profile import RECOMPUTABLE, MeasuredProfile, OptionStats, SiteStats
 from llm_act.sites import MASK_SITES, QKV_SITES, SITES
-from llm_act.codecs.fewbit import derivative
 
 _MEASURE_SEED = 20240611
 

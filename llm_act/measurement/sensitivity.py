@@ -55,11 +55,11 @@ import torch
 
 from llm_act.measurement.controlled import ControlledModel
 
-from llm_act.measurement import probing
 from llm_act.codecs.base import Codec, Encoded
-from llm_act.codecs.registry import make_codec
-from llm_act.sites import MASK_SITES, SITES
 from llm_act.codecs.fewbit import derivative
+from llm_act.codecs.registry import make_codec
+from llm_act.measurement import probing
+from llm_act.sites import MASK_SITES, SITES
 
 #: the codec whose random draws measure c at value sites
 PROBE_CODEC = "int4"

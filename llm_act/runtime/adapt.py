@@ -52,21 +52,21 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from llm_act.runtime import agreement
-from llm_act.plan import plan_from
-from llm_act.codecs.registry import KEEP, RECOMPUTE
-from llm_act.runtime.logs import speaks_for_stage
-from llm_act.planner.milp import InfeasibleBudget
 from llm_act.codecs.fewbit import ACTIVATIONS
+from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.ledger import current_ledger, SavedTensorLedger
 from llm_act.measurement import fidelity
 from llm_act.measurement.fidelity import FidelityReport
 from llm_act.measurement.measure import measure_profile
 from llm_act.measurement.replay import StepReplay
 from llm_act.measurement.sensitivity import check_noise, measure_sensitivity, sensitive_sites
+from llm_act.plan import plan_from
 from llm_act.planner import evaluate_plan, InfeasibleVariance, solve_plan
 from llm_act.planner.analytic import block_profile, DeviceModel, DTYPES, ModelShape
 from llm_act.planner.budget import min_budget
+from llm_act.planner.milp import InfeasibleBudget
+from llm_act.runtime import agreement
+from llm_act.runtime.logs import speaks_for_stage
 
 if TYPE_CHECKING:
     from llm_act.runtime.controller import Controller  # it owns this Adapter

@@ -32,16 +32,16 @@ import contextlib
 import logging
 from typing import Any, Callable, Iterator, Mapping, Optional
 
-from llm_act.plan import LayerPlans, PlanLike, describe as describe_plan, is_keep, keep_layer, plan_from, resolve
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.config import ActConfig
-from llm_act.sites import SITES, tp_replicated
 from llm_act.measurement.probing import params_of
+from llm_act.plan import LayerPlans, PlanLike, describe as describe_plan, is_keep, keep_layer, plan_from, resolve
 from llm_act.runtime import agreement
 from llm_act.runtime.adapt import Adapter
 from llm_act.runtime.agreement import data_parallel_rank, spans, tensor_parallel_rank
 from llm_act.runtime.logs import default_handler, speaks_for_stage
+from llm_act.sites import SITES, tp_replicated
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from llm_act.runtime.agreement import timed
 from llm_act.kernels import codec_backend
 from llm_act.plan import describe as describe_plan
-from llm_act.train import checkpoint, data as data_lib, parallel
-from llm_act.train.trainer import Trainer
+from llm_act.runtime.agreement import timed
 from llm_act.runtime.logs import default_handlers
+from llm_act.train import checkpoint, data as data_lib, parallel
 from llm_act.train.args import build_parser, check
+from llm_act.train.trainer import Trainer
 
 MiB = 2**20
 

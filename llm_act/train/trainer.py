@@ -21,10 +21,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from llm_act.ledger import SavedTensorLedger
 from llm_act.runtime.agreement import timed
 from llm_act.train import checkpoint, gpu, model as model_lib, optim, rng
 from llm_act.train.data import Batch, Samples, TokenData, micro_batch
-from llm_act.ledger import SavedTensorLedger
 
 
 @dataclass

@@ -40,10 +40,10 @@ import torch
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
 from llm_act.config import ActConfig
-from llm_act.runtime.controller import SEED_STRIDE, Controller, replica_seed
 from llm_act.generic.hooks import SavedTensorCompression
-from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, MOE_SITES, SITES
 from llm_act.patches.deepspeed import recompute as recompute_lib
+from llm_act.runtime.controller import SEED_STRIDE, Controller, replica_seed
+from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, MOE_SITES, SITES
 
 #: last path component of a submodule of a block -> the site of what it saves
 SITE_OF: dict[str, str] = {

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from llm_act.runtime import agreement
 from llm_act._imports import require
 from llm_act.config import ActConfig
 from llm_act.patches.deepspeed import ds_config
+from llm_act.runtime import agreement
 from llm_act.runtime.controller import Controller
 
 

@@ -28,14 +28,14 @@ from typing import Any, Callable, Mapping, Optional
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.config import ActConfig
-from llm_act.runtime.controller import Controller
 from llm_act.patches.deepspeed import recompute as ds_recompute
-from llm_act.patches.megatron.recompute import LayerRecompute, is_full
-from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, SITES
 from llm_act.patches.megatron import apply as megatron_apply
 from llm_act.patches.megatron.apply import transformer_layers
+from llm_act.patches.megatron.recompute import LayerRecompute, is_full
 from llm_act.patches.megatron.rng_replay import capture_rng, replay_rng
 from llm_act.plan import resolve
+from llm_act.runtime.controller import Controller
+from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, SITES
 
 #: where a layer's choice recomputes: nowhere, in DeepSpeed's checkpoint, in llm_act's regions
 NONE, DEEPSPEED, REGIONS = "none", "deepspeed", "regions"

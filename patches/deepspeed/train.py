@@ -21,11 +21,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from llm_act._imports import require
-from llm_act.runtime.agreement import timed
-from llm_act.train import data as data_lib, parallel, small_gpt
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.deepspeed import ds_config, hf_decoder, initialize
 from llm_act.plan import describe
+from llm_act.runtime.agreement import timed
+from llm_act.train import data as data_lib, parallel, small_gpt
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from llm_act.codecs.base import Codec
-from llm_act.sites import check_site
 from llm_act import ledger
+from llm_act.codecs.base import Codec
 from llm_act.patches.megatron.recompute_codec import _Visible
+from llm_act.sites import check_site
 
 
 class ActModule:

@@ -24,9 +24,9 @@ from typing import Any, Iterable, Union
 
 import torch
 
-from llm_act.runtime import agreement
 from llm_act._imports import require
 from llm_act.config import ActConfig
+from llm_act.runtime import agreement
 from llm_act.runtime.controller import Controller
 
 

@@ -43,13 +43,13 @@ from typing import Any, Optional
 
 import torch
 
+from llm_act import ledger
 from llm_act._imports import require
+from llm_act.attention import attention, pick_backend
 from llm_act.codecs.base import Codec
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
-from llm_act.sites import QKV_SITES
-from llm_act import ledger
-from llm_act.attention import attention, pick_backend
 from llm_act.patches.megatron.dropout import StoredMaskDropout
+from llm_act.sites import QKV_SITES
 
 require("megatron.core", "llm_act.patches.megatron.attention")
 from megatron.core import tensor_parallel  # noqa: E402

@@ -30,12 +30,12 @@ import torch
 
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, check_choice
-from llm_act.sites import (ATTENTION_INTERNAL_SITES, CHECKPOINT_SITE, DENSE_MLP_SITES, MASK_SITES, MOE_SITES,
-                           QK_NORM_SITES, QKV_SITES, SITES)
 from llm_act.patches.megatron.recompute_codec import SiteRecompute, _Visible
 from llm_act.patches.megatron.recompute_producers import MOE_FULL_ONLY, PRODUCER_INPUTS
 from llm_act.patches.megatron.recompute_region import _Box, _Frame, _Region, _alive
 from llm_act.patches.megatron.rng_replay import capture_rng, is_recomputing, recomputing, replay_rng
+from llm_act.sites import (ATTENTION_INTERNAL_SITES, CHECKPOINT_SITE, DENSE_MLP_SITES, MASK_SITES, MOE_SITES,
+                           QK_NORM_SITES, QKV_SITES, SITES)
 
 #: sites a layer may lack (no qk-layernorm; a dense MLP or an MoE layer, not both)
 OPTIONAL_SITES = frozenset(QK_NORM_SITES) | frozenset(DENSE_MLP_SITES) | frozenset(MOE_SITES)

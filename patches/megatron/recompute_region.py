@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from llm_act.codecs.registry import RECOMPUTE
-from llm_act.sites import QKV_SITES
 from llm_act.patches.megatron.act_module import report_to_ledger
 from llm_act.patches.megatron.recompute_producers import PRODUCER_INPUTS
 from llm_act.patches.megatron.rng_replay import capture_rng, recomputing, replay_rng
+from llm_act.sites import QKV_SITES
 
 if TYPE_CHECKING:
     from llm_act.patches.megatron.recompute import LayerRecompute

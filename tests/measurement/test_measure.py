@@ -14,9 +14,9 @@ import torch
 
 from llm_act import ActConfig
 from llm_act.ledger import SavedTensorLedger
+from llm_act.measurement.measure import measure_profile
 from llm_act.patches.megatron import apply
 from llm_act.planner import evaluate_plan, solve_plan
-from llm_act.measurement.measure import measure_profile
 from tests.patches.megatron import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")

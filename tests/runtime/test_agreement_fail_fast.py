@@ -23,8 +23,8 @@ import warnings
 import pytest
 import torch
 
-from llm_act.runtime import agreement
 from llm_act import _testing as T
+from llm_act.runtime import agreement
 
 pytestmark = pytest.mark.dist
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act.runtime import adapt
-from llm_act.plan import resolve
 from llm_act import _testing as T
 from llm_act.patches.megatron import apply
+from llm_act.plan import resolve
 from llm_act.planner import evaluate_plan
+from llm_act.runtime import adapt
 from tests.patches.megatron import gpt_runs as R
 
 pytestmark = pytest.mark.usefixtures("megatron_one_rank")

@@ -10,8 +10,8 @@ import torch
 
 from llm_act.codecs import registry
 from llm_act.config import ActConfig
-from llm_act.plan import compress_layer, recompute_layer
 from llm_act.patches.deepspeed import generic
+from llm_act.plan import compress_layer, recompute_layer
 from tests.patches.deepspeed.test_config import Net  # the same small stack of blocks
 
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from llm_act import _testing as testing
+from llm_act.bench.memory import held_after_forward, ledger_and_held
 from llm_act.codecs import make_codec
 from llm_act.ledger import SavedTensorLedger
-from llm_act.bench.memory import held_after_forward, ledger_and_held
 from llm_act.sites import DEFAULT_CODECS
 from tests.patches import broken_codec
 from tests.patches.megatron.layer_pairs import GaussianChannel, rel_errors

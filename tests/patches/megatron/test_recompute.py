@@ -17,8 +17,8 @@ import torch
 from llm_act import _testing as testing
 from llm_act.codecs import make_codec
 from llm_act.ledger import SavedTensorLedger
-from llm_act.plan import recompute_layer, selective_layer
 from llm_act.patches.megatron import recompute as R
+from llm_act.plan import recompute_layer, selective_layer
 from tests.patches import broken_codec
 from tests.patches.megatron.layer_pairs import twin_layers
 from tests.patches.megatron.test_layers import assert_identical, layer_step

@@ -19,6 +19,7 @@ No output size depends on data: OutlierInt4's outlier count is chosen outside
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable
@@ -53,10 +54,13 @@ def kernel_op(name: str, reference: Callable, launcher: str,
     `use_triton` picks it, else `reference`; `fake` gives the outputs' shapes and dtypes."""
     module, function = launcher.split(".")
 
+    @functools.cache
+    def triton_launcher() -> Callable:  # imported at the first CUDA call, then looked up once
+        return getattr(importlib.import_module(f"{__package__}.{module}"), function)
+
     def run(*args):
         if use_triton(args[0]):
-            kernels = importlib.import_module(f"{__package__}.{module}")
-            return getattr(kernels, function)(*args)
+            return triton_launcher()(*args)
         return reference(*args)
 
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", run, mutates_args=(),

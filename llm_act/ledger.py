@@ -657,4 +657,3 @@ def scope(layer: Optional[int], site: str) -> Iterator[None]:
         yield
     finally:
         _SCOPE.value = outer
-

@@ -222,8 +222,7 @@ def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> li
     "choice": {site: name}}]}` (layers inclusive); returns one choice dict per layer.
     Every layer in [0, num_layers) must be covered exactly once; sites a block does not
     name are kept."""
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers: expected an int >= 1, got {num_layers!r}")
+    _check_num_layers(num_layers)
     data = _read(source)
     if not isinstance(data, dict):
         raise ValueError(f"plan: expected a JSON object, got {type(data).__name__}")
@@ -257,7 +256,7 @@ def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> li
             owner[layer], layers[layer] = n, dict(choice)
     missing = [i for i, c in enumerate(layers) if c is None]
     if missing:
-        raise ValueError(f"plan blocks: layers {_ranges(missing)} of {num_layers} have no plan")
+        raise ValueError(f"plan blocks: layers {spans(missing)} of {num_layers} have no plan")
     return layers  # type: ignore[return-value]
 
 
@@ -275,10 +274,12 @@ def _read(source) -> Any:
         raise ValueError(f"plan: {os.fspath(source)!r} is not valid JSON: {err}") from None
 
 
-def _ranges(idx: list[int]) -> str:
-    out, start = [], idx[0]
-    for a, b in zip(idx, idx[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ", ".join(out)
+def spans(numbers: list[int]) -> str:
+    """[0, 2, 3, 4] -> '0, 2-4': layers of a plan, ranks of a group."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)

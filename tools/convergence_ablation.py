@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
     try:
         run = C.train_one(scheme, 300, 30, seed, False, embedded_corpus())
     finally:
-        parallel.teardown()
+        parallel.destroy_parallel()
     print(f"{variant} seed {seed}: final {run['valid'][-1]:.4f}; every 30 steps "
           + " ".join(f"{v:.4f}" for v in run["valid"]), flush=True)
 

@@ -226,7 +226,7 @@ def run(steps: int = 300, quick: bool = False, seeds=SEEDS, plans=PLANS, models=
                     if save is not None:
                         save(result)
     finally:
-        parallel.teardown()
+        parallel.destroy_parallel()
     return result
 
 

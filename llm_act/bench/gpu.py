@@ -144,10 +144,9 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
 
 
 def _model(shape: GpuShape, device: torch.device, seed: int = 1234):
-
     cfg = small_gpt.small_config(hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                               num_layers=shape.layers, dtype=torch.bfloat16, dropout=0.0,
-                               use_cpu_initialization=device.type == "cpu")
+                                 num_layers=shape.layers, dtype=torch.bfloat16, dropout=0.0,
+                                 use_cpu_initialization=device.type == "cpu")
     torch.manual_seed(seed)
     model = small_gpt.gpt_model(cfg, vocab_size=shape.vocab, max_sequence_length=shape.seq).to(device)
     # as Megatron-LM under --bf16: every parameter in bf16 (on CUDA megatron-core's torch
@@ -413,8 +412,6 @@ class _Sweep:
     def scheme(self, name: str, full_mem: dict, left: Optional[float], log: Callable[[str], None]) -> dict:
         """One scheme over the sizes, then its largest micro-batch: {"rows", "skipped",
         "full_mem" (FULL's measured memory per size), "largest"}."""
-
-
         dev = torch.device(self.device)
         deadline = None if left is None else time.perf_counter() + left
         full_mem = dict(full_mem)

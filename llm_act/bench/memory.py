@@ -221,9 +221,8 @@ def bind_layer(layer: torch.nn.Module, index: int, scheme: Scheme, seed: int = 1
 
 
 def build_layer(shape: Shape, seed: int = 0):
-
     cfg = small_gpt.small_config(hidden_size=shape.h, num_attention_heads=shape.a, dtype=shape.dtype,
-                               dropout=shape.dropout, num_layers=1, add_bias_linear=True)
+                                 dropout=shape.dropout, num_layers=1, add_bias_linear=True)
     torch.manual_seed(seed)
     return small_gpt.transformer_layer(cfg, layer_number=1)
 
@@ -314,8 +313,6 @@ def run(shapes: list[Shape], process_for=("stock", "compress (Adacc)"),
         log: Callable[[str], None] = lambda m: None) -> list[dict]:
     """Every scheme on every shape; rows {scheme, source, note, shape, total, per_sbh, ratio,
     held_per_sbh, by_site, predicted}."""
-
-
     parallel.init_parallel(seed=1234)
     rows = []
     try:

@@ -30,7 +30,7 @@ def run(steps: int = 300, quick: bool = False, seed: int = 1234) -> dict:
             trainer.train_step()
         seconds = time.perf_counter() - start
     finally:
-        parallel.teardown()
+        parallel.destroy_parallel()
     return {"steps": steps, "seconds": seconds, "measuring_seconds": adapter.measure_seconds,
             "fraction": adapter.measure_seconds / seconds, "tracked": list(adapter.tracked),
             "changes": len(adapter.history)}

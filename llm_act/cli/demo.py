@@ -80,7 +80,7 @@ def run_demo(seq_length: int = 256, micro_batch_size: int = 2, hidden_size: int 
     try:
         torch.manual_seed(0)
         cfg = small_gpt.small_config(hidden_size=hidden_size, num_attention_heads=num_heads,
-                                   num_layers=1, dtype=dtype, add_bias_linear=True)
+                                     num_layers=1, dtype=dtype, add_bias_linear=True)
         layer = small_gpt.transformer_layer(cfg)
         hidden = torch.randn(seq_length, micro_batch_size, hidden_size, dtype=dtype, requires_grad=True)
         rows = measure(capture_sites(layer, hidden))

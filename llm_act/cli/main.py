@@ -26,8 +26,6 @@ from llm_act.cli.train import add_parser as add_train_parser, main as run_train
 from llm_act.kernels import kernel_choice
 
 
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llm-act", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -32,8 +32,6 @@ PROFILE_INPUTS: dict[str, tuple[str, ...]] = {
 #: dropout masks ("recompute" there is the `regen` codec, which is offered).
 RECOMPUTABLE: frozenset[str] = frozenset(
     {"attn.qkv_input", "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input"})
-#: sites the core attention stores from its own inputs (captured by a forward pre-hook:
-#: a lossless codec there is stored raw, so a capture codec never sees the tensor)
 
 
 @dataclass

@@ -92,6 +92,7 @@ class LagrangeProblem:
         # kept and a site it does not recompute is not recomputed, so no block's transient
         # (recomputed sites + one decode group, `transient.transient_bytes`) exceeds the
         # reference's recomputed bytes + the largest group of the sites it does not keep
+
         def held(i: int, name: str) -> bool:
             return all(classes[k].options[i][p[i]].name == name for k, p in enumerate(reference))
 

@@ -52,6 +52,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from llm_act.plan import spans
+
 #: environment variable: seconds any collective llm_act issues may wait for the other ranks
 TIMEOUT_ENV = "LLM_ACT_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -304,17 +306,6 @@ def agree_profile(profile: Any, g: Optional[Groups]) -> Any:
 
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=repr)
-
-
-def spans(numbers: list[int]) -> str:
-    """[0, 2, 3, 4] -> '0, 2-4'."""
-    runs: list[list[int]] = []
-    for n in sorted(numbers):
-        if runs and n == runs[-1][-1] + 1:
-            runs[-1].append(n)
-        else:
-            runs.append([n])
-    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def _per_rank(holders: list[tuple[int, Any]]) -> str:

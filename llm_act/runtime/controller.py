@@ -36,10 +36,11 @@ from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.config import ActConfig
 from llm_act.measurement.probing import params_of
-from llm_act.plan import LayerPlans, PlanLike, describe as describe_plan, is_keep, keep_layer, plan_from, resolve
+from llm_act.plan import (LayerPlans, PlanLike, describe as describe_plan, is_keep, keep_layer, plan_from, resolve,
+                          spans)
 from llm_act.runtime import agreement
 from llm_act.runtime.adapt import Adapter
-from llm_act.runtime.agreement import data_parallel_rank, spans, tensor_parallel_rank
+from llm_act.runtime.agreement import data_parallel_rank, tensor_parallel_rank
 from llm_act.runtime.logs import default_handler, speaks_for_stage
 from llm_act.sites import SITES, tp_replicated
 
@@ -140,7 +141,8 @@ class Controller:
         self._in_step = False
         self._hooks: list[Any] = []
         self.iteration = 0
-        #: global layer index -> its TransformerLayer (found by the measured profile)
+        #: global layer index -> its TransformerLayer (`patches.megatron.apply` fills it; empty on
+        #: the generic path)
         self.layer_modules: dict[int, Any] = {}
         self._probe: Optional[Callable[[], Any]] = None
         self._step_probe: Optional[Callable[[], Any]] = None
@@ -204,7 +206,7 @@ class Controller:
     def describe(self, plan: LayerPlans) -> str:
         """`llm_act.plan.describe` of `plan` over the sites the layers really store."""
         return describe_plan({layer: {s: n for s, n in choice.items() if s in self._modules.get(layer, {})}
-                               for layer, choice in plan.items()})
+                              for layer, choice in plan.items()})
 
     def module(self, layer: int, site: str) -> Any:
         """The module that stores `site` of `layer` (KeyError if none)."""

@@ -205,4 +205,4 @@ def run(args: argparse.Namespace, output_dir: str, log: Callable[[str], None] = 
         log(f"plot: {path} (--output-dir {output_dir})")
         return {"stock": stock, "compressed": comp, "table": table, "plot": path}
     finally:
-        parallel.teardown()
+        parallel.destroy_parallel()

@@ -230,5 +230,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{parser.prog}: error: {err}", file=sys.stderr, flush=True)
         return 2
     finally:
-        parallel.teardown()
+        parallel.destroy_parallel()
     return 0

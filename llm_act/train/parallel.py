@@ -17,6 +17,7 @@ import torch.distributed as dist
 from llm_act._imports import require
 from llm_act.patches.megatron import cpu_shim
 
+
 def world_size() -> int:
     """The world size the launcher asks for (1 without a launcher)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -38,7 +39,7 @@ def init(args: argparse.Namespace) -> None:
         if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
             dist.init_process_group(backend)
         else:
-                        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                     rank=0, world_size=1)
     if ps.model_parallel_is_initialized():
         same = (ps.get_tensor_model_parallel_world_size() == args.tensor_model_parallel_size
@@ -48,15 +49,6 @@ def init(args: argparse.Namespace) -> None:
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size)
-
-
-def teardown() -> None:
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def device() -> torch.device:
@@ -70,7 +62,7 @@ def is_logging_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
-# ---- the gloo process group and megatron's parallel state of tests, benches and demos ----
+# ---- the gloo process group of tests, benches and demos, and the teardown of every run ----
 
 
 def free_port() -> int:
@@ -95,8 +87,6 @@ def init_parallel(
     state when it is already up (so tests can change TP/PP within one process). `ep` is
     megatron's expert-model-parallel size (MoE experts split over `ep` ranks).
     """
-    import torch.distributed as dist
-
     require("megatron.core", "llm_act.train.parallel")
 
     cpu_shim.install()
@@ -121,8 +111,8 @@ def init_parallel(
 
 
 def destroy_parallel() -> None:
-    """Tear down megatron's parallel state and the process group (if up)."""
-    import torch.distributed as dist
+    """Tear down megatron's parallel state and the process group (if up), and forget the
+    groups DeepSpeed cached from it."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

@@ -42,6 +42,7 @@ from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
 from llm_act.config import ActConfig
 from llm_act.generic.hooks import SavedTensorCompression
 from llm_act.patches.deepspeed import recompute as recompute_lib
+from llm_act.plan import recompute_layer
 from llm_act.runtime.controller import SEED_STRIDE, Controller, replica_seed
 from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, MOE_SITES, SITES
 
@@ -164,8 +165,8 @@ class BlockRecompute:
         stored = {s: choice.get(s, KEEP) for s in self.sites.codecs}
         where = f"generic block {self.sites.act_layer}"
         if self.recompute:
-            wrong = {s: n for s, n in stored.items()
-                     if n != (self.checkpoint if s == CHECKPOINT_SITE else RECOMPUTE)}
+            whole = recompute_layer(self.checkpoint)
+            wrong = {s: n for s, n in stored.items() if n != whole[s]}
             if wrong:
                 raise ValueError(
                     f"{where} is recomputed as a whole from {CHECKPOINT_SITE} = {self.checkpoint!r} "

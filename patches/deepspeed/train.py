@@ -84,12 +84,12 @@ def _model(args: argparse.Namespace, vocab: int):
     parallel.init_parallel(rank=rank, world_size=world, seed=args.seed)
     torch.manual_seed(args.seed)
     config = small_gpt.small_config(hidden_size=args.hidden_size,
-                                  num_attention_heads=args.num_attention_heads,
-                                  num_layers=args.num_layers)
+                                    num_attention_heads=args.num_attention_heads,
+                                    num_layers=args.num_layers)
     # untied output layer: under ZeRO-3 a weight shared by two modules is gathered only by
     # its owner's hooks
     model = small_gpt.gpt_model(config, vocab_size=vocab, max_sequence_length=args.seq_length,
-                              share_embeddings_and_output_weights=False)
+                                share_embeddings_and_output_weights=False)
 
     def loss(m, b):
         return m(b.tokens, b.position_ids, None, labels=b.labels).float().mean()

@@ -130,4 +130,3 @@ def convert_moe(layer: torch.nn.Module) -> dict[str, ActModule]:
     sites: dict[str, ActModule] = {ROUTER_SITE: router}
     sites.update({site: experts for site in EXPERT_SITES})
     return sites
-

@@ -46,7 +46,7 @@ def runs():
         with broken():
             bad = C.train_one(TINY, "compress", 1234, STEPS, data, budget, extra=REPORTS)
     finally:
-        parallel.teardown()
+        parallel.destroy_parallel()
     return stock, auto, bad
 
 

@@ -26,7 +26,7 @@ def run(argv, lines=None, base=SMALL):
         return loop.train(args, log=(lines.append if lines is not None else lambda m: None))
     finally:
         torch.set_num_threads(threads)
-        parallel.teardown()
+        parallel.destroy_parallel()
 
 
 @pytest.mark.parametrize("extra", [["--act-compress", "--act-compress-plan", "compress"], ["--bf16"]],

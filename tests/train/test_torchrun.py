@@ -40,7 +40,7 @@ def single_rank_losses(argv):
     try:
         return loop.train(args, log=lambda m: None)["losses"]
     finally:
-        parallel.teardown()
+        parallel.destroy_parallel()
 
 
 def test_tp2_sequence_parallel_compressed_matches_one_rank():

@@ -79,6 +79,13 @@ def train(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[
         return _train(args, trainer, data, say)
 
 
+def stderr_line(msg: str) -> None:
+    """One line on stderr in one write: every rank shares the pipe, and `print` writes the
+    text and its newline apart under PYTHONUNBUFFERED, so two ranks' lines could run together."""
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
 @contextlib.contextmanager
 def _controller_log(say: Callable[[str], None]):
     """llm_act's own log lines (a re-plan with its predicted bytes and reason, a budget or
@@ -90,7 +97,7 @@ def _controller_log(say: Callable[[str], None]):
             if parallel.is_logging_rank():
                 say(msg)
             elif record.levelno >= logging.WARNING:
-                print(msg, file=sys.stderr, flush=True)
+                stderr_line(msg)
 
     logger = logging.getLogger("llm_act")
     handler, level = Say(logging.INFO), logger.level
@@ -227,7 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         train(args, log=lambda msg: print(msg, flush=True))
     except (ValueError, FileNotFoundError) as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr, flush=True)
+        stderr_line(f"{parser.prog}: error: {err}")
         return 2
     finally:
         parallel.destroy_parallel()

@@ -44,3 +44,23 @@ def test_a_fixed_plan_is_printed_and_never_re_planned(tmp_path):
 def test_stock_prints_no_plan_and_no_codec_note(tmp_path):
     out = _run(tmp_path)
     assert "plan in force" not in out and "pure-torch" not in out
+
+
+def test_a_rank_error_line_is_one_write(monkeypatch):
+    """Ranks share the stderr pipe; under PYTHONUNBUFFERED `print` writes a line's text and
+    its newline apart, and CI once saw two ranks' error lines run together. A pipe write
+    under PIPE_BUF is atomic, so one write per line keeps them apart."""
+    import io
+
+    from llm_act.train.loop import stderr_line
+
+    class Writes(io.StringIO):
+        calls: list[str] = []
+
+        def write(self, s):
+            self.calls.append(s)
+            return super().write(s)
+
+    monkeypatch.setattr(sys, "stderr", Writes())
+    stderr_line("pretrain_gpt.py: error: the budget is too small")
+    assert Writes.calls == ["pretrain_gpt.py: error: the budget is too small\n"]

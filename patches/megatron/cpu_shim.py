@@ -46,7 +46,6 @@ left alone, and a second `install()` changes nothing.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import types
 from typing import Any, Callable
@@ -54,8 +53,11 @@ from typing import Any, Callable
 import torch
 
 from llm_act._imports import require
+from llm_act.patches.megatron import cpu_shim_megatron_lm
+from llm_act.patches.megatron.cpu_stand_ins import MARK, _CpuTorch, _patch_attr
 
-MARK = "_llm_act_cpu_shim"
+__all__ = ["MARK", "install", "install_core", "installed"]
+
 
 #: Modules whose functions call torch.cuda.current_device()/synchronize() or build on "cuda".
 _CUDA_MODULES = (
@@ -72,131 +74,7 @@ _CUDA_MODULES = (
     "megatron.core.transformer.moe.shared_experts",  # overlapped shared experts: side stream
 )
 
-_FACTORIES = (
-    "empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
-    "empty_like", "zeros_like", "ones_like", "full_like", "as_tensor", "eye", "linspace",
-)
-
 _installed = False
-
-
-def _cpu_device(device: Any) -> Any:
-    """Map a CUDA device (str, int-free torch.device) to the CPU; leave others alone."""
-    if device is None:
-        return None
-    if isinstance(device, torch.device):
-        return torch.device("cpu") if device.type == "cuda" else device
-    if isinstance(device, str) and device.split(":")[0] == "cuda":
-        return torch.device("cpu")
-    return device
-
-
-def _factory(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def make(*args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_device(kwargs["device"])
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
-        return fn(*args, **kwargs)
-
-    return make
-
-
-class _CpuEvent:
-    """A recorded CUDA event on the CPU: work is already done when it is recorded."""
-
-    def synchronize(self) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-
-class _CpuStream:
-    """A CUDA stream on the CPU: ops run eagerly in order, so every wait is a no-op."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        return None
-
-    def wait_event(self, event: Any) -> None:
-        return None
-
-    def record_event(self, event: Any = None) -> _CpuEvent:
-        return event if event is not None else _CpuEvent()
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-
-_CPU_STREAM = _CpuStream()
-
-
-class _CpuCuda:
-    """`torch.cuda` as seen by a shimmed module: the current device is the CPU.
-
-    With `rng=True` (only for tensor_parallel/random.py) the CUDA default generator is
-    played by the CPU default one: get/set_rng_state and manual_seed act on it.
-    """
-
-    def __init__(self, rng: bool = False) -> None:
-        setattr(self, MARK, True)
-        self.__wrapped__ = torch.cuda
-        if rng:
-            self.get_rng_state = lambda device="cuda": torch.get_rng_state()
-            self.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
-            self.manual_seed = lambda seed: torch.manual_seed(seed)
-            self.manual_seed_all = self.manual_seed
-
-    @staticmethod
-    def current_device() -> torch.device:
-        return torch.device("cpu")
-
-    @staticmethod
-    def synchronize(device: Any = None) -> None:
-        return None
-
-    Stream = _CpuStream
-    Event = _CpuEvent
-
-    @staticmethod
-    def current_stream(device: Any = None) -> _CpuStream:
-        return _CPU_STREAM
-
-    @staticmethod
-    def stream(stream: Any) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cuda, name)
-
-
-class _CpuTorch:
-    """`torch` as seen by a shimmed module: CUDA device requests resolve to the CPU."""
-
-    def __init__(self, rng: bool = False) -> None:
-        setattr(self, MARK, True)
-        self.__wrapped__ = torch
-        self.cuda = _CpuCuda(rng)
-        for name in _FACTORIES:
-            setattr(self, name, _factory(getattr(torch, name)))
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(torch, name)
-        self.__dict__[name] = value  # torch's attributes are fixed; cache the lookup
-        return value
 
 
 # ---- the RNG tracker on the CPU default generator ------------------------------------------
@@ -243,35 +121,6 @@ def _tracker_fork(self, name: str = "model-parallel-rng"):
 
 
 # ---- installation ----------------------------------------------------------------------
-
-
-def _mark(obj: Any, original: Any) -> Any:
-    setattr(obj, MARK, True)
-    obj.__wrapped__ = original
-    return obj
-
-
-def _defined_in(fn: Any, path: str) -> bool:
-    return isinstance(fn, types.FunctionType) and fn.__code__.co_filename == path
-
-
-def _is_stock_function(obj: Any, module: types.ModuleType) -> bool:
-    """True when `obj` is the function `module` defined, as defined (a stock
-    `@contextlib.contextmanager` counts); anything wrapped or replaced since is not."""
-    if getattr(obj, MARK, False) or not isinstance(obj, types.FunctionType):
-        return False
-    if _defined_in(obj, module.__file__):
-        return not hasattr(obj, "__wrapped__")
-    inner = getattr(obj, "__wrapped__", None)
-    return _defined_in(obj, contextlib.__file__) and _defined_in(inner, module.__file__)
-
-
-def _patch_attr(owner: Any, name: str, make: Callable[[Any], Any], module: types.ModuleType) -> bool:
-    current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-    if current is None or not _is_stock_function(current, module):
-        return False
-    setattr(owner, name, _mark(make(current), current))
-    return True
 
 
 def _patch_torch_global(module: types.ModuleType, rng: bool = False) -> bool:
@@ -366,14 +215,16 @@ def install(megatron_lm: bool = False) -> list[str]:
 
     `megatron_lm=True` adds the stand-ins Megatron-LM's own loop (`pretrain()`) needs
     (`cpu_shim_megatron_lm`). Does nothing when CUDA is available and nothing on a second
-    call. Raises ModuleNotFoundError when megatron-core (or, with `megatron_lm`,
-    Megatron-LM) is missing.
+    call. Raises ModuleNotFoundError, before changing anything, when megatron-core (or,
+    with `megatron_lm`, Megatron-LM) is missing.
     """
     global _installed
     if torch.cuda.is_available():
         return []
 
     require("megatron.core", "the megatron-core CPU shim")
+    if megatron_lm:
+        cpu_shim_megatron_lm.require_megatron_lm()
     done: list[str] = []
     for modname in _CUDA_MODULES:
         module = importlib.import_module(modname)
@@ -387,10 +238,19 @@ def install(megatron_lm: bool = False) -> list[str]:
     )
     _installed = True
     if megatron_lm:
-        from llm_act.patches.megatron import cpu_shim_megatron_lm
-
-        done += cpu_shim_megatron_lm.install()
+        done += cpu_shim_megatron_lm.patch_core() + cpu_shim_megatron_lm.patch_training()
     return done
+
+
+def install_core() -> list[str]:
+    """`install()` and the stand-ins inside megatron-core that only a training stack reaches
+    (timers, DDP buffers, the optimizer, grad scaler, clip_grads, the rerun state machine):
+    enough for megatron-core's DDP and `get_megatron_optimizer` on CPU, without
+    Megatron-LM. Returns what was patched; nothing where CUDA is available or on a second
+    call."""
+    if torch.cuda.is_available():
+        return []
+    return install() + cpu_shim_megatron_lm.patch_core()
 
 
 def installed() -> bool:

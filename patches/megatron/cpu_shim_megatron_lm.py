@@ -3,8 +3,9 @@
 `cpu_shim.install()` makes megatron-core's model and schedules run on CPU; Megatron-LM's
 loop (`megatron/training/*`, and the megatron-core parts only that loop reaches: DDP grad
 buffers, the optimizer, grad scaler, clip_grads, timers, the rerun state machine) assumes
-CUDA in more places. `install()` here, called by `cpu_shim.install(megatron_lm=True)` and
-only when CUDA is absent, adds what it needs:
+CUDA in more places. `patch_core()` and `patch_training()` here, called by
+`cpu_shim.install(megatron_lm=True)` after its own part and only when CUDA is absent, add
+what it needs:
 
 - `initialize_megatron` runs with `allow_no_cuda=True` (its "Megatron requires CUDA."
   assert), in `megatron.training.initialize`, `megatron.training` and `training.py`;
@@ -22,11 +23,11 @@ only when CUDA is absent, adds what it needs:
   `clip_grad_by_total_norm_fp32`: CPU fp32 gradients take the function's own
   `decoupled_grad` path, which scales the same tensors (`_cpu_grads`).
 
-`install_core()` does the megatron-core part alone (no Megatron-LM needed): megatron-core's
-DDP and `get_megatron_optimizer` then run on CPU too.
+`cpu_shim.install_core()` does the megatron-core part alone (no Megatron-LM needed):
+megatron-core's DDP and `get_megatron_optimizer` then run on CPU too.
 
-Every patched object carries `cpu_shim.MARK` and keeps the original in `__wrapped__`; a
-target someone else already replaced is left alone, and a second `install()` changes nothing.
+Every patched object carries `cpu_stand_ins.MARK` and keeps the original in `__wrapped__`; a
+target someone else already replaced is left alone, and a second call changes nothing.
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ from typing import Any, Callable
 
 import torch
 
-from llm_act.patches.megatron import cpu_shim
-from llm_act.patches.megatron.cpu_shim import MARK, _CpuCuda, _CpuTorch, _mark, _patch_attr
+from llm_act.patches.megatron.cpu_stand_ins import (
+    _CPU_STREAM, MARK, _cpu_device, _CpuCuda, _CpuTorch, _mark, _patch_attr)
 
 #: Megatron-LM's modules that reach torch.cuda or build on "cuda"
 _TRAINING_MODULES = (
@@ -91,7 +92,7 @@ class _LmCuda(_CpuCuda):
 
     @staticmethod
     def default_stream(device: Any = None) -> Any:
-        return cpu_shim._CPU_STREAM
+        return _CPU_STREAM
 
 
 class _LmTorch(_CpuTorch):
@@ -107,7 +108,7 @@ def _from_megatron(depth: int = 2) -> bool:
 
 
 def _is_cpu(device: Any) -> bool:
-    return device is None or isinstance(device, int) or cpu_shim._cpu_device(device) == torch.device("cpu")
+    return device is None or isinstance(device, int) or _cpu_device(device) == torch.device("cpu")
 
 
 def _module_cuda(original: Callable) -> Callable:
@@ -217,14 +218,11 @@ def _patch_torch(modules: tuple[str, ...]) -> list[str]:
     return done
 
 
-def install_core() -> list[str]:
+def patch_core() -> list[str]:
     """The stand-ins inside megatron-core that only a training stack reaches (timers, DDP
-    buffers, the optimizer, grad scaler, clip_grads, the rerun state machine): enough for
-    megatron-core's DDP and `get_megatron_optimizer` on CPU, without Megatron-LM. Returns
-    what was patched; nothing where CUDA is available or on a second call."""
-    if torch.cuda.is_available():
-        return []
-    cpu_shim.install()
+    buffers, the optimizer, grad scaler, clip_grads, the rerun state machine), over the
+    megatron-core shim `cpu_shim.install()` already put in (`cpu_shim.install_core()` runs
+    both). Returns what was patched; nothing on a second call."""
     done = _patch_torch(_CORE_MODULES)
     clip = importlib.import_module("megatron.core.optimizer.clip_grads")
     name = "clip_grad_by_total_norm_fp32"
@@ -237,14 +235,9 @@ def install_core() -> list[str]:
     return done
 
 
-def install() -> list[str]:
-    """Add every stand-in (see the module docstring; `install_core` included); returns what
-    was patched. Does nothing when CUDA is available and nothing new on a second call.
-    Raises ModuleNotFoundError naming the fix, before changing anything, when Megatron-LM's
-    `megatron.training` is not importable."""
-    global _installed
-    if torch.cuda.is_available():
-        return []
+def require_megatron_lm() -> None:
+    """Raise ModuleNotFoundError naming the fix when Megatron-LM's `megatron.training` is
+    not importable (checked before anything is patched)."""
     try:
         importlib.import_module("megatron.training")
     except ModuleNotFoundError as err:
@@ -252,7 +245,13 @@ def install() -> list[str]:
             f"cpu_shim.install(megatron_lm=True) needs Megatron-LM's `megatron.training` "
             f"({err}): run from a Megatron-LM checkout (tag core_v0.16.1) or put one on "
             f"PYTHONPATH") from err
-    done = install_core() + _patch_torch(_TRAINING_MODULES)
+
+
+def patch_training() -> list[str]:
+    """The stand-ins for Megatron-LM's loop itself (see the module docstring), after
+    `patch_core()`; returns what was patched, nothing new on a second call."""
+    global _installed
+    done = _patch_torch(_TRAINING_MODULES)
     init = importlib.import_module("megatron.training.initialize")
     if _patch_attr(init, "initialize_megatron", _allow_no_cuda, init):
         done.append("megatron.training.initialize.initialize_megatron")
@@ -271,5 +270,5 @@ def install() -> list[str]:
 
 
 def installed() -> bool:
-    """True once `install()` ran in this process."""
+    """True once `patch_training()` ran in this process."""
     return _installed

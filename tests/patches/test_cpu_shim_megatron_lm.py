@@ -1,7 +1,7 @@
 """The Megatron-LM stand-ins of the CPU shim (`cpu_shim.install(megatron_lm=True)`), tested
 without a Megatron-LM checkout: the request is refused with the fix named, before anything
 changes; nothing happens where CUDA is available; the megatron-core part
-(`install_core`) is idempotent and leaves someone else's patch alone; clip_grads' CUDA-type
+(`cpu_shim.install_core`) is idempotent and leaves someone else's patch alone; clip_grads' CUDA-type
 assert gives way for CPU fp32 gradients only; and plan "auto" advances and re-plans at the
 step of megatron-core's own `MegatronOptimizer` over its DDP, with no call of ours.
 The run through Megatron-LM's `pretrain()` is tests/patches/megatron/test_megatron_lm.py.
@@ -40,7 +40,7 @@ def test_nothing_happens_where_cuda_is_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     before = timers.torch
     assert cpu_shim.install(megatron_lm=True) == []
-    assert lm.install() == [] and lm.install_core() == []
+    assert cpu_shim.install_core() == []
     assert timers.torch is before and not getattr(torch.nn.Module.cuda, cpu_shim.MARK, False)
 
 
@@ -49,8 +49,8 @@ def test_install_core_is_idempotent_and_leaves_others_patches_alone(monkeypatch)
     import megatron.core.rerun_state_machine as rerun
     import megatron.core.timers as timers
 
-    lm.install_core()
-    assert lm.install_core() == []  # second call: nothing left
+    cpu_shim.install_core()
+    assert cpu_shim.install_core() == []  # second call: nothing left
     for module in (timers, rerun, clip):
         assert getattr(module.torch, cpu_shim.MARK, False) and module.torch.__wrapped__ is torch
     cuda = timers.torch.cuda
@@ -61,7 +61,7 @@ def test_install_core_is_idempotent_and_leaves_others_patches_alone(monkeypatch)
     theirs = object()
     monkeypatch.setattr(timers, "torch", torch)  # as stock again ...
     monkeypatch.setattr(clip, "clip_grad_by_total_norm_fp32", theirs)  # ... but this one is someone's
-    assert lm.install_core() == ["megatron.core.timers.torch"]
+    assert cpu_shim.install_core() == ["megatron.core.timers.torch"]
     assert clip.clip_grad_by_total_norm_fp32 is theirs
 
 
@@ -77,7 +77,7 @@ def _params(*grads):
 def test_clip_grads_scales_cpu_fp32_gradients_as_the_cuda_path_does():
     import megatron.core.optimizer.clip_grads as clip
 
-    lm.install_core()
+    cpu_shim.install_core()
     ours = clip.clip_grad_by_total_norm_fp32
     assert getattr(ours, cpu_shim.MARK, False)
     with pytest.raises(AssertionError):  # the stock assert: CUDA float gradients only
@@ -106,7 +106,7 @@ def test_auto_replans_at_the_step_of_megatron_cores_own_optimizer():
     from llm_act.patches.megatron import apply
     from tests.patches.megatron import gpt_runs as R
 
-    lm.install_core()
+    cpu_shim.install_core()
     model = R.build(num_layers=2, dropout=0.0)
     controller = apply(model, ActConfig(plan="auto"))
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)

@@ -24,11 +24,44 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 
 @pytest.fixture(scope="module")
-def memory_rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("docs")
-    rows, text = R.run_memory(True, str(out), "llm-act bench memory --quick", log=lambda m: None)
-    assert (out / "memory_per_layer.png").stat().st_size > 0
-    assert "| stock |" in text and "Command: `llm-act bench memory --quick`" in text
+def bench_all(quick_convergence, tmp_path_factory):
+    """`llm-act bench all --quick` once (the quick convergence reused from its JSON, as
+    `--convergence-json` does): {"out": its folder, "stdout": what it printed, and the return
+    values of the memory and planner sections it ran, recorded on their way out}."""
+    import contextlib
+    import io
+    import json
+
+    from llm_act.cli.main import main
+
+    out = tmp_path_factory.mktemp("all")
+    saved = out / "conv.json"
+    saved.write_text(json.dumps(quick_convergence[0]))
+    got = {"out": out}
+
+    def recorded(name):
+        real = getattr(R, name)
+
+        def call(*args, **kwargs):
+            got[name] = real(*args, **kwargs)
+            return got[name]
+        return call
+
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        for name in ("run_memory", "run_planner"):
+            mp.setattr(R, name, recorded(name))
+        assert main(["bench", "all", "--quick", "--output-dir", str(out),
+                     "--convergence-json", str(saved)]) == 0
+    got["stdout"] = printed.getvalue()
+    return got
+
+
+@pytest.fixture(scope="module")
+def memory_rows(bench_all):
+    rows, text = bench_all["run_memory"]
+    assert (bench_all["out"] / "memory_per_layer.png").stat().st_size > 0
+    assert "| stock |" in text and "Command: `llm-act bench all --quick --output-dir" in text
     return rows
 
 
@@ -77,8 +110,8 @@ def test_schemes_order_and_planner_budgets(memory_rows):
     assert table.count("\n") == 1 + len({r["scheme"] for r in memory_rows})
 
 
-def test_planner_quick(memory_rows):
-    res, text = R.run_planner(True, "llm-act bench planner --quick", memory_rows, log=lambda m: None)
+def test_planner_quick(memory_rows, bench_all):
+    res, text = bench_all["run_planner"]
     solve = res["solve"]
     assert [r["layers"] for r in solve] == list(P.DEPTHS[:2])
     assert solve[0]["variables"] == solve[1]["variables"] > 0  # identical layers share variables
@@ -170,25 +203,17 @@ def test_gpu_bench_code_runs_on_cpu():
     assert "| megatron full |" in G.table(res)
 
 
-def test_bench_all_quick_writes_every_section(quick_convergence, tmp_path, capsys):
-    """`llm-act bench all --quick` (the quick convergence reused from its JSON, as
-    `--convergence-json` does) writes benchmarks.md with the four sections and the plots."""
-    import json
-
-    from llm_act.cli.main import main
-
-    saved = tmp_path / "conv.json"
-    saved.write_text(json.dumps(quick_convergence[0]))
-    assert main(["bench", "all", "--quick", "--output-dir", str(tmp_path),
-                 "--convergence-json", str(saved)]) == 0
-    doc = (tmp_path / "benchmarks.md").read_text()
+def test_bench_all_quick_writes_every_section(bench_all):
+    """`llm-act bench all --quick` writes benchmarks.md with the four sections and the plots."""
+    out = bench_all["out"]
+    doc = (out / "benchmarks.md").read_text()
     for title in ("## 1. Memory per layer", "## 2. Convergence (30 steps, quick)", "## 3. Planner", "## 4. GPU"):
         assert title in doc, title
     assert "Command: `llm-act bench all --quick --output-dir" in doc
     assert "| layers (distinct) |" in doc and "paired with stock over 2 seeds" in doc
     for png in ("memory_per_layer.png", "convergence.png"):
-        assert (tmp_path / png).stat().st_size > 0
-    assert "wrote " in capsys.readouterr().out
+        assert (out / png).stat().st_size > 0
+    assert f"wrote {out / 'benchmarks.md'}" in bench_all["stdout"]
 
 
 def test_keeping_v_is_predicted_as_the_whole_qkv_buffer():

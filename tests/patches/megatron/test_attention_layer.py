@@ -313,7 +313,7 @@ def compress_layer_bytes(dropout, s=256, b=2, h=512, a=8):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_compress_plan_stores_at_most_10_bytes_per_sbh(dropout):
-    s, b, h = 256, 2, 512
+    s, b, h = 256, 2, 256
     led, held = compress_layer_bytes(dropout, s, b, h)
     sbh = s * b * h
     print("\n" + led.table(unit=sbh, title=f"compress, dropout {dropout} (bytes per s*b*h)"))

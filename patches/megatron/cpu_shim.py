@@ -22,12 +22,12 @@ not emulated: megatron refuses it at build time.
 `install()` fixes exactly these, and only when CUDA is absent:
 
 - In the modules listed in `_CUDA_MODULES`, the module-global name `torch` is replaced by
-  a thin proxy (`_CpuTorch`) that forwards everything to torch, except that
+  a thin proxy (`CpuTorch`) that forwards everything to torch, except that
   `torch.cuda.current_device()` answers the CPU device, `torch.cuda.synchronize()` does
   nothing, and tensor factories (`torch.empty/zeros/ones/full/tensor/arange/...`) map a
   "cuda" device to "cpu". No megatron function is copied; their code runs unchanged.
-  `torch.cuda.Stream/Event/current_stream/stream` become no-op stand-ins (`_CpuStream`,
-  `_CpuEvent`): CPU ops run eagerly in order, so waits and events have nothing to do.
+  `torch.cuda.Stream/Event/current_stream/stream` become no-op stand-ins (`CpuStream`,
+  `CpuEvent`): CPU ops run eagerly in order, so waits and events have nothing to do.
 - `moe_utils.maybe_move_tensor_to_cpu` (and the token dispatcher's imported name) also
   "moves" CPU tensors: a numpy view when `as_numpy`, as the stock one gives for CUDA ones.
 - `moe_utils.te_general_gemm = None` when TE is absent and the name is undefined.
@@ -54,7 +54,7 @@ import torch
 
 from llm_act._imports import require
 from llm_act.patches.megatron import cpu_shim_megatron_lm
-from llm_act.patches.megatron.cpu_stand_ins import MARK, _CpuTorch, _patch_attr
+from llm_act.patches.megatron.cpu_stand_ins import MARK, CpuTorch, patch_attr
 
 __all__ = ["MARK", "install", "install_core", "installed"]
 
@@ -126,7 +126,7 @@ def _tracker_fork(self, name: str = "model-parallel-rng"):
 def _patch_torch_global(module: types.ModuleType, rng: bool = False) -> bool:
     if module.__dict__.get("torch") is not torch:  # absent, or someone else's replacement
         return False
-    module.torch = _CpuTorch(rng)
+    module.torch = CpuTorch(rng)
     return True
 
 
@@ -146,7 +146,7 @@ def _patch_random(random: types.ModuleType) -> list[str]:
         (random, "_set_cuda_rng_state", _set_cpu_rng_state),
         (tracker, "fork", _tracker_fork),
     ):
-        if _patch_attr(owner, name, lambda original, fn=fn: _copy_fn(fn, original), random):
+        if patch_attr(owner, name, lambda original, fn=fn: _copy_fn(fn, original), random):
             done.append(f"{random.__name__}.{name}")
     return done
 
@@ -190,7 +190,7 @@ def _patch_moe_dtoh(moe_utils: types.ModuleType, dispatcher: types.ModuleType) -
     imported name, when that name is still the stock function."""
     done = []
     name = "maybe_move_tensor_to_cpu"
-    if _patch_attr(moe_utils, name, _dtoh_on_cpu, moe_utils):
+    if patch_attr(moe_utils, name, _dtoh_on_cpu, moe_utils):
         done.append(f"{moe_utils.__name__}.{name}")
     patched = getattr(moe_utils, name, None)
     if getattr(patched, MARK, False) and dispatcher.__dict__.get(name) is patched.__wrapped__:

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from llm_act.patches.megatron.cpu_stand_ins import (
-    _CPU_STREAM, MARK, _cpu_device, _CpuCuda, _CpuTorch, _mark, _patch_attr)
+    CPU_STREAM, MARK, cpu_device, CpuCuda, CpuTorch, mark, patch_attr)
 
 #: Megatron-LM's modules that reach torch.cuda or build on "cuda"
 _TRAINING_MODULES = (
@@ -66,7 +66,7 @@ _CORE_MODULES = (
 _installed = False
 
 
-class _LmCuda(_CpuCuda):
+class _LmCuda(CpuCuda):
     """`torch.cuda` for Megatron-LM's loop: one "device" per rank, the CPU."""
 
     def __init__(self) -> None:
@@ -92,10 +92,10 @@ class _LmCuda(_CpuCuda):
 
     @staticmethod
     def default_stream(device: Any = None) -> Any:
-        return _CPU_STREAM
+        return CPU_STREAM
 
 
-class _LmTorch(_CpuTorch):
+class _LmTorch(CpuTorch):
     def __init__(self) -> None:
         super().__init__()
         self.cuda = _LmCuda()
@@ -108,7 +108,7 @@ def _from_megatron(depth: int = 2) -> bool:
 
 
 def _is_cpu(device: Any) -> bool:
-    return device is None or isinstance(device, int) or _cpu_device(device) == torch.device("cpu")
+    return device is None or isinstance(device, int) or cpu_device(device) == torch.device("cpu")
 
 
 def _module_cuda(original: Callable) -> Callable:
@@ -193,7 +193,7 @@ def _patch_method(owner: type, name: str, make: Callable[[Callable], Callable]) 
     current = getattr(owner, name, None)  # Tensor.cuda is inherited from torch._C.TensorBase
     if current is None or getattr(current, MARK, False) or hasattr(current, "__wrapped__"):
         return False  # absent, ours, or someone else's wrapper
-    setattr(owner, name, _mark(make(current), current))
+    setattr(owner, name, mark(make(current), current))
     return True
 
 
@@ -226,7 +226,7 @@ def patch_core() -> list[str]:
     done = _patch_torch(_CORE_MODULES)
     clip = importlib.import_module("megatron.core.optimizer.clip_grads")
     name = "clip_grad_by_total_norm_fp32"
-    if _patch_attr(clip, name, _cpu_grads, clip):
+    if patch_attr(clip, name, _cpu_grads, clip):
         done.append(f"{clip.__name__}.{name}")
     if getattr(getattr(clip, name), MARK, False):
         done += _rebind(name, getattr(clip, name), (
@@ -253,13 +253,13 @@ def patch_training() -> list[str]:
     global _installed
     done = _patch_torch(_TRAINING_MODULES)
     init = importlib.import_module("megatron.training.initialize")
-    if _patch_attr(init, "initialize_megatron", _allow_no_cuda, init):
+    if patch_attr(init, "initialize_megatron", _allow_no_cuda, init):
         done.append("megatron.training.initialize.initialize_megatron")
     if getattr(init.initialize_megatron, MARK, False):
         done += _rebind("initialize_megatron", init.initialize_megatron,
                         ("megatron.training", "megatron.training.training"))
     kernels = importlib.import_module("megatron.legacy.fused_kernels")
-    if _patch_attr(kernels, "load", _no_load, kernels):
+    if patch_attr(kernels, "load", _no_load, kernels):
         done.append("megatron.legacy.fused_kernels.load")
     if _patch_method(torch.nn.Module, "cuda", _module_cuda):
         done.append("torch.nn.Module.cuda")

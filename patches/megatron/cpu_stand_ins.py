@@ -21,7 +21,7 @@ _FACTORIES = (
 )
 
 
-def _cpu_device(device: Any) -> Any:
+def cpu_device(device: Any) -> Any:
     """Map a CUDA device (str, int-free torch.device) to the CPU; leave others alone."""
     if device is None:
         return None
@@ -36,7 +36,7 @@ def _factory(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def make(*args, **kwargs):
         if "device" in kwargs:
-            kwargs["device"] = _cpu_device(kwargs["device"])
+            kwargs["device"] = cpu_device(kwargs["device"])
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
@@ -44,7 +44,7 @@ def _factory(fn: Callable) -> Callable:
     return make
 
 
-class _CpuEvent:
+class CpuEvent:
     """A recorded CUDA event on the CPU: work is already done when it is recorded."""
 
     def synchronize(self) -> None:
@@ -60,7 +60,7 @@ class _CpuEvent:
         return None
 
 
-class _CpuStream:
+class CpuStream:
     """A CUDA stream on the CPU: ops run eagerly in order, so every wait is a no-op."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -72,8 +72,8 @@ class _CpuStream:
     def wait_event(self, event: Any) -> None:
         return None
 
-    def record_event(self, event: Any = None) -> _CpuEvent:
-        return event if event is not None else _CpuEvent()
+    def record_event(self, event: Any = None) -> CpuEvent:
+        return event if event is not None else CpuEvent()
 
     def synchronize(self) -> None:
         return None
@@ -82,10 +82,10 @@ class _CpuStream:
         return True
 
 
-_CPU_STREAM = _CpuStream()
+CPU_STREAM = CpuStream()
 
 
-class _CpuCuda:
+class CpuCuda:
     """`torch.cuda` as seen by a shimmed module: the current device is the CPU.
 
     With `rng=True` (only for tensor_parallel/random.py) the CUDA default generator is
@@ -109,12 +109,12 @@ class _CpuCuda:
     def synchronize(device: Any = None) -> None:
         return None
 
-    Stream = _CpuStream
-    Event = _CpuEvent
+    Stream = CpuStream
+    Event = CpuEvent
 
     @staticmethod
-    def current_stream(device: Any = None) -> _CpuStream:
-        return _CPU_STREAM
+    def current_stream(device: Any = None) -> CpuStream:
+        return CPU_STREAM
 
     @staticmethod
     def stream(stream: Any) -> contextlib.AbstractContextManager:
@@ -124,13 +124,13 @@ class _CpuCuda:
         return getattr(torch.cuda, name)
 
 
-class _CpuTorch:
+class CpuTorch:
     """`torch` as seen by a shimmed module: CUDA device requests resolve to the CPU."""
 
     def __init__(self, rng: bool = False) -> None:
         setattr(self, MARK, True)
         self.__wrapped__ = torch
-        self.cuda = _CpuCuda(rng)
+        self.cuda = CpuCuda(rng)
         for name in _FACTORIES:
             setattr(self, name, _factory(getattr(torch, name)))
 
@@ -140,7 +140,9 @@ class _CpuTorch:
         return value
 
 
-def _mark(obj: Any, original: Any) -> Any:
+def mark(obj: Any, original: Any) -> Any:
+    """`obj` as our replacement of `original`: it carries MARK (a second install, or someone
+    checking, can tell) and keeps the original in `__wrapped__`."""
     setattr(obj, MARK, True)
     obj.__wrapped__ = original
     return obj
@@ -150,7 +152,7 @@ def _defined_in(fn: Any, path: str) -> bool:
     return isinstance(fn, types.FunctionType) and fn.__code__.co_filename == path
 
 
-def _is_stock_function(obj: Any, module: types.ModuleType) -> bool:
+def is_stock_function(obj: Any, module: types.ModuleType) -> bool:
     """True when `obj` is the function `module` defined, as defined (a stock
     `@contextlib.contextmanager` counts); anything wrapped or replaced since is not."""
     if getattr(obj, MARK, False) or not isinstance(obj, types.FunctionType):
@@ -161,9 +163,11 @@ def _is_stock_function(obj: Any, module: types.ModuleType) -> bool:
     return _defined_in(obj, contextlib.__file__) and _defined_in(inner, module.__file__)
 
 
-def _patch_attr(owner: Any, name: str, make: Callable[[Any], Any], module: types.ModuleType) -> bool:
+def patch_attr(owner: Any, name: str, make: Callable[[Any], Any], module: types.ModuleType) -> bool:
+    """Replace `owner.name` by `make(original)`, marked, only while it is the stock function
+    `module` defined; True when it did."""
     current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-    if current is None or not _is_stock_function(current, module):
+    if current is None or not is_stock_function(current, module):
         return False
-    setattr(owner, name, _mark(make(current), current))
+    setattr(owner, name, mark(make(current), current))
     return True

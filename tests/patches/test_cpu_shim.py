@@ -65,16 +65,16 @@ def test_foreign_patches_are_left_alone(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     mod = importlib.import_module("shimtarget")
     try:
-        assert cpu_stand_ins._is_stock_function(mod.plain, mod)
-        assert cpu_stand_ins._is_stock_function(mod.managed, mod)  # stock @contextmanager counts
+        assert cpu_stand_ins.is_stock_function(mod.plain, mod)
+        assert cpu_stand_ins.is_stock_function(mod.managed, mod)  # stock @contextmanager counts
         original = mod.plain
         mod.plain = functools.wraps(original)(lambda: 2)  # someone else's wrapper
-        assert not cpu_stand_ins._patch_attr(mod, "plain", lambda f: (lambda: 3), mod)
+        assert not cpu_stand_ins.patch_attr(mod, "plain", lambda f: (lambda: 3), mod)
         assert mod.plain() == 2
         mod.plain = original
-        assert cpu_stand_ins._patch_attr(mod, "plain", lambda f: (lambda: 3), mod)
+        assert cpu_stand_ins.patch_attr(mod, "plain", lambda f: (lambda: 3), mod)
         assert mod.plain() == 3 and mod.plain.__wrapped__ is original
-        assert not cpu_stand_ins._patch_attr(mod, "plain", lambda f: (lambda: 4), mod)  # once
+        assert not cpu_stand_ins.patch_attr(mod, "plain", lambda f: (lambda: 4), mod)  # once
         mod.torch = object()  # a replaced global is not ours to replace
         assert not cpu_shim._patch_torch_global(mod)
     finally:

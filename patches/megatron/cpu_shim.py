@@ -54,7 +54,7 @@ import torch
 
 from llm_act._imports import require
 from llm_act.patches.megatron import cpu_shim_megatron_lm
-from llm_act.patches.megatron.cpu_stand_ins import MARK, CpuTorch, patch_attr
+from llm_act.patches.megatron.cpu_stand_ins import MARK, CpuTorch, patch_attr, replace_torch
 
 __all__ = ["MARK", "install", "install_core", "installed"]
 
@@ -123,13 +123,6 @@ def _tracker_fork(self, name: str = "model-parallel-rng"):
 # ---- installation ----------------------------------------------------------------------
 
 
-def _patch_torch_global(module: types.ModuleType, rng: bool = False) -> bool:
-    if module.__dict__.get("torch") is not torch:  # absent, or someone else's replacement
-        return False
-    module.torch = CpuTorch(rng)
-    return True
-
-
 def _patch_random(random: types.ModuleType) -> list[str]:
     """Tracker states become CPU generator states; fork swaps the CPU default generator.
 
@@ -137,9 +130,7 @@ def _patch_random(random: types.ModuleType) -> list[str]:
     the module's proxy their `torch.cuda.get_rng_state/manual_seed` act on the CPU default
     generator (so the seed call seeds it with the data-parallel seed, as on a GPU).
     """
-    done = []
-    if _patch_torch_global(random, rng=True):
-        done.append(f"{random.__name__}.torch")
+    done = replace_torch((random.__name__,), lambda: CpuTorch(rng=True))
     tracker = random.CudaRNGStatesTracker
     for owner, name, fn in (
         (random, "_get_cuda_rng_state", _get_cpu_rng_state),
@@ -225,11 +216,7 @@ def install(megatron_lm: bool = False) -> list[str]:
     require("megatron.core", "the megatron-core CPU shim")
     if megatron_lm:
         cpu_shim_megatron_lm.require_megatron_lm()
-    done: list[str] = []
-    for modname in _CUDA_MODULES:
-        module = importlib.import_module(modname)
-        if _patch_torch_global(module):
-            done.append(f"{modname}.torch")
+    done = replace_torch(_CUDA_MODULES, CpuTorch)
     done += _patch_random(importlib.import_module("megatron.core.tensor_parallel.random"))
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     done += _patch_moe_utils(moe_utils)

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from llm_act.patches.megatron.cpu_stand_ins import (
-    CPU_STREAM, MARK, cpu_device, CpuCuda, CpuTorch, mark, patch_attr)
+    CPU_STREAM, MARK, cpu_device, CpuCuda, CpuTorch, mark, patch_attr, replace_torch)
 
 #: Megatron-LM's modules that reach torch.cuda or build on "cuda"
 _TRAINING_MODULES = (
@@ -208,22 +208,12 @@ def _rebind(name: str, patched: Any, modules: tuple[str, ...]) -> list[str]:
     return done
 
 
-def _patch_torch(modules: tuple[str, ...]) -> list[str]:
-    done = []
-    for modname in modules:
-        module = importlib.import_module(modname)
-        if module.__dict__.get("torch") is torch:  # absent, or someone else's replacement
-            module.torch = _LmTorch()
-            done.append(f"{modname}.torch")
-    return done
-
-
 def patch_core() -> list[str]:
     """The stand-ins inside megatron-core that only a training stack reaches (timers, DDP
     buffers, the optimizer, grad scaler, clip_grads, the rerun state machine), over the
     megatron-core shim `cpu_shim.install()` already put in (`cpu_shim.install_core()` runs
     both). Returns what was patched; nothing on a second call."""
-    done = _patch_torch(_CORE_MODULES)
+    done = replace_torch(_CORE_MODULES, _LmTorch)
     clip = importlib.import_module("megatron.core.optimizer.clip_grads")
     name = "clip_grad_by_total_norm_fp32"
     if patch_attr(clip, name, _cpu_grads, clip):
@@ -251,7 +241,7 @@ def patch_training() -> list[str]:
     """The stand-ins for Megatron-LM's loop itself (see the module docstring), after
     `patch_core()`; returns what was patched, nothing new on a second call."""
     global _installed
-    done = _patch_torch(_TRAINING_MODULES)
+    done = replace_torch(_TRAINING_MODULES, _LmTorch)
     init = importlib.import_module("megatron.training.initialize")
     if patch_attr(init, "initialize_megatron", _allow_no_cuda, init):
         done.append("megatron.training.initialize.initialize_megatron")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import types
 from typing import Any, Callable
 
@@ -171,3 +172,16 @@ def patch_attr(owner: Any, name: str, make: Callable[[Any], Any], module: types.
         return False
     setattr(owner, name, mark(make(current), current))
     return True
+
+
+def replace_torch(modnames: tuple[str, ...], proxy: Callable[[], Any]) -> list[str]:
+    """Point each module's global `torch` at a fresh `proxy()` while it is torch itself (a
+    module without one, or with someone else's replacement, is left alone); returns the
+    names replaced."""
+    done = []
+    for modname in modnames:
+        module = importlib.import_module(modname)
+        if module.__dict__.get("torch") is torch:
+            module.torch = proxy()
+            done.append(f"{modname}.torch")
+    return done

@@ -76,7 +76,7 @@ def test_foreign_patches_are_left_alone(tmp_path, monkeypatch):
         assert mod.plain() == 3 and mod.plain.__wrapped__ is original
         assert not cpu_stand_ins.patch_attr(mod, "plain", lambda f: (lambda: 4), mod)  # once
         mod.torch = object()  # a replaced global is not ours to replace
-        assert not cpu_shim._patch_torch_global(mod)
+        assert cpu_stand_ins.replace_torch(("shimtarget",), cpu_stand_ins.CpuTorch) == []
     finally:
         sys.modules.pop("shimtarget", None)
 

@@ -54,13 +54,13 @@ def test_a_rank_error_line_is_one_write(monkeypatch):
 
     from llm_act.train.loop import stderr_line
 
-    class Writes(io.StringIO):
-        calls: list[str] = []
+    calls: list[str] = []
 
+    class Writes(io.StringIO):
         def write(self, s):
-            self.calls.append(s)
+            calls.append(s)
             return super().write(s)
 
     monkeypatch.setattr(sys, "stderr", Writes())
     stderr_line("pretrain_gpt.py: error: the budget is too small")
-    assert Writes.calls == ["pretrain_gpt.py: error: the budget is too small\n"]
+    assert calls == ["pretrain_gpt.py: error: the budget is too small\n"]

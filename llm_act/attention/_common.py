@@ -1,4 +1,4 @@
-"""Argument checks, layouts and the dropout-mask formula shared by the attention paths.
+"""Argument checks, layouts and generators shared by the attention paths.
 
 Layout everywhere: q [s, b, heads, d]; k, v [s_k, b, groups, d] (GQA: heads = groups x r,
 query head i reads group i // r, as megatron's and torch's `repeat_interleave`). Inside,
@@ -11,6 +11,8 @@ import math
 from typing import Optional
 
 import torch
+
+from llm_act.codecs.regen import default_generator
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -60,15 +62,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def default_generator(device: torch.device) -> torch.Generator:
-    """torch's default generator of `device` (what dropout draws from without one)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[idx]
-    return torch.default_generator
-
-
 def resolve_generator(generator: Optional[torch.Generator], device: torch.device) -> torch.Generator:
     if generator is None:
         return default_generator(device)
@@ -84,11 +77,6 @@ def replay_generator(state: torch.Tensor, device: torch.device) -> torch.Generat
     gen = torch.Generator(device=device)
     gen.set_state(state)
     return gen
-
-
-def draw_keep(shape, p: float, generator: torch.Generator, device) -> torch.Tensor:
-    """Dropout keep-mask, the formula of `RegenMask`: `torch.rand(shape) >= p` (bool)."""
-    return torch.rand(shape, generator=generator, device=device) >= p
 
 
 def heads_view(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -7,26 +7,29 @@ chunks x key chunks with an online softmax (running max and sum), so only one
 skipped and the diagonal tiles masked in place (no s x s mask anywhere). Backward
 recomputes each tile from q, k, v and the logsumexp (FlashAttention-2's backward).
 
-Dropout: each tile's keep-mask is drawn when the tile is visited, in a fixed order
-(query chunk outer, key chunk inner, skipped tiles draw nothing), with the formula of
-`RegenMask` (`torch.rand(tile) >= p`). Only the generator state before the first draw is
-saved (16 bytes on CUDA, 5056 on CPU); backward replays the same draws from a private
-generator set to that state. `chunk_dropout_mask` rebuilds the full mask the same way,
-for references. `mask_storage="bitmask"` stores the tile masks packed instead (1 bit per
-element; for tests and comparisons only, it is s x s).
+Dropout: the keep-mask is the one stock attention's dropout draws for its
+[b, heads, s, s_k] probabilities from the same generator state (`dropout_keep_mask`, torch's
+own dropout sampler), so the forward is stock's, mask for mask; a mask of our own formula
+would be another dropout realization, and a different forward (issue 25). The mask is drawn
+whole, 1 byte per element, and lives only while the forward (or backward) runs: it is a
+transient, never stored. Only the generator state before the draw is saved (16 bytes on
+CUDA, 5056 on CPU); backward draws the same mask again from a private generator set to that
+state. `chunk_dropout_mask` gives that mask, for references. `mask_storage="bitmask"`
+stores it packed instead (1 bit per element; for tests and comparisons only, it is s x s).
 
 Saved for backward: q, k, v as given (GQA: un-expanded), out, logsumexp [b, heads, s]
 (float32) and the generator state.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
 from llm_act.attention import _common as C
 from llm_act.attention._stash import Report, Stash, restore
 from llm_act.codecs.bitmask import BitMask
+from llm_act.codecs.regen import dropout_keep_mask
 
 DEFAULT_CHUNK = 128
 MASK_STORAGES = ("regen", "bitmask")
@@ -68,36 +71,32 @@ def _q_tile(x5: torch.Tensor, qs: int, qe: int, acc: torch.dtype) -> torch.Tenso
     return x5[:, :, :, qs:qe].to(acc).reshape(b, g, r * (qe - qs), d)
 
 
+def _keep_tile(keep: torch.Tensor, qs: int, qe: int, ks: int, ke: int, g: int) -> torch.Tensor:
+    """[b, heads, s, s_k] keep-mask -> the tile's [b, g, r*Cq, Ck] (head i is group i // r)."""
+    b, h = keep.shape[0], keep.shape[1]
+    return keep[:, :, qs:qe, ks:ke].reshape(b, g, (h // g) * (qe - qs), ke - ks)
+
+
 def chunk_dropout_mask(batch: int, heads: int, s: int, s_k: int, p: float,
                        generator: Optional[torch.Generator] = None, device=None,
-                       causal: bool = True, chunk_size: Union[int, Sequence[int]] = DEFAULT_CHUNK
-                       ) -> torch.Tensor:
-    """The full keep-mask [batch, heads, s, s_k] (bool) that `chunked_attention` draws.
-
-    Draws tile by tile in the same order from `generator` (advancing it, as the forward
-    does); tiles the causal path skips are left True (they carry zero probability).
-    """
+                       like_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full keep-mask [batch, heads, s, s_k] (bool) that `chunked_attention` draws for
+    inputs of `like_dtype`: stock dropout's mask for probabilities of that shape, from
+    `generator` (advancing it, as the forward does; default: the device's default one)."""
     p = C.check_dropout(p)
-    cq, ck = _chunks(chunk_size)
     device = torch.device(device) if device is not None else (
         generator.device if generator is not None else torch.device("cpu"))
     gen = C.resolve_generator(generator, device)
-    mask = torch.ones(batch, heads, s, s_k, dtype=torch.bool, device=device)
-    for qs, qe, ks, ke, _ in _tiles(s, s_k, cq, ck, causal):
-        mask[:, :, qs:qe, ks:ke] = C.draw_keep((batch, heads, qe - qs, ke - ks), p, gen, device)
-    return mask
-
-
-MaskSource = Callable[[int, tuple[int, ...]], torch.Tensor]
+    return dropout_keep_mask((batch, heads, s, s_k), p, gen, device, like_dtype)
 
 
 def chunked_forward(q, k, v, causal: bool, p: float, scale: float,
-                    mask_source: Optional[MaskSource], cq: int, ck: int
+                    keep: Optional[torch.Tensor], cq: int, ck: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [s, b, heads, d] in q's dtype, logsumexp [b, heads, s] in the accumulation dtype).
 
-    `mask_source(tile_index, shape)` gives each visited tile's keep-mask [b, heads, Cq, Ck]
-    (None: no dropout). No autograd: callers wrap it.
+    `keep`: the dropout keep-mask [b, heads, s, s_k] (bool; None: no dropout). No autograd:
+    callers wrap it.
     """
     s, s_k, b, h, g, d = C.check_qkv(q, k, v)
     r = h // g
@@ -106,7 +105,6 @@ def chunked_forward(q, k, v, causal: bool, p: float, scale: float,
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(b, g, r, s, dtype=acc, device=q.device)
     inv_keep = 1.0 / (1.0 - p)
-    tile_idx = 0
     for qs, qe, ks, ke, needs_mask in _tiles(s, s_k, cq, ck, causal):
         cqn = qe - qs
         if ks == 0:  # a new query chunk
@@ -121,12 +119,10 @@ def chunked_forward(q, k, v, causal: bool, p: float, scale: float,
         alpha = torch.exp(m - m_new)
         probs = torch.exp(scores.sub_(m_new.unsqueeze(-1)))
         lsum = lsum * alpha + probs.sum(-1)
-        if mask_source is not None:
-            keep = mask_source(tile_idx, (b, h, cqn, ke - ks)).view(b, g, r * cqn, ke - ks)
-            probs = probs.mul_(keep).mul_(inv_keep)
+        if keep is not None:
+            probs = probs.mul_(_keep_tile(keep, qs, qe, ks, ke, g)).mul_(inv_keep)
         o = o.mul_(alpha.unsqueeze(-1)).add_(torch.matmul(probs, v4[:, :, ks:ke].to(acc)))
         m = m_new
-        tile_idx += 1
         last = ke == s_k or (causal and ke > qe - 1)
         if last:
             o = o / lsum.unsqueeze(-1)
@@ -136,7 +132,7 @@ def chunked_forward(q, k, v, causal: bool, p: float, scale: float,
 
 
 def chunked_backward(q, k, v, out, lse, dout, causal: bool, p: float, scale: float,
-                     mask_source: Optional[MaskSource], cq: int, ck: int
+                     keep: Optional[torch.Tensor], cq: int, ck: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) in the inputs' dtypes; tiles visited in the forward's order."""
     s, s_k, b, h, g, d = C.check_qkv(q, k, v)
@@ -149,7 +145,6 @@ def chunked_backward(q, k, v, out, lse, dout, causal: bool, p: float, scale: flo
     dk = torch.zeros(b, g, s_k, d, dtype=acc, device=q.device)
     dv = torch.zeros_like(dk)
     inv_keep = 1.0 / (1.0 - p)
-    tile_idx = 0
     for qs, qe, ks, ke, needs_mask in _tiles(s, s_k, cq, ck, causal):
         cqn = qe - qs
         if ks == 0:
@@ -163,17 +158,16 @@ def chunked_backward(q, k, v, out, lse, dout, causal: bool, p: float, scale: flo
             _causal_fill(scores, qs, qe, ks, ke, r)
         probs = torch.exp(scores.sub_(lse_c))
         dprobs = torch.matmul(doc, vt.transpose(-1, -2))
-        if mask_source is not None:
-            keep = mask_source(tile_idx, (b, h, cqn, ke - ks)).view(b, g, r * cqn, ke - ks)
-            dropped = probs * keep * inv_keep
-            dprobs = dprobs.mul_(keep).mul_(inv_keep)
+        if keep is not None:
+            tile = _keep_tile(keep, qs, qe, ks, ke, g)
+            dropped = probs * tile * inv_keep
+            dprobs = dprobs.mul_(tile).mul_(inv_keep)
         else:
             dropped = probs
         dv[:, :, ks:ke] += torch.matmul(dropped.transpose(-1, -2), doc)
         dscores = probs.mul_(dprobs.sub_(delta)).mul_(scale)
         dqc += torch.matmul(dscores, kt)
         dk[:, :, ks:ke] += torch.matmul(dscores.transpose(-1, -2), qc)
-        tile_idx += 1
         if ke == s_k or (causal and ke > qe - 1):
             dq[qs:qe] = dqc.view(b, g, r, cqn, d).permute(3, 0, 1, 2, 4).reshape(cqn, b, h, d)
     dk = dk.permute(2, 0, 1, 3).to(k.dtype)
@@ -181,41 +175,33 @@ def chunked_backward(q, k, v, out, lse, dout, causal: bool, p: float, scale: flo
     return dq, dk, dv
 
 
-def regen_source(state: torch.Tensor, p: float, device) -> MaskSource:
-    """Tile masks replayed, in order, from a private generator set to `state`."""
-    gen = C.replay_generator(state, device)
-    return lambda _i, shape: C.draw_keep(shape, p, gen, device)
+def draw_mask(gen: torch.Generator, p: float, q: torch.Tensor, s_k: int) -> torch.Tensor:
+    """Stock dropout's keep-mask for the [b, heads, s, s_k] probabilities of `q` (in q's
+    dtype, as megatron's softmax returns them), drawn from `gen` (advancing it)."""
+    s, b, h = q.shape[0], q.shape[1], q.shape[2]
+    return dropout_keep_mask((b, h, s, s_k), p, gen, q.device, q.dtype)
 
 
-def drawing_source(gen: torch.Generator, p: float, device,
-                   keep_tiles: Optional[list] = None) -> MaskSource:
-    """Tile masks drawn from `gen` (advancing it); optionally collected in `keep_tiles`."""
-    def source(_i, shape):
-        keep = C.draw_keep(shape, p, gen, device)
-        if keep_tiles is not None:
-            keep_tiles.append(keep)
-        return keep
-    return source
+def replay_mask(state: torch.Tensor, p: float, q: torch.Tensor, s_k: int) -> torch.Tensor:
+    """The mask `draw_mask` drew from `state`, drawn again (a private generator)."""
+    return draw_mask(C.replay_generator(state, q.device), p, q, s_k)
 
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, p, scale, generator, cq, ck, mask_storage, report):
         stash = Stash(report)
-        source, tiles = None, None
+        keep = None
         if p > 0.0:
             gen = C.resolve_generator(generator, q.device)
             state = gen.get_state()
-            tiles = [] if mask_storage == "bitmask" else None
-            source = drawing_source(gen, p, q.device, tiles)
-        out, lse = chunked_forward(q, k, v, causal, p, scale, source, cq, ck)
+            keep = draw_mask(gen, p, q, k.shape[0])
+        out, lse = chunked_forward(q, k, v, causal, p, scale, keep, cq, ck)
         for site, x in (("attn.q", q), ("attn.k", k), ("attn.v", v), ("attn.out", out),
                         ("attn.out", lse)):
             stash.add(site, x)
-        if p > 0.0 and tiles is not None:
-            codec = BitMask()
-            for t in tiles:
-                stash.add("attn.dropout_mask", t, codec)
+        if p > 0.0 and mask_storage == "bitmask":
+            stash.add("attn.dropout_mask", keep, BitMask())
         elif p > 0.0:
             stash.add("attn.dropout_mask", state)
         stash.save(ctx)
@@ -226,13 +212,13 @@ class _ChunkedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         causal, p, scale, cq, ck, mask_storage, device = ctx.conf
         q, k, v, out, lse, *masks = restore(ctx)
-        source = None
+        keep = None
         if p > 0.0 and mask_storage == "bitmask":
-            source = lambda i, _shape: masks[i]  # noqa: E731 (decoded tile masks, in order)
+            keep = masks[0]
         elif p > 0.0:
-            source = regen_source(masks[0], p, device)
+            keep = replay_mask(masks[0], p, q, k.shape[0])
         dq, dk, dv = chunked_backward(q, k, v, out, lse, dout.contiguous(), causal, p, scale,
-                                      source, cq, ck)
+                                      keep, cq, ck)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

@@ -20,11 +20,11 @@ import torch
 from llm_act.attention import _common as C
 from llm_act.attention._stash import Report, Stash, is_lossy, restore
 from llm_act.attention.chunked import (DEFAULT_CHUNK, MASK_STORAGES, _chunks, chunked_attention,
-                                       chunked_backward, chunked_forward, drawing_source,
-                                       regen_source)
-from llm_act.attention.sdpa import generator_as_default, sdpa_attention, sdpa_call
+                                       chunked_backward, chunked_forward, draw_mask, replay_mask)
+from llm_act.attention.sdpa import sdpa_attention, sdpa_call
 from llm_act.attention.unfused import unfused_attention
 from llm_act.codecs.base import Codec
+from llm_act.codecs.regen import generator_as_default
 from llm_act.codecs.registry import KEEP, make_codec
 
 BACKENDS = ("auto", "sdpa", "chunked", "unfused")
@@ -70,8 +70,8 @@ class _RecomputeFromEncoded(torch.autograd.Function):
             state = gen.get_state()
             stash.add("attn.dropout_mask", state)
         if backend == "chunked":
-            source = drawing_source(gen, p, q.device) if p > 0.0 else None
-            out, _ = chunked_forward(q, k, v, causal, p, scale, source, cq, ck)
+            keep = draw_mask(gen, p, q, k.shape[0]) if p > 0.0 else None
+            out, _ = chunked_forward(q, k, v, causal, p, scale, keep, cq, ck)
         else:
             with generator_as_default(generator if p > 0.0 else None, q.device):
                 out = sdpa_call(q, k, v, causal, p, scale)
@@ -85,11 +85,10 @@ class _RecomputeFromEncoded(torch.autograd.Function):
         q, k, v, *rest = restore(ctx)
         state = rest[0] if p > 0.0 else None
         if backend == "chunked":
-            fwd_src = regen_source(state, p, device) if state is not None else None
-            out, lse = chunked_forward(q, k, v, causal, p, scale, fwd_src, cq, ck)
-            bwd_src = regen_source(state, p, device) if state is not None else None
+            keep = replay_mask(state, p, q, k.shape[0]) if state is not None else None
+            out, lse = chunked_forward(q, k, v, causal, p, scale, keep, cq, ck)
             dq, dk, dv = chunked_backward(q, k, v, out, lse, dout.contiguous(), causal, p, scale,
-                                          bwd_src, cq, ck)
+                                          keep, cq, ck)
         else:
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             gen = C.replay_generator(state, device) if state is not None else None

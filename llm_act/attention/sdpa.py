@@ -9,34 +9,19 @@ which is why `core.attention` picks the chunked path there.
 
 SDPA draws its dropout from the device's default generator; when a `generator` is given
 it is swapped in for the call (the default generator's state is restored after it, and
-the given generator advanced), so the global RNG is left untouched.
+the given generator advanced), so the global RNG is left untouched. Its fused kernels draw
+their own mask, not stock dropout's: with attention dropout, "sdpa" is another dropout
+realization than stock attention's (the chunked and unfused paths draw stock's).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from llm_act.attention import _common as C
-
-
-@contextlib.contextmanager
-def generator_as_default(generator: Optional[torch.Generator], device) -> Iterator[None]:
-    """Run the body with the device's default generator replaced by `generator`'s state."""
-    default = C.default_generator(device)
-    if generator is None or generator is default:
-        yield
-        return
-    C.resolve_generator(generator, device)
-    saved = default.get_state()
-    default.set_state(generator.get_state())
-    try:
-        yield
-        generator.set_state(default.get_state())
-    finally:
-        default.set_state(saved)
+from llm_act.codecs.regen import generator_as_default
 
 
 def sdpa_call(q, k, v, causal: bool, p: float, scale: float) -> torch.Tensor:

@@ -8,9 +8,10 @@ generator state). Backward is the softmax backward written out from the stored
 (decoded) probabilities, so no s x s tensor has to be recomputed. Q, K, V may be
 encoded too (sites `attn.q/k/v`).
 
-The keep-mask formula is `RegenMask`'s (`torch.rand([b, heads, s, s_k]) >= p`, from
-`generator` or the device's default one), so raw, bitmask and regen storage use the
-same mask bit for bit.
+The keep-mask is stock dropout's for the [b, heads, s, s_k] probabilities in q's dtype
+(`llm_act.codecs.regen.dropout_keep_mask`, from `generator` or the device's default one),
+so the forward draws the mask stock attention draws, and raw, bitmask and regen storage use
+the same mask bit for bit.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from llm_act.attention import _common as C
 from llm_act.attention._stash import Report, Stash, restore
 from llm_act.codecs.base import Codec
+from llm_act.codecs.regen import dropout_keep_mask
 
 MASK_CODEC_NAMES = ("bitmask", "regen")
 
@@ -56,10 +58,10 @@ class _UnfusedAttention(torch.autograd.Function):
             gen = C.resolve_generator(generator, q.device)
             shape = (b, h, s, s_k)
             if mask_codec is not None and mask_codec.name == "regen":
-                keep, enc = mask_codec.sample(shape, p, gen, q.device)
+                keep, enc = mask_codec.sample(shape, p, gen, q.device, like_dtype=q.dtype)
                 stash.add_encoded("attn.dropout_mask", mask_codec, enc)
             else:
-                keep = C.draw_keep(shape, p, gen, q.device)
+                keep = dropout_keep_mask(shape, p, gen, q.device, q.dtype)
                 stash.add("attn.dropout_mask", keep, mask_codec)
             weights = weights * keep.view(b, g, r * s, s_k) * (1.0 / (1.0 - p))
         out = torch.matmul(weights, vf)

@@ -122,6 +122,7 @@ def _table(stock: _Run, comp: _Run, args: argparse.Namespace, sha256: str) -> st
         f"{'first train loss':<24}{stock.losses[0]:>12.4f}{comp.losses[0]:>16.4f}",
         f"{'final train loss':<24}{stock.losses[-1]:>12.4f}{comp.losses[-1]:>16.4f}",
         f"{'validation loss':<24}{_fmt(stock.valid_loss):>12}{_fmt(comp.valid_loss):>16}",
+        _gap_line(stock.losses, comp.losses),
         f"{'tokens/s':<24}{_fmt(stock.tokens_per_s, '.1f'):>12}{_fmt(comp.tokens_per_s, '.1f'):>16}",
         "",
         f"tokens/s ratio compressed/stock: {speed} "
@@ -131,6 +132,20 @@ def _table(stock: _Run, comp: _Run, args: argparse.Namespace, sha256: str) -> st
         f"({_ratio(c_tot, s_tot)} of stock)",
     ]
     return "\n".join(lines)
+
+
+def largest_gap(stock: list[float], compressed: list[float]) -> tuple[float, int]:
+    """(largest |compressed - stock| training loss over the iterations, its iteration, 1-based)."""
+    gaps = [abs(c - s) for s, c in zip(stock, compressed)]
+    i = max(range(len(gaps)), key=gaps.__getitem__)
+    return gaps[i], i + 1
+
+
+def _gap_line(stock: list[float], compressed: list[float]) -> str:
+    """The plot's loss panel in words: where the two curves are furthest apart."""
+    gap, it = largest_gap(stock, compressed)
+    return (f"{'largest loss gap':<24}{gap:>12.4f}{'':>16}  nats, at iteration {it} "
+            f"(stock {stock[it - 1]:.4f}, compressed {compressed[it - 1]:.4f})")
 
 
 def _ratio(a: int, b: int) -> str:

@@ -9,10 +9,10 @@ returns the stock function. Compressed, it runs the same ops as the stock *unfus
 
 - `bitmask`: the keep-mask packed 1 bit per element (the site's BitMask codec);
 - `regen`: only the generator state before the draw; backward draws the same mask again
-  from a private generator set to that state, with dropout's own sampler. (`RegenMask.sample`
-  draws `rand >= p`, which is not dropout's mask: torch's CPU dropout is
+  from a private generator set to that state, with dropout's own sampler
+  (`llm_act.codecs.regen.dropout_keep_mask`: torch's CPU dropout is
   `empty_like(x).bernoulli_(1 - p).div_(1 - p)`, the CUDA one the fused `native_dropout`
-  kernel; so the state is recorded here and replayed through those very calls.)
+  kernel).
 
 Gradients are bit-identical to stock in both cases. With `config.bias_dropout_fusion` the
 stock function is torch.compile'd, whose generated RNG is not eager dropout's: compressed
@@ -25,28 +25,16 @@ from typing import Callable, Optional
 import torch
 
 from llm_act.codecs.base import Codec, Encoded
+from llm_act.codecs.regen import default_generator, dropout_keep_mask, fused_dropout
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
 from llm_act.patches.megatron.functions import Record, _report
 
 DROPOUT_SITES = ("attn.hidden_dropout_mask", "mlp.hidden_dropout_mask")
 
 
-def _fused_dropout(x: torch.Tensor) -> bool:
-    """Whether at::dropout takes the fused native_dropout kernel for x (0 < p < 1 assumed)."""
-    return x.device.type in ("cuda", "xpu", "lazy", "privateuseone") and x.numel() > 0
-
-
-def _default_generator(device: torch.device) -> torch.Generator:
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[idx]
-    return torch.default_generator
-
-
-def _cpu_noise(like: torch.Tensor, p: float, generator: Optional[torch.Generator] = None):
-    """torch's CPU dropout noise: bernoulli(1 - p) in x's dtype, scaled by 1 / (1 - p)."""
-    noise = like.bernoulli_(1 - p, generator=generator) if generator is not None else like.bernoulli_(1 - p)
-    return noise.div_(1 - p)
+def _noise(keep: torch.Tensor, dtype: torch.dtype, p: float) -> torch.Tensor:
+    """torch's CPU dropout noise from its keep-mask: 1 / (1 - p) where kept, in x's dtype."""
+    return keep.to(dtype).div_(1 - p)
 
 
 class StoredMaskDropout(torch.autograd.Function):
@@ -55,18 +43,16 @@ class StoredMaskDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p: float, codec: Codec, owner, site: str):
         regen = codec.name == "regen" or type(codec).__name__ == "RegenMask"
-        gen = _default_generator(x.device)
-        state = gen.get_state() if regen else None
+        state = default_generator(x.device).get_state() if regen else None
         ctx.p, ctx.codec, ctx.regen = p, codec, regen
-        ctx.fused = _fused_dropout(x)
+        ctx.fused = fused_dropout(x.device, x.numel())
         if ctx.fused:
             out, mask = torch.native_dropout(x, p, True)
             stored = mask
         else:
-            noise = _cpu_noise(torch.empty_like(x), p)
-            out = x.mul(noise)
-            stored = noise != 0
-            ctx.noise_stride = noise.stride()
+            ctx.noise_stride = torch.empty_like(x).stride()  # dropout draws on empty_like(x)
+            stored = dropout_keep_mask(x.shape, p, None, x.device, x.dtype, ctx.noise_stride)
+            out = x.mul(_noise(stored, x.dtype, p))
         ctx.shape, ctx.dtype = x.shape, x.dtype
         if regen:
             enc = Encoded(codec.name, x.shape, torch.bool, x.device, {"state": state}, {"p": p})
@@ -82,30 +68,16 @@ class StoredMaskDropout(torch.autograd.Function):
         enc = ctx.record.enc
         ctx.record = None
         p = ctx.p
-        if ctx.fused:
-            mask = _regen_fused_mask(enc, ctx.dtype, p) if ctx.regen else ctx.codec.decode(enc)
-            return torch.ops.aten.native_dropout_backward(grad_out, mask, 1.0 / (1.0 - p)), None, None, None, None
-        if ctx.regen:
+        if ctx.regen:  # the same draw again, from a private generator set to the state
             gen = torch.Generator(device=enc.device)
             gen.set_state(enc.data["state"])
-            like = torch.empty_strided(ctx.shape, ctx.noise_stride, dtype=ctx.dtype, device=enc.device)
-            noise = _cpu_noise(like, p, gen)
+            mask = dropout_keep_mask(ctx.shape, p, gen, enc.device, ctx.dtype,
+                                     None if ctx.fused else ctx.noise_stride)
         else:
-            noise = ctx.codec.decode(enc).to(ctx.dtype).div_(1 - p)
-        return grad_out * noise, None, None, None, None
-
-
-def _regen_fused_mask(enc: Encoded, dtype: torch.dtype, p: float) -> torch.Tensor:
-    """Replay native_dropout's mask: set the device generator to the recorded state, draw
-    on a fresh tensor, restore the generator (as megatron's CheckpointFunction does)."""
-    gen = _default_generator(enc.device)
-    saved = gen.get_state()
-    try:
-        gen.set_state(enc.data["state"])
-        _, mask = torch.native_dropout(torch.empty(enc.shape, dtype=dtype, device=enc.device), p, True)
-    finally:
-        gen.set_state(saved)
-    return mask
+            mask = ctx.codec.decode(enc)
+        if ctx.fused:
+            return torch.ops.aten.native_dropout_backward(grad_out, mask, 1.0 / (1.0 - p)), None, None, None, None
+        return grad_out * _noise(mask, ctx.dtype, p), None, None, None, None
 
 
 class ActBiasDropoutAdd(ActModule, torch.nn.Module):
@@ -143,7 +115,7 @@ class ActBiasDropoutAdd(ActModule, torch.nn.Module):
             if not needs_grad or not 0.0 < prob < 1.0 or x.numel() == 0:
                 return stock_fn(x_with_bias, residual, prob)
             # never more than stock, which keeps a bool mask (fused) or the noise in x's dtype
-            stock_mask = (x.shape, torch.bool if _fused_dropout(x) else x.dtype)
+            stock_mask = (x.shape, torch.bool if fused_dropout(x.device, x.numel()) else x.dtype)
             if not codec_within_raw(codec, stock_mask):
                 kept = self.__dict__.setdefault("act_kept", {})
                 kept[self.act_site] = kept.get(self.act_site, 0) + 1

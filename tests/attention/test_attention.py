@@ -107,8 +107,7 @@ def test_chunked_dropout_reproduces_math_path_with_same_masks(causal):
                             chunk_size=chunk)
     dq, dk, dv = grads(out, (q, k, v), torch.ones(out.shape))
     assert torch.equal(torch.get_rng_state(), rng_before), "the global RNG was consumed"
-    keep = chunk_dropout_mask(2, 4, 29, 29, p, torch.Generator().manual_seed(7), causal=causal,
-                              chunk_size=chunk)
+    keep = chunk_dropout_mask(2, 4, 29, 29, p, torch.Generator().manual_seed(7), like_dtype=q.dtype)
     assert 0.6 < keep.float().mean() < 0.8
     ref = reference(q, k, v, causal, p, keep)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
@@ -142,7 +141,7 @@ def test_default_generator_drives_dropout_without_one():
     b = chunked_attention(q, k, v, True, 0.5, chunk_size=4)
     gb = grads(b, (q, k, v), torch.ones(b.shape))
     torch.manual_seed(3)
-    keep = chunk_dropout_mask(2, 4, 12, 12, 0.5, None, causal=True, chunk_size=4)
+    keep = chunk_dropout_mask(2, 4, 12, 12, 0.5, None, like_dtype=q.dtype)
     assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb))
     torch.testing.assert_close(a.double(), reference(q, k, v, True, 0.5, keep), rtol=0, atol=2e-6)
 

@@ -3,17 +3,35 @@ import pytest
 import torch
 
 from llm_act.codecs import RegenMask, make_codec
+from llm_act.codecs.regen import dropout_keep_mask
 
 MASK_DTYPES = [torch.bool, torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", MASK_DTYPES)
-def test_regen_sample_follows_the_documented_formula(dtype):
+def test_regen_sample_draws_torch_dropouts_own_mask(dtype):
+    """The mask is the one `F.dropout` draws from the same generator state, and the
+    generator advances as dropout's does: a compressed layer's forward is stock's."""
     g = torch.Generator().manual_seed(7)
     mask, enc = RegenMask().sample((3, 5, 130), 0.25, g, "cpu", dtype)
-    expected = torch.rand((3, 5, 130), generator=torch.Generator().manual_seed(7)) >= 0.25
-    assert mask.dtype == dtype and torch.equal(mask, expected.to(dtype))
+    torch.manual_seed(7)
+    dropped = torch.nn.functional.dropout(torch.ones(3, 5, 130), 0.25, training=True)
+    assert mask.dtype == dtype and torch.equal(mask, (dropped != 0).to(dtype))
+    assert torch.equal(g.get_state(), torch.get_rng_state())
     assert enc.shape == (3, 5, 130) and enc.dtype == dtype
+
+
+@pytest.mark.parametrize("like_dtype", [torch.float32, torch.bfloat16])
+def test_dropout_keep_mask_is_dropouts_mask_for_any_dtype_and_stride(like_dtype):
+    x = torch.ones(6, 40, 9, dtype=like_dtype).transpose(0, 2)  # a strided input
+    torch.manual_seed(5)
+    want = torch.nn.functional.dropout(x, 0.3, training=True) != 0
+    g = torch.Generator().manual_seed(5)
+    got = dropout_keep_mask(x.shape, 0.3, g, "cpu", like_dtype, torch.empty_like(x).stride())
+    assert torch.equal(got, want)
+    # p == 0 draws nothing and keeps all, as dropout does
+    before = g.get_state().clone()
+    assert bool(dropout_keep_mask((4,), 0.0, g).all()) and torch.equal(g.get_state(), before)
 
 
 def test_regen_decode_is_identical_and_leaves_the_generator_alone():
@@ -43,7 +61,7 @@ def test_regen_default_generator_is_the_global_one():
     torch.manual_seed(11)
     mask, enc = RegenMask().sample((50,), 0.5)
     torch.manual_seed(11)
-    assert torch.equal(mask, torch.rand(50) >= 0.5)
+    assert torch.equal(mask, torch.nn.functional.dropout(torch.ones(50), 0.5, training=True) != 0)
     after = torch.get_rng_state()
     assert torch.equal(RegenMask().decode(enc), mask)
     assert torch.equal(torch.get_rng_state(), after)

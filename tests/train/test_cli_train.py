@@ -49,9 +49,11 @@ def test_llm_act_train_prints_the_table_and_writes_the_plot(tmp_path):
     assert math.isclose(layers["layer 0"][0] + layers["layer 1"][0], layers["total"][0], rel_tol=0.2)
     first = tuple(map(float, _row(out, "first train loss")))
     final = tuple(map(float, _row(out, "final train loss")))
-    # same seed, data and initial weights; the compressed run's memory-efficient attention
-    # draws its attention-dropout masks in chunks (not stock's masks): close, not equal
-    assert abs(first[0] - first[1]) < 0.02
+    # same seed, data, initial weights and dropout masks: compression acts in backward only,
+    # so the first forward is stock's up to float rounding (`test_loss_guard`)
+    assert abs(first[0] - first[1]) <= 1e-4
+    gap, at = re.search(r"^largest loss gap +(\S+) +nats, at iteration (\d+)", out, re.M).groups()
+    assert 0 <= float(gap) < 0.25 and 1 <= int(at) <= 12
     for a, b in zip(first, final):
         assert math.isfinite(b) and b < a - 0.5
     assert abs(final[0] - final[1]) < 0.1

@@ -38,31 +38,35 @@ def outlier_colsum_ref(x2: torch.Tensor) -> torch.Tensor:
 
 
 def select_outliers(colsum: torch.Tensor, z_threshold: float, max_outliers: int) -> torch.Tensor:
-    """Sorted int64 indices of the channels with z-score > `z_threshold`, at most
-    `max_outliers` of them (those with the largest z). Shared by both paths.
+    """The outlier slots: int64 [max_outliers] (0 when C < 2), ascending: the channels with
+    z-score > `z_threshold`, those with the largest z first when more qualify than there are
+    slots, then the unused slots, which hold C. Shared by both paths.
 
-    z = (S_c - mean(S)) / std(S) with the population std (Adacc eq. 1). Learning how many
-    channels qualify needs one host sync (`.item()`), on the GPU too.
+    z = (S_c - mean(S)) / std(S) with the population std (Adacc eq. 1). A fixed number of
+    slots keeps every shape fixed: no host sync, on the GPU too.
     """
     C = colsum.numel()
-    empty = torch.empty(0, dtype=torch.int64, device=colsum.device)
     if max_outliers <= 0 or C < 2:
-        return empty
+        return torch.empty(0, dtype=torch.int64, device=colsum.device)
+    z = outlier_z(colsum)
+    top = torch.topk(z, min(int(max_outliers), C))
+    chosen = torch.where(top.values > z_threshold, top.indices, torch.full_like(top.indices, C))
+    return chosen.sort().values
+
+
+def outlier_z(colsum: torch.Tensor) -> torch.Tensor:
+    """Per-channel z-score of the column sums, float32 [C] (0 where undefined)."""
     s = colsum.float()
-    sd = s.std(correction=0)
-    z = (s - s.mean()) / sd
-    z = torch.where(torch.isfinite(z), z, torch.zeros_like(z))  # sd == 0 or inf sums
-    n = min(int((z > z_threshold).sum().item()), int(max_outliers))
-    if n == 0:
-        return empty
-    return torch.topk(z, n).indices.sort().values
+    z = (s - s.mean()) / s.std(correction=0)
+    return torch.where(torch.isfinite(z), z, torch.zeros_like(z))  # sd == 0 or inf sums
 
 
 def outlier_positions(idx: torch.Tensor, C: int) -> torch.Tensor:
-    """int32 [C]: the position of each channel in `idx`, -1 for inlier channels."""
-    pos = torch.full((C,), -1, dtype=torch.int32, device=idx.device)
+    """int32 [C]: the slot of each outlier channel in `idx`, -1 for inlier channels (unused
+    slots, index C, name no channel)."""
+    pos = torch.full((C + 1,), -1, dtype=torch.int32, device=idx.device)
     pos[idx.long()] = torch.arange(idx.numel(), dtype=torch.int32, device=idx.device)
-    return pos
+    return pos[:C]
 
 
 def as_groups(t: torch.Tensor, group_size: int, fill) -> torch.Tensor:
@@ -116,7 +120,9 @@ def outlier_encode_ref(
     n = rows * C
     if noise is None:
         noise = seeded_noise(seed, n, x2.device)
-    values = x2[:, idx.long()]
+    used = idx < C
+    values = x2[:, idx.long().clamp_max(C - 1)]  # unused slots: zeros
+    values = torch.where(used, values, torch.zeros_like(values))
     values = torch.where(torch.isfinite(values), values, torch.full_like(values, float("nan")))
     # outlier positions take their group's inlier min: code 0, no effect on the range
     xg, use, bad, mn, mx, flag = group_stats(x2, idx, group_size)
@@ -140,6 +146,11 @@ def outlier_decode_ref(
     """Inverse of `outlier_encode_ref`: a [rows, C] tensor of `dtype`."""
     out = int_quant_decode_ref(packed, scale, zero, BITS, group_size, False, rows * C, dtype)
     out = out.view(rows, C)
-    if idx.numel():
-        out[:, idx.long()] = values.to(dtype)
+    if idx.numel():  # unused slots (index C) repeat the first slot's write, or column 0's own
+        idx = idx.long()
+        used = idx < C
+        first = idx[:1]
+        target = torch.where(first < C, first, torch.zeros_like(first))
+        fallback = torch.where(first < C, values[:, :1].to(dtype), out[:, target])
+        out[:, torch.where(used, idx, target)] = torch.where(used, values.to(dtype), fallback)
     return out

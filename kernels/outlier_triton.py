@@ -154,7 +154,7 @@ def outlier_encode(
     packed = torch.empty(packed_numel(n, 4), dtype=torch.uint8, device=dev)
     scale = torch.empty(G, dtype=torch.float32, device=dev)
     zero = torch.empty(G, dtype=torch.float32, device=dev)
-    values = torch.empty((rows, n_out), dtype=x2.dtype, device=dev)
+    values = torch.zeros((rows, n_out), dtype=x2.dtype, device=dev)  # unused slots stay 0
     if n == 0:
         return packed, scale, zero, values
     pos = outlier_positions(idx, C)

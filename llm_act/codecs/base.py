@@ -14,11 +14,17 @@ Conventions shared by all codecs:
   float32's range are not covered.
 - Non-finite inputs decode to themselves: NaN stays NaN and +-Inf keeps its sign, so the
   loss scaler still sees overflow. The kernels leave them out of every statistic (group
-  ranges, scales, means); `Codec.encode` stores them exactly in a sparse side list,
-  `nonfinite_index` (int32, or int64 beyond 2**31 elements) and `nonfinite_value` (x's
-  dtype), which `.nbytes` counts. Both keys are always present (empty for finite
-  tensors, 0 bytes) so sequence-parallel shards keep one layout. Learning the count costs
-  one host sync per encode. Lossless codecs need no list; codecs whose decode is not x
+  ranges, scales, means) and decode them to NaN by themselves (a flagged code), never to a
+  finite value; `Codec.encode` also keeps their exact values in a side list of fixed
+  capacity (`nonfinite_capacity`: 4 slots plus one per 8192 elements), which decode
+  writes back: `nonfinite_index` (int32, or int64 beyond 2**31 elements; unused slots
+  repeat a used one, or restore element 0 exactly), `nonfinite_value` (x's dtype) and
+  `nonfinite_count` (int32 [1], how many there were). Fixed shapes: no host sync, and
+  sequence-parallel shards keep one layout; one extra op per decode. When a
+  tensor holds more non-finite values than the capacity, the extra ones decode to NaN (an
+  Inf loses its sign, nothing becomes finite) and the codec's `nonfinite_overflow` (a
+  device tensor, read it when you like: that read is the sync) counts them. `.nbytes`
+  counts the side list. Lossless codecs need no list; codecs whose decode is not x
   (few-bit derivatives) set `keeps_nonfinite = False` and document their own rule.
 - Stochastic rounding draws from the codec's own generator (one per device, seeded from
   `seed` alone), never from torch's global one, so compression changes no dropout mask.
@@ -38,19 +44,56 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def nonfinite_side_list(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Positions (flat, row-major) and exact values of the non-finite elements of `x`.
+#: the non-finite side list has NONFINITE_MIN_SLOTS slots plus one per NONFINITE_STRIDE
+#: elements (at most one per element): 12 slots (76 bytes) for 65536 bf16 elements, 0.14%
+#: of an int4 record at any larger size
+NONFINITE_MIN_SLOTS = 4
+NONFINITE_STRIDE = 8192
 
-    Non-finite activations are rare, so a sparse list keeps the finite case's size
-    unchanged; checking for them is one host sync.
+
+def nonfinite_capacity(numel: int) -> int:
+    """Slots of the non-finite side list of a tensor of `numel` elements: fixed by the
+    size alone, so encoding needs no host sync and every record of a shape has one layout."""
+    return min(numel, NONFINITE_MIN_SLOTS + numel // NONFINITE_STRIDE)
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+
+
+def side_list_nbytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes of the side list of a tensor of `numel` elements of `dtype`."""
+    if numel == 0:
+        return 0
+    slot = _index_dtype(numel).itemsize + dtype.itemsize
+    return nonfinite_capacity(numel) * slot + 4
+
+
+def nonfinite_side_list(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Positions (flat, row-major) and exact values of the first `nonfinite_capacity`
+    non-finite elements of `x`, and their count; fixed shapes, no host sync.
+
+    Unused slots repeat the first used one, or hold element 0 and its exact value when x
+    is finite, so decode writes every slot back in one op (`restore_nonfinite`) and never
+    needs to know how many were used.
     """
     flat = x.reshape(-1)
-    index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
-    if bool(torch.isfinite(flat).all()):
-        index = torch.empty(0, dtype=index_dtype, device=x.device)
-    else:
-        index = torch.nonzero(~torch.isfinite(flat)).reshape(-1)
-    return {"nonfinite_index": index.to(index_dtype), "nonfinite_value": flat[index].clone()}
+    n = flat.numel()
+    if n == 0:
+        return {"nonfinite_index": torch.empty(0, dtype=torch.int32, device=x.device),
+                "nonfinite_value": flat.new_empty(0),
+                "nonfinite_count": torch.empty(0, dtype=torch.int32, device=x.device)}
+    bad = ~torch.isfinite(flat)
+    index = torch.nonzero_static(bad, size=nonfinite_capacity(n), fill_value=n).reshape(-1)
+    index = torch.where(index < n, index, index[0] % n)  # index[0] is n when none is used
+    return {"nonfinite_index": index.to(_index_dtype(n)), "nonfinite_value": flat[index],
+            "nonfinite_count": bad.sum(dtype=torch.int32).reshape(1)}
+
+
+def restore_nonfinite(out: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Write the side list's exact values back into `out`, in place (a fresh tensor: decode
+    never returns memory of the record), in one op and without a host sync."""
+    return out.view(-1).index_put_((index,), value.to(out.dtype)).view(out.shape)
 
 
 @dataclass
@@ -96,6 +139,7 @@ class Codec:
     def __init__(self, seed: int = 1234):
         self.seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._overflow: dict[str, torch.Tensor] = {}
 
     # ---- public API -------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> Encoded:
@@ -103,7 +147,10 @@ class Codec:
         x = x.contiguous()
         enc = self._encode(x)
         if self.keeps_nonfinite and not self.lossless:
-            enc.data.update(nonfinite_side_list(x))
+            side = nonfinite_side_list(x)
+            enc.data.update(side)
+            if x.numel():
+                self._count_overflow(side["nonfinite_count"], nonfinite_capacity(x.numel()))
         return enc
 
     def decode(self, enc: Encoded) -> torch.Tensor:
@@ -111,10 +158,23 @@ class Codec:
             return torch.empty(enc.shape, dtype=enc.dtype, device=enc.device)
         out = self._decode(enc)
         index = enc.data.get("nonfinite_index")
-        if index is not None and index.numel():  # out of place: `out` may alias stored data
-            values = enc.data["nonfinite_value"].to(out.dtype)
-            out = out.reshape(-1).index_put((index.long(),), values).view(out.shape)
+        if index is not None and index.numel():
+            out = restore_nonfinite(out.contiguous(), index, enc.data["nonfinite_value"])
         return out
+
+    def _count_overflow(self, count: torch.Tensor, capacity: int) -> None:
+        """Add the non-finite values past the side list's capacity to `nonfinite_overflow`
+        (on the device: no sync)."""
+        over = (count.to(torch.int64) - capacity).clamp_min(0)
+        key = str(count.device)
+        total = self._overflow.get(key)
+        self._overflow[key] = over if total is None else total + over
+
+    @property
+    def nonfinite_overflow(self) -> int:
+        """Non-finite values, over all encodes so far, that did not fit the side list and
+        decode to NaN instead of their exact value. Reading it syncs with the device."""
+        return int(sum(int(t.sum()) for t in self._overflow.values()))
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x))
@@ -131,10 +191,8 @@ class Codec:
         raise NotImplementedError(f"{type(self).__name__} has no error model")
 
     def nbytes_for(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:
-        """Stored bytes for a tensor of this shape and dtype, without encoding one.
-
-        For a finite tensor: each non-finite element adds its index and value to `.nbytes`.
-        """
+        """Stored bytes for a tensor of this shape and dtype, without encoding one (the
+        non-finite side list included: `side_list_bytes`)."""
         raise NotImplementedError(f"{type(self).__name__}.nbytes_for")
 
     def within_raw(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> bool:
@@ -160,6 +218,12 @@ class Codec:
         except ValueError:  # a shape the codec cannot take (a scalar for a per-axis codec)
             return False
         return nbytes <= raw
+
+    def side_list_bytes(self, shape, dtype: torch.dtype) -> int:
+        """Bytes of the non-finite side list that `encode` adds for `shape`/`dtype`."""
+        if not self.keeps_nonfinite or self.lossless:
+            return 0
+        return side_list_nbytes(math.prod(int(s) for s in shape), dtype)
 
     # ---- checks ----------------------------------------------------------------------
     def check_input(self, x: torch.Tensor) -> None:

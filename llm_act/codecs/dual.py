@@ -64,7 +64,8 @@ class DualPrecision(Codec):
         if s * C == 0:
             return 0
         nb = ref.num_pool_blocks(s, self.pool)
-        return 2 * nb * C + s * ref.row_bytes(C, self.hfc_bits) + 4 * C
+        return (2 * nb * C + s * ref.row_bytes(C, self.hfc_bits) + 4 * C
+                + self.side_list_bytes(shape, dtype))
 
     # ---- encode / decode --------------------------------------------------------------
     def _encode(self, x: torch.Tensor) -> Encoded:

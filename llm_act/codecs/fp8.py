@@ -37,7 +37,7 @@ class FP8(Codec):
         n = 1
         for s in shape:
             n *= int(s)
-        return n + 4 * ref.num_blocks(n, self.block)
+        return n + 4 * ref.num_blocks(n, self.block) + self.side_list_bytes(shape, dtype)
 
     def _encode(self, x: torch.Tensor) -> Encoded:
         payload, scale = custom_ops.fp8_encode(x, self.block, self.fmt)

@@ -74,7 +74,8 @@ class IntQuant(Codec):
     def nbytes_for(self, shape, dtype: torch.dtype) -> int:
         shape = tuple(int(s) for s in shape)
         per_param = 4 if self.symmetric else 8
-        return packed_numel(math.prod(shape), self.bits) + per_param * self._num_params(shape)
+        return (packed_numel(math.prod(shape), self.bits) + per_param * self._num_params(shape)
+                + self.side_list_bytes(shape, dtype))
 
     # ---- encode / decode -------------------------------------------------------------
     def _rounding(self, x: torch.Tensor) -> dict:

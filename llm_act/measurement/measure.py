@@ -268,7 +268,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
                 opt, enc = _option(codec, name, x, xs, st.side_bytes, power, dpower, timed, repeats)
                 st.options[name] = opt
                 if name == "outlier_int4" and enc is not None and x.shape:
-                    st.outlier_rate = enc.meta["n_outliers"] / max(1, x.shape[-1])
+                    st.outlier_rate = codec.count_outliers(x) / max(1, x.shape[-1])
             if timed:
                 st.forward_ms = _producer_ms(controller, layer, site, captured, attn_call, repeats)
         if times_from is not None:

@@ -9,12 +9,11 @@ saves `codec.encode(shard)` instead and in backward all-gathers the *encoded* sh
 Layout rule (design brief): an encoded shard must never need data of another shard. We
 gather per-shard records and decode each shard on its own, then concatenate the decoded
 shards along the token dimension (dim 0). That is exact for every codec whatever its
-grouping (an IntQuant group never straddles a shard, since each shard was encoded alone),
-and covers data-dependent sizes: OutlierInt4 keeps a different number of outlier channels
-per shard, so a small int64 header with every rank's tensor shapes and integer metadata is
-all-gathered first, tensors of unequal size are padded to the largest, and each rank's record
-is cut back to its own size. With equal sizes (IntQuant, FP8, ...) each rank sends exactly
-its record's `nbytes`; the header costs 8 bytes per tensor dimension and integer field.
+grouping (an IntQuant group never straddles a shard, since each shard was encoded alone).
+Record shapes depend on the shard's shape only (OutlierInt4's outlier slots and every
+codec's non-finite side list have fixed sizes; each shard picks its own outlier channels),
+so each rank sends exactly its record's `nbytes`, in one all-gather, and learns nothing
+about the others' sizes first: no host sync.
 The collective is megatron's `dist_all_gather_func`, looked up at call time.
 """
 from __future__ import annotations
@@ -33,54 +32,31 @@ def _gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     layers.dist_all_gather_func(out, inp, group=group)
 
 
-def _int_meta(enc: Encoded) -> list[str]:
-    return sorted(k for k, v in enc.meta.items() if isinstance(v, int) and not isinstance(v, bool))
-
-
 def all_gather_encoded(enc: Encoded, group) -> list[Encoded]:
-    """Every rank's record of its shard, in rank order (sizes exchanged first)."""
+    """Every rank's record of its shard, in rank order, in one all-gather. Every record's
+    shapes follow from the shard's shape alone (fixed side lists and outlier slots), and the
+    shards of one sequence-parallel tensor have one shape, so nothing is exchanged first (no
+    host sync): the record's tensors travel packed in one byte buffer, widest items first
+    so that every tensor starts aligned to its own item size."""
     world = torch.distributed.get_world_size(group)
-    names = sorted(enc.data)
-    metas = _int_meta(enc)
-    local = []
-    for n in names:
-        t = enc.data[n]
-        local += [t.dim(), *t.shape]
-    local += [enc.meta[k] for k in metas]
-    header = torch.tensor(local, dtype=torch.int64, device=enc.device)
-    headers = torch.empty(world * header.numel(), dtype=torch.int64, device=enc.device)
-    _gather(headers, header, group)
-    rows = headers.view(world, -1).tolist()
-    shapes: list[list[tuple[int, ...]]] = []
-    for row in rows:
-        pos, mine = 0, []
-        for _ in names:
-            ndim = row[pos]
-            mine.append(tuple(row[pos + 1:pos + 1 + ndim]))
-            pos += 1 + ndim
-        shapes.append(mine)
-    records = [dict() for _ in range(world)]
-    for j, n in enumerate(names):
-        t = enc.data[n]
-        item = t.element_size()
-        sizes = [int(torch.Size(s[j]).numel()) * item for s in shapes]
-        width = max(sizes)
-        flat = t.contiguous().reshape(-1).view(torch.uint8)
-        if flat.numel() < width:
-            flat = torch.cat([flat, flat.new_zeros(width - flat.numel())])
-        out = torch.empty(world * width, dtype=torch.uint8, device=t.device)
-        if width:
-            _gather(out, flat, group)
-        for r in range(world):
-            part = out[r * width:r * width + sizes[r]]
-            records[r][n] = part.view(t.dtype).reshape(shapes[r][j]) if sizes[r] else \
-                torch.empty(shapes[r][j], dtype=t.dtype, device=t.device)
-    result = []
+    names = sorted(enc.data, key=lambda n: -enc.data[n].element_size())
+    parts = [enc.data[n].contiguous().reshape(-1).view(torch.uint8) for n in names]
+    used = sum(p.numel() for p in parts)
+    width = -(-used // 8) * 8  # every rank's record starts 8-byte aligned too
+    if width > used:
+        parts.append(torch.zeros(width - used, dtype=torch.uint8, device=enc.device))
+    out = torch.empty(world * width, dtype=torch.uint8, device=enc.device)
+    if width:
+        _gather(out, torch.cat(parts), group)
+    records = []
     for r in range(world):
-        meta = dict(enc.meta)
-        meta.update(zip(metas, rows[r][len(rows[r]) - len(metas):]))
-        result.append(Encoded(enc.codec, enc.shape, enc.dtype, enc.device, records[r], meta))
-    return result
+        data, pos = {}, r * width
+        for name, part in zip(names, parts):  # zip stops before the padding
+            t = enc.data[name]
+            data[name] = out[pos:pos + part.numel()].view(t.dtype).reshape(t.shape)
+            pos += part.numel()
+        records.append(Encoded(enc.codec, enc.shape, enc.dtype, enc.device, data, dict(enc.meta)))
+    return records
 
 
 def gather_decoded(codec: Codec, enc: Encoded, group) -> torch.Tensor:

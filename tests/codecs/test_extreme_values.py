@@ -7,9 +7,11 @@ residuals into Inf/NaN, and every non-finite input came back as NaN.
 import pytest
 import torch
 
+
 from llm_act.codecs import make_codec
+from llm_act.codecs.base import nonfinite_capacity
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS
-from tests.codecs._checks import assert_nonfinite_kept
+from tests.codecs._checks import assert_nonfinite_kept_within_capacity
 
 VALUE_CODECS = [n for n in CODEC_NAMES if n not in MASK_CODECS and n not in FEWBIT_CODECS]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -80,13 +82,21 @@ def test_finite_in_finite_out(name, case, dtype):
     codec = make_codec(name, seed=3)
     enc = codec.encode(x)
     y = codec.decode(enc)
-    assert_nonfinite_kept(x, y)
-    # the side list of non-finite values is stored, counted, and empty when all is finite
+    cap = nonfinite_capacity(x.numel())
+    bad_at = torch.nonzero(~torch.isfinite(x.reshape(-1))).reshape(-1)
+    # within the capacity exact (NaN stays NaN, +-Inf keeps its sign); past it NaN, never
+    # finite, and counted; finite stays finite everywhere
+    assert_nonfinite_kept_within_capacity(x, y)
+    assert codec.nonfinite_overflow == max(0, bad_at.numel() - cap)
+    # the side list of non-finite values: fixed capacity, counted, its used slots first
     n_bad = int((~torch.isfinite(x)).sum())
-    assert enc.data["nonfinite_index"].numel() == n_bad
+    index = enc.data["nonfinite_index"]
+    used = min(n_bad, cap)
+    assert index.numel() == cap and int(enc.data["nonfinite_count"]) == n_bad
+    assert torch.equal(index[:used].long(), bad_at[:used])
+    assert bool((index[used:] == (bad_at[0] if used else 0)).all())  # unused: a used slot again
     assert enc.nbytes == codec.nbytes_for(x.shape, dtype, **(
-        {"n_outliers": enc.meta["n_outliers"]} if name == "outlier_int4" else {})) \
-        + n_bad * (enc.data["nonfinite_index"].element_size() + x.element_size())
+        {"n_outliers": enc.meta["n_outliers"]} if name == "outlier_int4" else {}))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

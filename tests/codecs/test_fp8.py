@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from llm_act.codecs import FP8, make_codec
+from llm_act.codecs.base import side_list_nbytes
 from tests.codecs._checks import assert_nonfinite_kept
 
 MBITS = {"e4m3": 3, "e5m2": 2}
@@ -34,9 +35,9 @@ def test_nbytes_exact(fmt, shape):
     x = torch.randn(shape)
     enc = c.encode(x)
     n = math.prod(shape)
-    assert enc.nbytes == c.nbytes_for(shape, x.dtype) == n + 4 * math.ceil(n / 128)
+    assert enc.nbytes == c.nbytes_for(shape, x.dtype) == n + 4 * math.ceil(n / 128) + side_list_nbytes(n, x.dtype)
     if shape == (256, 2, 512):
-        assert enc.bits_per_element() == pytest.approx(8.25)
+        assert enc.bits_per_element() == pytest.approx(8.25 + 8 * side_list_nbytes(n, x.dtype) / n)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from llm_act.codecs import OutlierInt4, make_codec
+from llm_act.codecs.base import side_list_nbytes
 from llm_act.kernels import outlier_ref as ref
-from tests.codecs._checks import assert_nonfinite_kept
+from tests.codecs._checks import assert_nonfinite_kept, assert_nonfinite_kept_within_capacity
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OUT_CH = [3, 77, 130, 255]
@@ -139,7 +140,7 @@ def test_nbytes_matches_formula_and_encode(shape, dtype):
     itemsize = x.element_size()
     index_bytes = 2 if C < 2**15 else 4
     formula = (math.ceil(numel / 2) + 8 * math.ceil(numel / 128)
-               + k * (numel // C * itemsize + index_bytes))
+               + k * (numel // C * itemsize + index_bytes) + side_list_nbytes(numel, dtype))
     assert enc.nbytes == codec.nbytes_for(shape, dtype, k) == formula
     if shape[-1] >= 64:
         assert k >= 1
@@ -148,8 +149,11 @@ def test_nbytes_matches_formula_and_encode(shape, dtype):
 def test_bits_per_element_at_defaults():
     codec = OutlierInt4()
     n = 512 * 512
-    assert codec.nbytes_for((512, 512), torch.bfloat16) * 8 / n == 4.5
-    with_4 = codec.nbytes_for((512, 512), torch.bfloat16, 4) * 8 / n
+    side = side_list_nbytes(n, torch.bfloat16)
+    assert (codec.nbytes_for((512, 512), torch.bfloat16, 0) - side) * 8 / n == 4.5
+    # the default: its fixed slots, 1/64 of the channels (8 of 512), whatever the data
+    assert codec.nbytes_for((512, 512), torch.bfloat16) == codec.nbytes_for((512, 512), torch.bfloat16, 8)
+    with_4 = (codec.nbytes_for((512, 512), torch.bfloat16, 4) - side) * 8 / n
     assert with_4 == pytest.approx(4.5 + (4 * 512 * 2 + 4 * 2) * 8 / n)
     assert codec.nbytes_for((0, 512), torch.float16) == 0
     with pytest.raises(ValueError, match="n_outliers"):
@@ -170,8 +174,10 @@ def test_cap_keeps_the_largest_z_channels():
     enc = codec.encode(x)
     assert enc.data["index"].tolist() == big[-4:]
     assert torch.equal(codec.decode(enc)[:, big[-4:]], x[:, big[-4:]])
-    # an infinite threshold separates nothing
-    assert OutlierInt4(z_threshold=float("inf")).encode(x).meta["n_outliers"] == 0
+    # an infinite threshold separates nothing: the 4 slots stay unused (index C)
+    enc = OutlierInt4(z_threshold=float("inf"), max_outlier_frac=1 / 64).encode(x)
+    assert enc.meta["n_outliers"] == 4 and OutlierInt4.outlier_count(enc) == 0
+    assert enc.data["index"].tolist() == [256] * 4
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -193,7 +199,7 @@ def test_non_contiguous_input_reads_as_contiguous():
     assert not x.is_contiguous()
     a = OutlierInt4(seed=4).encode(x)
     b = OutlierInt4(seed=4).encode(x.contiguous())
-    assert a.data["index"].tolist() == [5]
+    assert a.data["index"].tolist() == [5, 130]  # 2 slots for 130 channels, one unused (C)
     for key in a.data:
         assert torch.equal(a.data[key], b.data[key])
     y = OutlierInt4(seed=4).decode(a)
@@ -225,7 +231,7 @@ def test_nonfinite_values_are_kept_at_their_positions(dtype):
     expect = torch.zeros(x.shape, dtype=torch.bool)
     for r, c, _ in bad:
         expect[r, c] = True
-    assert_nonfinite_kept(x, y)
+    assert_nonfinite_kept_within_capacity(x, y)  # 6 of them, 5 slots: the last decodes to NaN
     # finite inliers, also those in groups flagged for a non-finite value, stay within a step
     inlier = ~torch.isin(torch.arange(256), torch.tensor(OUT_CH))
     ok = ~expect & inlier.expand(40, 256)

@@ -15,12 +15,14 @@ mean over 4 independent encodings must roughly halve the error (the noise is unb
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import pytest
 import torch
 
 from llm_act.codecs import make_codec
+from llm_act.codecs.base import Codec
 from llm_act.generic.checkpoint import checkpoint_blocks
 from llm_act.generic.hooks import GenericCompression, compress_saved_tensors
 from llm_act.ledger import SavedTensorLedger
@@ -61,8 +63,24 @@ def x():
     return torch.randn(*SHAPE, requires_grad=True)
 
 
+@pytest.fixture
+def encoded_shapes(monkeypatch) -> list:
+    """The shapes every codec encodes in this test, in order (each record's size formula
+    depends on its own shape: the non-finite side list has a fixed size per tensor)."""
+    shapes: list = []
+    encode = Codec.encode
+
+    def recording(self, t):
+        shapes.append(tuple(t.shape))
+        return encode(self, t)
+
+    monkeypatch.setattr(Codec, "encode", recording)
+    return shapes
+
+
 @pytest.mark.parametrize("name,min_ratio,bound", [("int8", 3.6, 2e-2), ("int4", 6.5, 0.3)])
-def test_bytes_fall_by_the_codec_factor_and_grads_stay_close(block, x, name, min_ratio, bound):
+def test_bytes_fall_by_the_codec_factor_and_grads_stay_close(block, x, name, min_ratio, bound,
+                                                             encoded_shapes):
     stock, g_ref = _run(block, x)
     hooks = compress_saved_tensors(block, name)
     ledger, g = _run(block, x, hooks)
@@ -70,7 +88,8 @@ def test_bytes_fall_by_the_codec_factor_and_grads_stay_close(block, x, name, min
     codec = make_codec(name)
     # every encodable activation is a multiple of the group size: the sizes add up exactly
     assert s.raw_bytes % (4 * 128) == 0 and s.raw_bytes >= 0.99 * stock.total_bytes
-    assert s.encoded_bytes == codec.nbytes_for((s.raw_bytes // 4,), torch.float32)
+    assert sum(4 * math.prod(shape) for shape in encoded_shapes) == s.raw_bytes
+    assert s.encoded_bytes == sum(codec.nbytes_for(shape, torch.float32) for shape in encoded_shapes)
     assert s.by_codec == {name: s.encoded_bytes}
     # the ledger sees the encoded bytes instead of the raw ones, and the rest unchanged
     assert ledger.total_bytes == stock.total_bytes - s.raw_bytes + s.encoded_bytes
@@ -215,14 +234,15 @@ def test_nothing_is_encoded_under_no_grad(block, x):
     assert wrapped.hooks.stats.encoded == 0
 
 
-def test_generic_compression_wrapper(block, x):
+def test_generic_compression_wrapper(block, x, encoded_shapes):
     wrapped = GenericCompression(block, "int8")
     with SavedTensorLedger() as ledger:
         y = wrapped(x)
     assert torch.equal(y, block(x))  # the forward itself is unchanged
     assert not wrapped.hooks.active
     assert ledger.total_bytes == wrapped.hooks.stats.encoded_bytes + wrapped.hooks.stats.kept_bytes
-    expected = make_codec("int8").nbytes_for((131072,), torch.float32)
+    assert sum(math.prod(shape) for shape in encoded_shapes) == 131072
+    expected = sum(make_codec("int8").nbytes_for(shape, torch.float32) for shape in encoded_shapes)
     assert wrapped.hooks.stats.encoded_bytes == expected
     y.sum().backward()
     assert all(p.grad is not None for p in block.parameters())

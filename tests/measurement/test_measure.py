@@ -104,8 +104,9 @@ def test_profile_contents(gpt):
     assert all(c == "keep" for c in loose.choice[0].values()) and loose.overhead_ms == 0
 
 
-def test_outlier_channels_cost_bytes():
-    """Outlier channels in the block input are found and stored exactly: more bytes."""
+def test_outlier_channels_are_found_in_fixed_slots():
+    """Outlier channels in the block input are found (the rate counts them all) and stored
+    exactly in the codec's fixed slots (1 of 64 channels here): the bytes stay."""
     model = R.build(dropout=0.0, num_layers=1)
     controller = apply(model, ActConfig(plan="compress"))
     ids, pos, labels = R.batch(2)
@@ -115,8 +116,8 @@ def test_outlier_channels_cost_bytes():
         model.embedding.word_embeddings.weight[:, :3] *= 40.0  # three outlier channels
     after = measure_profile(controller, fwd, codecs=["outlier_int4"], times_from=before)
     a, b = before.sites[(0, "ln1.input")], after.sites[(0, "ln1.input")]
-    assert b.outlier_rate >= 3 / 64 > a.outlier_rate
-    assert b.options["outlier_int4"].nbytes > a.options["outlier_int4"].nbytes
+    assert b.outlier_rate >= 3 / 64 > a.outlier_rate  # the data's rate, beyond the one slot
+    assert b.options["outlier_int4"].nbytes == a.options["outlier_int4"].nbytes
     assert after.outlier_rates()["ln1.input"] == b.outlier_rate
     # times were carried over, not re-measured
     assert b.options["outlier_int4"].encode_ms == a.options["outlier_int4"].encode_ms

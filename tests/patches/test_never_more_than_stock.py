@@ -23,6 +23,7 @@ import torch
 from llm_act import ActConfig
 from llm_act import _testing as T
 from llm_act.codecs import base as codec_base
+from llm_act.codecs.base import side_list_nbytes
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, check_choice
 from llm_act.ledger import SavedTensorLedger
 from llm_act.sites import SITES
@@ -192,7 +193,8 @@ def test_generic_encodes_logical_shapes():
         assert not kc.is_contiguous()
         y = (kc * kc).float().sum()
     assert hooks.stats.encoded == 1 and hooks.stats.reused == 1
-    assert hooks.stats.encoded_bytes == k.numel() // 2 + 4 * 16  # codes + one scale per d
+    # codes + one scale per d + the non-finite side list
+    assert hooks.stats.encoded_bytes == k.numel() // 2 + 4 * 16 + side_list_nbytes(k.numel(), k.dtype)
     y.backward()
     torch.testing.assert_close(k.grad.float(), 2 * k.detach().float(), atol=0.5, rtol=0.3)
 

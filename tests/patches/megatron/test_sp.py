@@ -196,6 +196,7 @@ def _worker(rank, world_size, port):
 
     # bytes the backward all-gather moves: stock (raw fp32 shard) vs int4 (encoded shard)
     from llm_act.codecs import make_codec
+    from llm_act.codecs.base import side_list_nbytes
 
     shard_elems = (S // 2) * B * H
     assert stock_count.backward == [shard_elems * 4] * 2, stock_count.backward  # qkv, fc1
@@ -203,20 +204,17 @@ def _worker(rank, world_size, port):
     with GatherCounter() as count:
         _run(layer, xs, gys)
     encoded = make_codec("int4").nbytes_for((S // 2, B, H), torch.float32)
-    assert encoded == shard_elems * 9 // 16  # 4 bits + 8 bytes of scale/zero per 128 = 4.5 bits
-    # per linear: the size header, then codes, scale, zero; the non-finite side list is
-    # empty on finite data and never travels (a zero-width gather is skipped)
-    calls = count.backward
-    assert len(calls) == 8, calls
-    headers = [calls[0], calls[4]]
-    assert sum(calls[1:4]) == sum(calls[5:8]) == encoded, calls
-    assert headers == [8 * 10] * 2  # 5 tensors (codes, 2 side lists, scale, zero) x (ndim, size) as int64
+    side = side_list_nbytes(shard_elems, torch.float32)
+    assert encoded == shard_elems * 9 // 16 + side  # 4 bits + 8 bytes of scale/zero per 128 = 4.5 bits
+    # per linear one all-gather of the whole record (codes, scale, zero and the side list);
+    # no size header: every shard's record has one layout, known without asking
+    assert count.backward == [-(-encoded // 8) * 8] * 2, count.backward  # padded to 8 bytes
     assert count.forward == stock_count.forward  # the forward gather stays full precision
     if rank == 0:
         print(f"SP backward all-gather per rank per linear: stock {shard_elems * 4} B, "
-              f"int4 {encoded} B (+{headers[0]} B header)")
+              f"int4 {encoded} B")
 
-    # outlier_int4: shards keep different outlier counts; sizes are exchanged, records decode
+    # outlier_int4: shards keep different outlier channels in the same slots; records decode
     _bind(sites, {"attn.qkv_input": "outlier_int4"})
     xo = xs.clone()
     if rank == 1:
@@ -245,11 +243,12 @@ def _gather_worker(rank, world_size, port):
     shards = []
     for r in range(2):
         t = torch.randn(8, 2, 256, generator=torch.Generator().manual_seed(r))
-        t[..., : 2 + 3 * r] *= 50.0  # 2 outlier channels on rank 0, 5 on rank 1
+        t[..., : 2 + r] *= 50.0  # 2 outlier channels on rank 0, 3 on rank 1 (4 slots each)
         shards.append(t)
     enc = codec.encode(shards[rank])
     records = sp.all_gather_encoded(enc, group)
-    assert [e.meta["n_outliers"] for e in records] == [2, 5]
+    assert [codec.outlier_count(e) for e in records] == [2, 3]
+    assert [e.meta["n_outliers"] for e in records] == [4, 4]  # one layout: no sizes exchanged
     mine = codec.decode(enc)
     torch.testing.assert_close(codec.decode(records[rank]), mine, rtol=0, atol=0)
     other = codec.decode(records[1 - rank])

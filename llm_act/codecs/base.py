@@ -83,7 +83,7 @@ def nonfinite_side_list(x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"nonfinite_index": torch.empty(0, dtype=torch.int32, device=x.device),
                 "nonfinite_value": flat.new_empty(0),
                 "nonfinite_count": torch.empty(0, dtype=torch.int32, device=x.device)}
-    bad = ~torch.isfinite(flat)
+    bad = (flat - flat).ne_(0)  # NaN exactly where x is not finite: 2 ops (isfinite is 4, + not)
     index = torch.nonzero_static(bad, size=nonfinite_capacity(n), fill_value=n).reshape(-1)
     index = torch.where(index < n, index, index[0] % n)  # index[0] is n when none is used
     return {"nonfinite_index": index.to(_index_dtype(n)), "nonfinite_value": flat[index],
@@ -165,10 +165,12 @@ class Codec:
     def _count_overflow(self, count: torch.Tensor, capacity: int) -> None:
         """Add the non-finite values past the side list's capacity to `nonfinite_overflow`
         (on the device: no sync)."""
-        over = (count.to(torch.int64) - capacity).clamp_min(0)
-        key = str(count.device)
-        total = self._overflow.get(key)
-        self._overflow[key] = over if total is None else total + over
+        over = count.sub(capacity).clamp_min_(0)
+        total = self._overflow.get(str(count.device))
+        if total is None:
+            self._overflow[str(count.device)] = over.to(torch.int64)
+        else:
+            total.add_(over)
 
     @property
     def nonfinite_overflow(self) -> int:

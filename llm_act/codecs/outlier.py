@@ -46,6 +46,11 @@ def _matrix_shape(shape) -> tuple[int, int]:
     return (numel // C if C else 0), C
 
 
+def _used_slots(index: torch.Tensor, C: int) -> int:
+    """Outlier slots in use (an unused one holds C); reads the device."""
+    return int((index.long() < C).sum())
+
+
 def _index_dtype(C: int) -> torch.dtype:
     return torch.int16 if C <= torch.iinfo(torch.int16).max else torch.int32
 
@@ -77,7 +82,9 @@ class OutlierInt4(Codec):
         self.z_threshold = float(z_threshold)
         self.group_size = group_size
         self.max_outlier_frac = float(max_outlier_frac)
-        self._last_count: torch.Tensor | int = 0
+        #: the last encode's outlier slots and channel count (the slots only: a whole record
+        #: kept here would outlive its backward)
+        self._last: tuple[torch.Tensor, int] | None = None
 
     def max_outliers(self, C: int) -> int:
         """The outlier slots for C channels: floor(max_outlier_frac * C) (none when C < 2)."""
@@ -87,9 +94,7 @@ class OutlierInt4(Codec):
     def outlier_count(enc: Encoded) -> int:
         """Outlier channels `enc` keeps exactly (its used slots); reads the device."""
         index = enc.data.get("index")
-        if index is None or not index.numel():
-            return 0
-        return int((index.long() < enc.meta["channels"]).sum())
+        return 0 if index is None else _used_slots(index, enc.meta["channels"])
 
     def count_outliers(self, x: torch.Tensor) -> int:
         """Channels of `x` whose z-score exceeds the threshold, slots or not: the data's
@@ -102,9 +107,8 @@ class OutlierInt4(Codec):
 
     @property
     def last_outlier_count(self) -> int:
-        """Outlier channels of the last encode (the planner's outlier rate); reads the device."""
-        t = self._last_count
-        return int(t) if isinstance(t, int) else int(t.sum())
+        """Outlier channels of the last encode; reads the device."""
+        return 0 if self._last is None else _used_slots(*self._last)
 
     # ---- size ---------------------------------------------------------------------------
     def nbytes_for(self, shape, dtype: torch.dtype, n_outliers: int | None = None) -> int:
@@ -136,7 +140,7 @@ class OutlierInt4(Codec):
         if rows * C == 0:
             enc = Encoded(self.name, x.shape, x.dtype, x.device)
             enc.meta.update(n_outliers=0, rows=rows, channels=C, group_size=self.group_size)
-            self._last_count = 0
+            self._last = None
             return enc
         x2 = x.view(rows, C)
         idx = self.select(x2)
@@ -153,7 +157,7 @@ class OutlierInt4(Codec):
                            index=idx.to(_index_dtype(C)))
         enc.meta.update(n_outliers=int(idx.numel()), rows=rows, channels=C,
                         group_size=self.group_size)
-        self._last_count = (idx < C).sum()
+        self._last = (idx, C)  # counted when asked (`last_outlier_count`), not on every encode
         return enc
 
     def _decode(self, enc: Encoded) -> torch.Tensor:

@@ -63,10 +63,10 @@ def x():
     return torch.randn(*SHAPE, requires_grad=True)
 
 
-@pytest.fixture
-def encoded_shapes(monkeypatch) -> list:
-    """The shapes every codec encodes in this test, in order (each record's size formula
-    depends on its own shape: the non-finite side list has a fixed size per tensor)."""
+def record_encoded_shapes(monkeypatch) -> list:
+    """The shapes every codec encodes from now on, in order (each record's size formula
+    depends on its own shape: the non-finite side list has a fixed size per tensor); wraps
+    whatever `Codec.encode` is at the call, a sabotaged one included."""
     shapes: list = []
     encode = Codec.encode
 
@@ -76,6 +76,11 @@ def encoded_shapes(monkeypatch) -> list:
 
     monkeypatch.setattr(Codec, "encode", recording)
     return shapes
+
+
+@pytest.fixture
+def encoded_shapes(monkeypatch) -> list:
+    return record_encoded_shapes(monkeypatch)
 
 
 @pytest.mark.parametrize("name,min_ratio,bound", [("int8", 3.6, 2e-2), ("int4", 6.5, 0.3)])

@@ -17,17 +17,24 @@ not only under the interpreter, whose numpy arithmetic is always correctly round
   the reference's separate torch ops do. `tl.math.fma` is not used (torch has no fused
   counterpart on CPU).
 - Float reductions whose order changes the rounding are spelled out as sequential loops in
-  kernel and reference alike (dual's pooled sums); `tl.sum` is used on integers only, and
-  `tl.min`/`tl.max` (order-free) on floats. The one exception is `outlier_colsum`, whose
-  result only picks channels by a z-score threshold (tested within a tolerance).
+  kernel and reference alike (dual's pooled sums); `tl.sum` is used on integers and on
+  tiles where one term is nonzero (exact in any order), and `tl.min`/`tl.max`
+  (order-free) on floats. The one exception is outlier_int4's per-tile z-scores, float64
+  sums that only pick outlier channels (see `outlier_triton`).
 - References divide tensor by tensor: torch's CUDA `/` by a Python scalar multiplies by
   the reciprocal (not correctly rounded), so a scalar divisor is `torch.full_like(...)`;
   launchers that compute parameters in torch call the reference's own function
   (`quant_params`, `dual_ref.channel_params`).
 - No NaN reaches a `tl.minimum`/`tl.maximum` whose result is kept (non-finite lanes are
   replaced by `tl.where` first): a GPU's min/max return the non-NaN operand, numpy's NaN.
-- Float8 and bfloat16 conversions are integer bit operations (the interpreter's casts are
-  wrong, a GPU's are right: bits make both agree).
+- Float8 and bfloat16 conversions use the hardware's casts (round to nearest even,
+  `hardware_casts`) on a GPU, and integer bit operations with the same rounding under the
+  interpreter, whose casts round ties wrongly.
+- Non-finite values are found by the encode kernels in their one pass and kept in a
+  fixed-capacity side list (`nonfinite_ref`, `nonfinite_triton`): no scan, no host sync.
+- Stochastic rounding draws 8 random bits per element, 16 elements per Philox call
+  (`random_triton`), keyed by the codec's seed and call count; the references take their
+  noise as an input, so kernel and reference agree bit for bit given the same noise.
 - Integer indexing avoids per-element division: tiles are 2-D [groups or rows, elements],
   and divisions by powers of two are shifts.
 """
@@ -59,6 +66,15 @@ def kernel_choice() -> str:
             f"LLM_ACT_KERNELS={os.environ['LLM_ACT_KERNELS']!r} is not a known setting; "
             f"allowed values: {', '.join(KERNEL_CHOICES)} (or unset)")
     return value
+
+
+def hardware_casts() -> bool:
+    """Whether kernels convert with the hardware's float8 and bfloat16 casts (`cvt` on a
+    GPU): everywhere but under the interpreter, whose casts round ties wrongly; there they
+    convert by integer bit operations (the variable triton's `jit` itself reads)."""
+    import triton
+
+    return not triton.knobs.runtime.interpret
 
 
 def use_triton(x: torch.Tensor) -> bool:

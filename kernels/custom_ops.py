@@ -11,23 +11,27 @@ arguments, so both are called alike. Importing this module needs only torch; our
 modules load at the first CUDA call. (torch's custom-op wrapper imports torch._dynamo at
 the first call of any op, and torch._dynamo imports triton when it is installed.)
 
-Stochastic encodes take their randomness as inputs (`noise`, or a `seed` tensor for
-`tl.rand`) drawn from the codec's own generator; no op draws from a global generator.
-No output size depends on data: OutlierInt4's outlier count is chosen outside
-(`outlier_ref.select_outliers`, which syncs with the host anyway) and reaches
-`outlier_encode` as the length of its index input, which the fake reads.
+Stochastic encodes take their randomness as inputs: `noise` drawn from the codec's own
+generator (the references), or the codec's `seed` (an int), which the kernels key Philox
+with, together with the call count in the codec's `state`; no op draws from a global
+generator. Encodes also take the codec's `state` and the side-list buffers `nf_*`
+(`nonfinite_ref`), which they write in place (declared mutated: `MUTATED_ARGS`).
+No output size depends on data: OutlierInt4 keeps a fixed number of outlier slots per tile
+(`outlier_ref.slots_per_tile`, chosen inside the encode kernel), an argument the fake reads.
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.library import infer_schema
 
-from llm_act.kernels import bitmask_ref, dual_ref, fewbit_ref, fp8_ref, int_quant_ref, outlier_ref
+from llm_act.kernels import (bitmask_ref, dual_ref, fewbit_ref, fp8_ref, int_quant_ref,
+                             nonfinite_ref, outlier_ref)
 from llm_act.kernels import use_triton
 from llm_act.kernels.packing_ref import packed_numel
 
@@ -48,11 +52,18 @@ class KernelOp:
 KERNEL_OPS: dict[str, KernelOp] = {}
 
 
+#: arguments an op writes in place: the codec's state and the non-finite side list that an
+#: encode fills (`nonfinite_ref`), and the output a restore writes into
+MUTATED_ARGS = ("state", "nf_index", "nf_value", "nf_count", "out")
+
+
 def kernel_op(name: str, reference: Callable, launcher: str,
               fake: Callable) -> torch.library.CustomOpDef:
     """Register `llm_act::<name>` with `reference`'s schema: the Triton `launcher` where
     `use_triton` picks it, else `reference`; `fake` gives the outputs' shapes and dtypes."""
     module, function = launcher.split(".")
+    params = inspect.signature(reference).parameters
+    mutates = tuple(a for a in MUTATED_ARGS if a in params)
 
     @functools.cache
     def triton_launcher() -> Callable:  # imported at the first CUDA call, then looked up once
@@ -63,8 +74,8 @@ def kernel_op(name: str, reference: Callable, launcher: str,
             return triton_launcher()(*args)
         return reference(*args)
 
-    op = torch.library.custom_op(f"{NAMESPACE}::{name}", run, mutates_args=(),
-                                 schema=infer_schema(reference, mutates_args=()))
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", run, mutates_args=mutates,
+                                 schema=infer_schema(reference, mutates_args=mutates))
     op.register_fake(fake)
     KERNEL_OPS[name] = KernelOp(op, reference, launcher)
     return op
@@ -74,18 +85,26 @@ def _new(like: torch.Tensor, *shape, dtype: torch.dtype = torch.float32) -> torc
     return like.new_empty(shape, dtype=dtype)
 
 
+# ---- the non-finite side list ---------------------------------------------------------------
+restore_nonfinite = kernel_op("restore_nonfinite", nonfinite_ref.restore_nonfinite_ref,
+                              "nonfinite_triton.restore_nonfinite", lambda *args: None)
+
+
 # ---- int_quant ------------------------------------------------------------------------------
-def _int_quant_encode(x, bits, group_size, symmetric, noise=None, seed=None):
+def _int_quant_encode(x, bits, group_size, symmetric, noise=None, seed=None, state=None,
+                      nf_index=None, nf_value=None, nf_count=None):
     n = x.numel()
     G = int_quant_ref.num_groups(n, group_size)
     return (_new(x, packed_numel(n, bits), dtype=torch.uint8), _new(x, G),
             _new(x, 0 if symmetric else G))
 
 
-def _int_quant_axis_encode(x, bits, symmetric, noise=None, seed=None):
-    C = x.shape[1]
-    return (_new(x, packed_numel(x.numel(), bits), dtype=torch.uint8), _new(x, C),
-            _new(x, 0 if symmetric else C))
+def _int_quant_axis_encode(x, bits, symmetric, noise=None, seed=None, state=None,
+                           nf_index=None, nf_value=None, nf_count=None):
+    rows, C = x.shape
+    K = int_quant_ref.axis_chunks(rows)
+    return (_new(x, rows * int_quant_ref.axis_row_bytes(C, bits), dtype=torch.uint8),
+            _new(x, K, C), _new(x, 0 if symmetric else K, C))
 
 
 def _int_quant_decode(packed, scale, zero, bits, group_size, symmetric, numel, dtype):
@@ -109,23 +128,20 @@ int_quant_axis_decode = kernel_op(
 
 
 # ---- outlier --------------------------------------------------------------------------------
-def _outlier_colsum(x2):
-    return _new(x2, x2.shape[1])
-
-
-def _outlier_encode(x2, idx, group_size, noise=None, seed=None):
+def _outlier_encode(x2, group_size, z_threshold, slots, noise=None, seed=None, state=None,
+                    nf_index=None, nf_value=None, nf_count=None):
     rows, C = x2.shape
-    G = int_quant_ref.num_groups(rows * C, group_size)
-    return (_new(x2, packed_numel(rows * C, outlier_ref.BITS), dtype=torch.uint8),
-            _new(x2, G), _new(x2, G), _new(x2, rows, idx.shape[0], dtype=x2.dtype))
+    lay = outlier_ref.record_layout(rows, C, group_size, slots)
+    return (_new(x2, rows, lay["row_bytes"], dtype=torch.uint8),
+            _new(x2, rows, lay["groups"]), _new(x2, rows, lay["groups"]),
+            _new(x2, rows, lay["slots_per_row"], dtype=x2.dtype),
+            _new(x2, lay["chunks"], lay["slots_per_row"], dtype=outlier_ref.index_dtype(C)))
 
 
-def _outlier_decode(packed, scale, zero, idx, values, group_size, rows, C, dtype):
+def _outlier_decode(packed, scale, zero, values, index, group_size, rows, C, dtype):
     return _new(packed, rows, C, dtype=dtype)
 
 
-outlier_colsum = kernel_op("outlier_colsum", outlier_ref.outlier_colsum_ref,
-                           "outlier_triton.outlier_colsum", _outlier_colsum)
 outlier_encode = kernel_op("outlier_encode", outlier_ref.outlier_encode_ref,
                            "outlier_triton.outlier_encode", _outlier_encode)
 outlier_decode = kernel_op("outlier_decode", outlier_ref.outlier_decode_ref,
@@ -133,11 +149,13 @@ outlier_decode = kernel_op("outlier_decode", outlier_ref.outlier_decode_ref,
 
 
 # ---- dual -----------------------------------------------------------------------------------
-def _dual_encode(x2, pool, bits, noise=None, seed=None):
+def _dual_encode(x2, pool, bits, noise=None, seed=None, state=None, nf_index=None,
+                 nf_value=None, nf_count=None):
     s, C = x2.shape
+    K = dual_ref.num_chunks(s, pool)
     return (_new(x2, dual_ref.num_pool_blocks(s, pool), C, dtype=torch.bfloat16),
             _new(x2, s, dual_ref.row_bytes(C, bits), dtype=torch.uint8),
-            _new(x2, C, dtype=torch.bfloat16), _new(x2, C, dtype=torch.bfloat16))
+            _new(x2, K, C, dtype=torch.bfloat16), _new(x2, K, C, dtype=torch.bfloat16))
 
 
 def _dual_decode(lfc, codes, zero, step, pool, bits, s, C, dtype):
@@ -151,7 +169,7 @@ dual_decode = kernel_op("dual_decode", dual_ref.dual_decode_ref, "dual_triton.du
 
 
 # ---- fp8 ------------------------------------------------------------------------------------
-def _fp8_encode(x, block, fmt):
+def _fp8_encode(x, block, fmt, state=None, nf_index=None, nf_value=None, nf_count=None):
     n = x.numel()
     return _new(x, n, dtype=torch.uint8), _new(x, fp8_ref.num_blocks(n, block))
 

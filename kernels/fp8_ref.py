@@ -6,11 +6,16 @@ finite |x| (a block whose scale would be 0 stores 1.0), and one byte per element
 pattern of the float8 value nearest (round to nearest even) to clamp(x / scale, -FMAX,
 FMAX), computed in float32. Non-finite inputs store the format's NaN code 0x7F.
 Decode: float8 value * scale, in float32, clamped to +-float32 max (FMAX * scale may
-round one ulp past an amax near it), cast to the output dtype.
+round one ulp past an amax near it), cast to the output dtype. The NaN code decodes to NaN
+by itself; with a `state`, encode also fills the non-finite side list (`nonfinite_ref`),
+from which the codec restores the exact values.
 
-The reference uses torch's own float8 casts; the Triton kernel reproduces them with
-integer bit operations (`fp8_bits_ref` / `fp8_value_ref` below spell those out in torch
-so the bit arithmetic itself is tested on CPU).
+The float8 conversion is the format's own, round to nearest even with saturation by the
+clamp to +-FMAX before it: torch's `.to(torch.float8_*)` here, the hardware's
+`cvt.rn.satfinite` on a GPU (the same function of a float32 in [-FMAX, FMAX]), and integer
+bit operations under the Triton interpreter, whose float8 casts round ties wrongly
+(`fp8_bits_ref` / `fp8_value_ref` below spell those out in torch so that arithmetic is
+tested on CPU against torch's casts).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from llm_act.kernels.int_quant_ref import clamp_finite
+from llm_act.kernels.nonfinite_ref import record_side_list
 
 
 @dataclass(frozen=True)
@@ -75,9 +81,17 @@ def fp8_scales_ref(x: torch.Tensor, block: int, fmt: str) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def fp8_encode_ref(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload uint8 [numel], scale float32 [nblocks]) of `x` (any shape, read row-major)."""
+def fp8_encode_ref(
+    x: torch.Tensor, block: int, fmt: str,
+    state: torch.Tensor | None = None, nf_index: torch.Tensor | None = None,
+    nf_value: torch.Tensor | None = None, nf_count: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload uint8 [numel], scale float32 [nblocks]) of `x` (any shape, read row-major).
+
+    With `state`, x's non-finite values go to the side-list buffers `nf_*`
+    (`nonfinite_ref`; the kernel finds them in its one pass)."""
     f = get_format(fmt)
+    record_side_list(x, state, nf_index, nf_value, nf_count)
     flat = x.reshape(-1).float()
     n = flat.numel()
     scale = fp8_scales_ref(flat, block, fmt)

@@ -1,9 +1,17 @@
 """Block-scaled FP8 (E4M3 / E5M2) Triton kernels; the spec is `fp8_ref`.
 
 One program handles GROUPS blocks as a [GROUPS, BLOCK_P] tile (BLOCK_P = next power of two
-of `block`, masked): amax, scale, divide, round and store in one pass. Float8 conversion
-is done with integer bit operations, not `.to(tl.float8*)`: the interpreter's float8 casts
-lose carries into the exponent, and bit arithmetic gives the same bits on every backend.
+of `block`, masked): amax, scale, divide, round and store in one pass, which also records
+the non-finite side list (`nonfinite_triton`, when the codec passes its state): the encode
+is one launch reading x once and writing the record once, with no torch op.
+
+Float8 conversion: on a GPU the hardware's (`y.to(tl.float8e4nv / tl.float8e5)`, round to
+nearest even; sm_90 compiles it to `cvt.rn.satfinite.e4m3x2.f32` / `e5m2x2`, and float8 to
+float32 to `cvt.rn.f16x2.e4m3x2` + an exact f16 -> f32), since y is clamped to +-FMAX
+first this is torch's `.to(torch.float8_*)` exactly. Under the interpreter (`HW=False`,
+picked by the launcher from `TRITON_INTERPRET`, as triton's own `jit` does) it is integer
+bit arithmetic: the interpreter's float8 casts round ties wrongly (tested), and
+`fp8_ref.fp8_bits_ref` / `fp8_value_ref` check the bit arithmetic against torch's casts.
 
 Same bits on a GPU as the reference, by construction (see `llm_act.kernels`): the scale
 amax / FMAX and x / scale are `tl.math.div_rn` (correctly rounded, as torch's `/`; a GPU's
@@ -15,11 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_act.kernels import EXACT_LAUNCH
+from llm_act.kernels import EXACT_LAUNCH, hardware_casts
+from llm_act.kernels.fp8_ref import NAN_CODE, get_format, num_blocks
 from llm_act.kernels.int_quant_triton import FMAX as FMAX32
 from llm_act.kernels.int_quant_triton import clamp_finite
-
-from llm_act.kernels.fp8_ref import NAN_CODE, get_format, num_blocks
+from llm_act.kernels.nonfinite_triton import keep_nonfinite
+from llm_act.kernels.nonfinite_ref import nonfinite_args
 
 GROUPS = 8  # blocks per program
 
@@ -38,6 +47,22 @@ def _fp8_bits(y, MBITS: tl.constexpr, BIAS: tl.constexpr):
     sub = ((t + 8388608.0) - 8388608.0).to(tl.int32)
     mag = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
     return (sign << 7) | mag
+
+
+@triton.jit
+def _to_fp8(y, MBITS: tl.constexpr, BIAS: tl.constexpr, IS_E4M3: tl.constexpr,
+            HW: tl.constexpr):
+    """float32 y (finite, |y| <= FMAX) -> int32 float8 bits, round to nearest even: the
+    hardware's conversion, or the bit arithmetic under the interpreter."""
+    if HW:
+        if IS_E4M3:
+            f8 = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        else:
+            f8 = y.to(tl.float8e5, fp_downcast_rounding="rtne")
+        bits = f8.to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        bits = _fp8_bits(y, MBITS, BIAS)
+    return bits
 
 
 @triton.jit
@@ -87,32 +112,52 @@ def _fp8_value(c, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
 
 
 @triton.jit
+def _from_fp8(c, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+              IS_E4M3: tl.constexpr, HW: tl.constexpr):
+    """uint8 float8 bits -> float32 value (NaN codes -> NaN, e5m2 infinities -> inf)."""
+    if HW:
+        if IS_E4M3:
+            v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = c.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        v = _fp8_value(c.to(tl.int32), EBITS, MBITS, BIAS, IS_E4M3)
+    return v
+
+
+@triton.jit
 def _fp8_encode_kernel(
     x_ptr,  # [n] input, any float dtype
     out_ptr,  # [n] uint8 float8 bits
     scale_ptr,  # [nblocks] float32 block scales
-    n, nblocks, block,
+    state_ptr, nf_index_ptr, nf_value_ptr, nf_count_ptr,  # the side list (`nonfinite_ref`)
+    n, nblocks, block, cap,
     FMAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, NAN_BITS: tl.constexpr,
-    BLOCK_P: tl.constexpr, GROUPS: tl.constexpr,
+    IS_E4M3: tl.constexpr, BLOCK_P: tl.constexpr, GROUPS: tl.constexpr, HW: tl.constexpr,
+    SIDE: tl.constexpr,
 ):
-    """scale = amax(finite |x|) / FMAX per block (0 -> 1); bits = RNE(clamp(x / scale))."""
+    """scale = amax(finite |x|) / FMAX per block (0 -> 1); bits = RNE(clamp(x / scale));
+    non-finite x: the NaN code, and a slot of the side list."""
     pid = tl.program_id(0)
     g = pid * GROUPS + tl.arange(0, GROUPS)
     j = tl.arange(0, BLOCK_P)
     offs = g[:, None].to(tl.int64) * block + j[None, :]
     mask = (g[:, None] < nblocks) & (j[None, :] < block) & (offs < n)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    raw = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x = raw.to(tl.float32)
     finite = tl.abs(x) < float("inf")  # False for NaN and +-inf
     amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
     scale = tl.math.div_rn(amax, FMAX * 1.0)
     scale = tl.where(scale > 0, scale, 1.0)
     y = tl.math.div_rn(x, scale[:, None])
+    y = tl.where(finite, y, 0.0)  # no NaN reaches min/max (a GPU's drop it, numpy's keep it)
     y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
-    y = tl.where(finite, y, 0.0)
-    bits = _fp8_bits(y, MBITS, BIAS)
+    bits = _to_fp8(y, MBITS, BIAS, IS_E4M3, HW)
     bits = tl.where(finite, bits, NAN_BITS)
     tl.store(out_ptr + offs, bits.to(tl.uint8), mask=mask)
     tl.store(scale_ptr + g, scale, mask=g < nblocks)
+    keep_nonfinite(raw, offs, mask, state_ptr, nf_index_ptr, nf_value_ptr, nf_count_ptr, cap,
+               SIDE)
 
 
 @triton.jit
@@ -122,24 +167,26 @@ def _fp8_decode_kernel(
     out_ptr,  # [n] output dtype
     n, nblocks, block,
     EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, IS_E4M3: tl.constexpr,
-    BLOCK_P: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_P: tl.constexpr, GROUPS: tl.constexpr, HW: tl.constexpr,
 ):
     """out = float8 value * block scale, clamped to +-float32 max (FMAX * scale may round
-    one ulp past an amax near it)."""
+    one ulp past an amax near it); the NaN code decodes to NaN."""
     pid = tl.program_id(0)
     g = pid * GROUPS + tl.arange(0, GROUPS)
     j = tl.arange(0, BLOCK_P)
     offs = g[:, None].to(tl.int64) * block + j[None, :]
     mask = (g[:, None] < nblocks) & (j[None, :] < block) & (offs < n)
-    c = tl.load(code_ptr + offs, mask=mask, other=0).to(tl.int32)
+    c = tl.load(code_ptr + offs, mask=mask, other=0)
     scale = tl.load(scale_ptr + g, mask=g < nblocks, other=1.0)
-    v = clamp_finite(_fp8_value(c, EBITS, MBITS, BIAS, IS_E4M3) * scale[:, None], FMAX32)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        v = bf16_rne(v)
+    v = clamp_finite(_from_fp8(c, EBITS, MBITS, BIAS, IS_E4M3, HW) * scale[:, None], FMAX32)
+    if not HW:
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            v = bf16_rne(v)  # the interpreter's float32 -> bfloat16 cast truncates
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def fp8_encode(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_encode(x: torch.Tensor, block: int, fmt: str, state=None, nf_index=None,
+               nf_value=None, nf_count=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `fp8_ref.fp8_encode_ref`."""
     f = get_format(fmt)
     flat = x.reshape(-1)
@@ -150,11 +197,13 @@ def fp8_encode(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, tor
     out = torch.empty(n, dtype=torch.uint8, device=x.device)
     scale = torch.empty(nb, dtype=torch.float32, device=x.device)
     if n:
+        side, *side_t = nonfinite_args(flat, state, nf_index, nf_value, nf_count)
         grid = (triton.cdiv(nb, GROUPS),)
         _fp8_encode_kernel[grid](
-            flat, out, scale, n, nb, block,
+            flat, out, scale, *side_t[:4], n, nb, block, side_t[4],
             FMAX=f.fmax, MBITS=f.mbits, BIAS=f.bias, NAN_BITS=NAN_CODE,
-            BLOCK_P=triton.next_power_of_2(block), GROUPS=GROUPS, **EXACT_LAUNCH)
+            IS_E4M3=f.name == "e4m3", BLOCK_P=triton.next_power_of_2(block), GROUPS=GROUPS,
+            HW=hardware_casts(), SIDE=side, **EXACT_LAUNCH)
     return out, scale
 
 
@@ -170,5 +219,6 @@ def fp8_decode(payload: torch.Tensor, scale: torch.Tensor, block: int, fmt: str,
         _fp8_decode_kernel[grid](
             payload, scale, out, n, nb, block,
             EBITS=f.ebits, MBITS=f.mbits, BIAS=f.bias, IS_E4M3=f.name == "e4m3",
-            BLOCK_P=triton.next_power_of_2(block), GROUPS=GROUPS, **EXACT_LAUNCH)
+            BLOCK_P=triton.next_power_of_2(block), GROUPS=GROUPS, HW=hardware_casts(),
+            **EXACT_LAUNCH)
     return out

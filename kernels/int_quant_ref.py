@@ -2,7 +2,8 @@
 
 ActNN sec. 4.1's quantizer with one scale (and zero point) per group of `group_size`
 consecutive elements of the flattened tensor (the last group padded), or per slice along
-one axis (`*_axis_*`: x viewed as [rows, C], statistics of column c over all rows).
+one axis (`*_axis_*`: x viewed as [rows, C], statistics of column c over each chunk of
+`AXIS_CHUNK` = 256 rows, so that the kernel reads x once: see `int_quant_axis_encode_ref`).
 
 - asymmetric: zero = min, scale = (max - min) / (2^b - 1) (stored halved, see below),
   codes in [0, 2^b - 1];
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from llm_act.kernels.nonfinite_ref import record_side_list
 from llm_act.kernels.packing_ref import pack_bits, unpack_bits
 
 INT_BITS = (1, 2, 4, 8)
@@ -124,28 +126,32 @@ def finite_stats(xf: torch.Tensor, valid: torch.Tensor, dim: int):
     return lo, hi, amax, bad
 
 
-def seeded_noise(seed: torch.Tensor | None, n: int, device) -> torch.Tensor | None:
-    """U[0, 1) float32 [n] from a private generator seeded with `seed` (a 1-element int
-    tensor), or None without a seed: the references' stand-in for the kernels'
-    `tl.rand(seed, i)` (same distribution, another stream; torch's global generator is
-    never touched)."""
+def seeded_noise(seed: int | None, n: int, device) -> torch.Tensor | None:
+    """U[0, 1) float32 [n] from a private generator seeded with `seed` (an int), or None
+    without a seed: the references' stand-in for the kernels' Philox bits (same
+    distribution, another stream, and no call count: codecs pass `noise` to the
+    references; torch's global generator is never touched)."""
     if seed is None:
         return None
-    gen = torch.Generator(device=device).manual_seed(int(seed.reshape(-1)[0].item()))
+    gen = torch.Generator(device=device).manual_seed(int(seed))
     return torch.rand(n, generator=gen, device=device)
 
 
 # ---- per group ----------------------------------------------------------------------------
 def int_quant_encode_ref(
     x: torch.Tensor, bits: int, group_size: int, symmetric: bool,
-    noise: torch.Tensor | None = None, seed: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None, seed: int | None = None,
+    state: torch.Tensor | None = None, nf_index: torch.Tensor | None = None,
+    nf_value: torch.Tensor | None = None, nf_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed uint8 [ceil(n*bits/8)], scale float32 [G], zero float32 [G] or empty).
 
     `noise` (u per element) or else `seed` (`seeded_noise`) rounds stochastically; neither:
-    nearest.
+    nearest. With `state`, x's non-finite values go to the side-list buffers `nf_*`
+    (`nonfinite_ref`; the kernels find them in their one pass).
     """
     check_bits(bits, symmetric)
+    record_side_list(x, state, nf_index, nf_value, nf_count)
     xf = x.reshape(-1).to(torch.float32)
     n = xf.numel()
     if noise is None:
@@ -176,22 +182,75 @@ def int_quant_decode_ref(
 
 
 # ---- per slice along an axis (x viewed as [rows, C]) --------------------------------------
+#: rows per chunk of the per-axis layout: each chunk of AXIS_CHUNK consecutive rows has its
+#: own scale (and zero) per column, so that one program holding [AXIS_CHUNK rows, a few
+#: columns] encodes in one pass (statistics of the whole column would need a second read)
+AXIS_CHUNK = 256
+
+
+def axis_chunks(rows: int) -> int:
+    """Row chunks of the per-axis layout (scales per chunk and column)."""
+    return -(-rows // AXIS_CHUNK)
+
+
+def axis_row_bytes(C: int, bits: int) -> int:
+    """Bytes of one row's codes: rows are padded to whole bytes (no byte spans two rows)."""
+    return -(-C * bits // 8)
+
+
+def _axis_chunked(t: torch.Tensor, rows: int, fill: float = 0.0) -> torch.Tensor:
+    """[rows, C] -> [chunks, AXIS_CHUNK, C], the last chunk padded with `fill`."""
+    K = axis_chunks(rows)
+    pad = K * AXIS_CHUNK - rows
+    return torch.cat([t, t.new_full((pad, t.shape[1]), fill)]).view(K, AXIS_CHUNK, -1)
+
+
+def axis_stats(xf: torch.Tensor):
+    """Finite min, max, amax and has-non-finite flag of each (row chunk, column) of float32
+    `xf` [rows, C], each [chunks, C] (0 where a chunk's column has nothing finite)."""
+    rows, C = xf.shape
+    xp = _axis_chunked(xf, rows)
+    valid = _axis_chunked(torch.ones(rows, 1, dtype=torch.bool, device=xf.device), rows,
+                          False).expand_as(xp)
+    finite = torch.isfinite(xp) & valid
+    bad = (valid & ~finite).any(1)
+    lo = torch.where(finite, xp, float("inf")).amin(1)
+    hi = torch.where(finite, xp, float("-inf")).amax(1)
+    none = ~finite.any(1)
+    lo = torch.where(none, 0.0, lo)
+    hi = torch.where(none, 0.0, hi)
+    return lo, hi, torch.maximum(lo.abs(), hi.abs()), bad
+
+
 def int_quant_axis_encode_ref(
     x: torch.Tensor, bits: int, symmetric: bool,
-    noise: torch.Tensor | None = None, seed: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None, seed: int | None = None,
+    state: torch.Tensor | None = None, nf_index: torch.Tensor | None = None,
+    nf_value: torch.Tensor | None = None, nf_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: [rows, C] -> (packed codes of x.reshape(-1), scale float32 [C], zero [C] or empty)."""
+    """x: [rows, C] -> (packed codes uint8 [rows * axis_row_bytes(C, bits)] (row-major, each
+    row padded to whole bytes with code 0), scale float32 [chunks, C], zero [chunks, C] or
+    empty): one scale (and zero) per column and chunk of AXIS_CHUNK rows, from that chunk's
+    finite statistics; `state` and `nf_*` as in `int_quant_encode_ref`."""
     check_bits(bits, symmetric)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [rows, C], got shape {tuple(x.shape)}")
+    record_side_list(x, state, nf_index, nf_value, nf_count)
+    rows, C = x.shape
     if noise is None:
         noise = seeded_noise(seed, x.numel(), x.device)
     xf = x.to(torch.float32)
-    lo, hi, amax, bad = finite_stats(xf, torch.ones_like(xf, dtype=torch.bool), 0)
+    lo, hi, amax, bad = axis_stats(xf)
     scale, zero = quant_params(lo, hi, amax, bad, bits, symmetric)
+    if symmetric:
+        zero = scale.new_empty(0, C)
     if noise is not None:
-        noise = noise.reshape(xf.shape).to(torch.float32)
-    codes = quantize(xf, scale, zero, bits, symmetric, noise)
+        noise = _axis_chunked(noise.reshape(rows, C).to(torch.float32), rows)
+    z = zero[:, None, :] if zero.numel() else zero
+    codes = quantize(_axis_chunked(xf, rows), scale[:, None, :], z, bits, symmetric, noise)
+    codes = codes.view(-1, C)[:rows]
+    per = 8 // bits
+    codes = torch.cat([codes, codes.new_zeros(rows, (-C) % per)], dim=1)
     return pack_bits(codes.reshape(-1), bits), scale, zero
 
 
@@ -199,7 +258,12 @@ def int_quant_axis_decode_ref(
     packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, symmetric: bool,
     numel: int, dtype: torch.dtype,
 ) -> torch.Tensor:
-    """1-D tensor of `dtype` with `numel` values (row-major [numel // C, C], C = scale.numel())."""
-    C = scale.numel()
-    codes = unpack_bits(packed, bits, numel).to(torch.int64).view(-1, C)
-    return dequantize(codes, scale, zero, bits, symmetric).reshape(-1).to(dtype)
+    """1-D tensor of `dtype` with `numel` values (row-major [numel // C, C], C =
+    scale.shape[-1], scales per chunk of AXIS_CHUNK rows)."""
+    C = scale.shape[-1]
+    rows = numel // C
+    rb = axis_row_bytes(C, bits)
+    codes = unpack_bits(packed, bits, rows * rb * (8 // bits)).view(rows, -1)[:, :C]
+    chunk = torch.arange(rows, device=packed.device) // AXIS_CHUNK
+    z = zero[chunk] if zero.numel() else zero
+    return dequantize(codes.to(torch.int64), scale[chunk], z, bits, symmetric).reshape(-1).to(dtype)

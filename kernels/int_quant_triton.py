@@ -2,14 +2,15 @@
 
 Per-group encode is one fused pass: a program loads GPP whole groups as a [GPP, BLOCK_G]
 tile, reduces min/max (or amax) and the non-finite flag per row, computes scale and zero,
-rounds, packs 8 // bits codes per byte in registers and stores bytes and scales. Decode
-tiles the output 2-D, [groups, elements of a group] (per group) or [rows, channels] (per
-axis), so each element's parameter is its tile row (or column): no per-element division;
-an element's byte and bit offset are a shift and a mask (8 // bits is a power of two).
-Per-axis encode needs a column reduction over all rows before any code can be formed, so
-it runs a stats kernel (partial min/max per row chunk), a tiny torch reduction over the
-chunks (no host sync) and a quantize-and-pack kernel over [rows, channels] tiles (a flat
-one, with a per-element `% C`, only when C is not a multiple of 8 // bits).
+rounds, packs 8 // bits codes per byte in registers and stores bytes and scales. Per-axis
+encode is one pass too: its scales are per column and chunk of `AXIS_CHUNK` rows, and a
+program holds one chunk's rows for BLOCK_C columns ([256, 16] for 4096 elements), so the
+column statistics are a register reduction, and x is read once (whole-column statistics
+would need a second read of x). Decode tiles the output 2-D, [groups, elements of a group]
+(per group) or [rows, channels] (per axis), so each element's parameter is its tile row (or
+column): no per-element division. Per-group decode finds an element's byte and bit offset
+with a shift and a mask (8 // bits is a power of two); per-axis decode loads its tile's
+bytes once, as a vector, and splits them with shifts (rows are padded to whole bytes).
 
 Stochastic rounding takes either `noise` (u ~ U[0,1), one per element, as in the
 reference) or `seed` (a 1-element int64 tensor on the device: `tl.rand(seed, index)`,
@@ -27,8 +28,12 @@ import triton
 import triton.language as tl
 
 from llm_act.kernels import EXACT_LAUNCH
-from llm_act.kernels.int_quant_ref import check_bits, num_groups, quant_params
+from llm_act.kernels.int_quant_ref import (AXIS_CHUNK, axis_chunks, axis_row_bytes, check_bits,
+                                           num_groups)
+from llm_act.kernels.nonfinite_ref import nonfinite_args
+from llm_act.kernels.nonfinite_triton import keep_nonfinite, stream_seed
 from llm_act.kernels.packing_ref import packed_numel
+from llm_act.kernels.random_triton import uniform8
 
 _TILE = 4096  # elements per program
 FMAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # float32 max
@@ -94,16 +99,31 @@ def _values(codes, scale, zero, BITS: tl.constexpr, SYM: tl.constexpr):
 
 
 @triton.jit
-def _noise(noise_ptr, seed_ptr, idx, valid, NOISE: tl.constexpr):
-    """0.5 (nearest), the passed-in noise, or tl.rand from the seed."""
+def _noise(noise_ptr, seed, state_ptr, idx, valid, pid, R: tl.constexpr, C: tl.constexpr,
+           NOISE: tl.constexpr, SIDE: tl.constexpr):
+    """0.5 (nearest), the passed-in noise, or 8 random bits per element from Philox keyed
+    by `seed` (and the codec's call count when a state is passed)."""
     if NOISE == 1:
         u = tl.load(noise_ptr + idx, mask=valid, other=0.0).to(tl.float32)
     elif NOISE == 2:
-        seed = tl.load(seed_ptr)
-        u = tl.rand(seed, idx.to(tl.int32))
+        if SIDE:
+            seed = stream_seed(state_ptr, seed)
+        u = uniform8(seed, pid, R, C)
     else:
         u = tl.full(idx.shape, 0.5, tl.float32)
     return u
+
+
+@triton.jit
+def _finite_range(x, valid, AXIS: tl.constexpr):
+    """The finite mask and, per row (AXIS 1) or column (AXIS 0), the finite min and max (0
+    where none is finite) and whether any element is not finite: what `_params` takes."""
+    finite = valid & (tl.abs(x) < float("inf"))
+    lo = tl.min(tl.where(finite, x, float("inf")), axis=AXIS)
+    hi = tl.max(tl.where(finite, x, float("-inf")), axis=AXIS)
+    some = tl.max(finite.to(tl.int32), axis=AXIS) > 0
+    bad = tl.max((valid & ~finite).to(tl.int32), axis=AXIS) > 0
+    return finite, tl.where(some, lo, 0.0), tl.where(some, hi, 0.0), bad
 
 
 @triton.jit
@@ -116,10 +136,12 @@ def _pack(codes, R: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _encode_groups_kernel(x_ptr, noise_ptr, seed_ptr, out_ptr, scale_ptr, zero_ptr,
-                          n, n_groups, n_bytes,
+def _encode_groups_kernel(x_ptr, noise_ptr, seed, out_ptr, scale_ptr, zero_ptr,
+                          state_ptr, nf_index_ptr, nf_value_ptr, nf_count_ptr,
+                          n, n_groups, n_bytes, cap,
                           GS: tl.constexpr, BLOCK_G: tl.constexpr, GPP: tl.constexpr,
-                          BITS: tl.constexpr, SYM: tl.constexpr, NOISE: tl.constexpr):
+                          BITS: tl.constexpr, SYM: tl.constexpr, NOISE: tl.constexpr,
+                          SIDE: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     pid = tl.program_id(0)
     g = pid * GPP + tl.arange(0, GPP)
@@ -127,19 +149,14 @@ def _encode_groups_kernel(x_ptr, noise_ptr, seed_ptr, out_ptr, scale_ptr, zero_p
     gmask = g < n_groups
     idx = g.to(tl.int64)[:, None] * GS + e[None, :]
     valid = gmask[:, None] & (e[None, :] < GS) & (idx < n)
-    x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
-    finite = valid & (tl.abs(x) < float("inf"))
-    lo = tl.min(tl.where(finite, x, float("inf")), axis=1)
-    hi = tl.max(tl.where(finite, x, float("-inf")), axis=1)
-    some = tl.max(finite.to(tl.int32), axis=1) > 0
-    bad = tl.max((valid & ~finite).to(tl.int32), axis=1) > 0
-    lo = tl.where(some, lo, 0.0)
-    hi = tl.where(some, hi, 0.0)
+    raw = tl.load(x_ptr + idx, mask=valid, other=0.0)
+    x = raw.to(tl.float32)
+    finite, lo, hi, bad = _finite_range(x, valid, 1)
     scale, zero = _params(lo, hi, bad, BITS, SYM)
     tl.store(scale_ptr + g, scale, mask=gmask)
     if not SYM:
         tl.store(zero_ptr + g, zero, mask=gmask)
-    u = _noise(noise_ptr, seed_ptr, idx, valid, NOISE)
+    u = _noise(noise_ptr, seed, state_ptr, idx, valid, pid, GPP, BLOCK_G, NOISE, SIDE)
     codes = _codes(x, finite, scale[:, None], zero[:, None], u, BITS, SYM)
     codes = tl.where(valid, codes, 0)
     packed = _pack(codes, GPP, BLOCK_G, BITS)
@@ -147,95 +164,43 @@ def _encode_groups_kernel(x_ptr, noise_ptr, seed_ptr, out_ptr, scale_ptr, zero_p
     bidx = g.to(tl.int64)[:, None] * (GS // PER) + j[None, :]
     bmask = gmask[:, None] & (j[None, :] < GS // PER) & (bidx < n_bytes)
     tl.store(out_ptr + bidx, packed.to(tl.uint8), mask=bmask)
+    keep_nonfinite(raw, idx, valid, state_ptr, nf_index_ptr, nf_value_ptr, nf_count_ptr, cap, SIDE)
 
 
 @triton.jit
-def _axis_stats_kernel(x_ptr, lo_ptr, hi_ptr, bad_ptr, rows, C, rows_per_chunk,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Partial finite min/max and non-finite flag of each column over one chunk of rows."""
-    pc = tl.program_id(0)
-    chunk = tl.program_id(1)
-    cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    lo = tl.full((BLOCK_C,), float("inf"), tl.float32)
-    hi = tl.full((BLOCK_C,), float("-inf"), tl.float32)
-    bad = tl.zeros((BLOCK_C,), tl.int32)
-    r0 = chunk * rows_per_chunk
-    for start in range(0, rows_per_chunk, BLOCK_R):
-        r = r0 + start + tl.arange(0, BLOCK_R)
-        valid = ((r < rows) & (r < r0 + rows_per_chunk))[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + cols[None, :], mask=valid,
-                    other=0.0).to(tl.float32)
-        finite = valid & (tl.abs(x) < float("inf"))
-        lo = tl.minimum(lo, tl.min(tl.where(finite, x, float("inf")), axis=0))
-        hi = tl.maximum(hi, tl.max(tl.where(finite, x, float("-inf")), axis=0))
-        bad = tl.maximum(bad, tl.max((valid & ~finite).to(tl.int32), axis=0))
-    out = chunk.to(tl.int64) * C + cols
-    tl.store(lo_ptr + out, lo, mask=cmask)
-    tl.store(hi_ptr + out, hi, mask=cmask)
-    tl.store(bad_ptr + out, bad, mask=cmask)
-
-
-@triton.jit
-def _quantize_flat_kernel(x_ptr, noise_ptr, seed_ptr, out_ptr, scale_ptr, zero_ptr, n, C,
-                          BLOCK_B: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                          NOISE: tl.constexpr):
-    """Codes of x[rows, C] with one stored scale/zero per column, packed; flat layout (only
-    where C is not a multiple of 8 // BITS, so a byte may straddle two rows)."""
+def _encode_axis_kernel(x_ptr, noise_ptr, seed, out_ptr, scale_ptr, zero_ptr,
+                        state_ptr, nf_index_ptr, nf_value_ptr, nf_count_ptr, rows, C,
+                        stride_r, RB, cap,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
+                        SYM: tl.constexpr, NOISE: tl.constexpr, SIDE: tl.constexpr):
+    """One pass over a [BLOCK_R, BLOCK_C] tile of x[rows, C] that is one row chunk
+    (`int_quant_ref.AXIS_CHUNK` rows, or all rows when fewer): the chunk's per-column
+    finite min/max and flag, scale and zero, codes, and the packed row bytes. Rows are
+    `stride_r` elements apart, so a view such as `attn.v` (every third slice of the QKV
+    buffer) is read in place; positions (`idx`) stay those of the logical [rows, C]."""
     PER: tl.constexpr = 8 // BITS
-    b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    idx = b[:, None] * PER + tl.arange(0, PER)[None, :]
-    valid = idx < n
-    x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
-    finite = valid & (tl.abs(x) < float("inf"))
-    col = idx % C
-    scale = tl.load(scale_ptr + col, mask=valid, other=0.0)
-    if SYM:
-        zero = scale * 0.0
-    else:
-        zero = tl.load(zero_ptr + col, mask=valid, other=0.0)
-    u = _noise(noise_ptr, seed_ptr, idx, valid, NOISE)
-    codes = tl.where(valid, _codes(x, finite, scale, zero, u, BITS, SYM), 0)
-    shifts = tl.arange(0, PER) * BITS
-    packed = tl.sum(codes << shifts[None, :], axis=1)
-    tl.store(out_ptr + b, packed.to(tl.uint8), mask=b * PER < n)
-
-
-@triton.jit
-def _quantize_axis_kernel(x_ptr, noise_ptr, seed_ptr, out_ptr, scale_ptr, zero_ptr, rows, C,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
-                          SYM: tl.constexpr, NOISE: tl.constexpr):
-    """Codes of a [BLOCK_R, BLOCK_C] tile of x[rows, C] (C a multiple of 8 // BITS, so no
-    byte straddles two rows): column = parameter index, no per-element division."""
-    PER: tl.constexpr = 8 // BITS
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pid_r = tl.program_id(0)
+    r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
     idx = r[:, None] * C + c[None, :]
     valid = (r < rows)[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
-    finite = valid & (tl.abs(x) < float("inf"))
-    scale = tl.load(scale_ptr + c, mask=cmask, other=0.0)
-    if SYM:
-        zero = scale * 0.0
-    else:
-        zero = tl.load(zero_ptr + c, mask=cmask, other=0.0)
-    u = _noise(noise_ptr, seed_ptr, idx, valid, NOISE)
+    raw = tl.load(x_ptr + r[:, None] * stride_r + c[None, :], mask=valid, other=0.0)
+    x = raw.to(tl.float32)
+    finite, lo, hi, bad = _finite_range(x, valid, 0)
+    scale, zero = _params(lo, hi, bad, BITS, SYM)
+    poffs = pid_r.to(tl.int64) * C + c
+    tl.store(scale_ptr + poffs, scale, mask=cmask)
+    if not SYM:
+        tl.store(zero_ptr + poffs, zero, mask=cmask)
+    pid = pid_r * tl.num_programs(1) + tl.program_id(1)
+    u = _noise(noise_ptr, seed, state_ptr, idx, valid, pid, BLOCK_R, BLOCK_C, NOISE, SIDE)
     codes = tl.where(valid, _codes(x, finite, scale[None, :], zero[None, :], u, BITS, SYM), 0)
     packed = _pack(codes, BLOCK_R, BLOCK_C, BITS)
     j = tl.program_id(1) * (BLOCK_C // PER) + tl.arange(0, BLOCK_C // PER)
-    RB = C // PER  # bytes per row (a scalar division per program)
     bmask = (r < rows)[:, None] & (j < RB)[None, :]
     tl.store(out_ptr + r[:, None] * RB + j[None, :], packed.to(tl.uint8), mask=bmask)
-
-
-@triton.jit
-def _code_at(packed_ptr, idx, valid, BITS: tl.constexpr, LOG_PER: tl.constexpr):
-    """int32 code of element `idx` (int64): byte idx >> log2(8 // BITS), bits at
-    (idx & (8 // BITS - 1)) * BITS (the `packing_ref` layout); shifts, no division."""
-    byte = tl.load(packed_ptr + (idx >> LOG_PER), mask=valid, other=0).to(tl.int32)
-    sh = ((idx & ((1 << LOG_PER) - 1)) * BITS).to(tl.int32)
-    return (byte >> sh) & ((1 << BITS) - 1)
+    keep_nonfinite(raw, idx, valid, state_ptr, nf_index_ptr, nf_value_ptr, nf_count_ptr, cap, SIDE)
 
 
 @triton.jit
@@ -260,47 +225,65 @@ def _scale_zero(scale_ptr, zero_ptr, offs, mask, SYM: tl.constexpr):
 
 
 @triton.jit
-def _decode_groups_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
+def _decode_groups_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups, n_bytes,
                           GS: tl.constexpr, BLOCK_G: tl.constexpr, GPP: tl.constexpr,
-                          BITS: tl.constexpr, LOG_PER: tl.constexpr, SYM: tl.constexpr,
-                          BF16_BITS: tl.constexpr):
-    """A [GPP, BLOCK_G] tile of whole groups: row = group, so one parameter per row."""
+                          BITS: tl.constexpr, SYM: tl.constexpr, BF16_BITS: tl.constexpr):
+    """A [GPP, BLOCK_G] tile of whole groups: row = group, so one parameter per row; the
+    group's bytes are loaded once, as a vector, and split by shifts (`_unpack`)."""
     g = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     e = tl.arange(0, BLOCK_G)
     gmask = g < n_groups
     idx = g[:, None] * GS + e[None, :]
     valid = gmask[:, None] & (e[None, :] < GS) & (idx < n)
-    codes = _code_at(packed_ptr, idx, valid, BITS, LOG_PER)
+    PER: tl.constexpr = 8 // BITS
+    j = tl.arange(0, BLOCK_G // PER)
+    bidx = g[:, None] * (GS // PER) + j[None, :]
+    bmask = gmask[:, None] & (j[None, :] < GS // PER) & (bidx < n_bytes)
+    codes = _unpack(tl.load(packed_ptr + bidx, mask=bmask, other=0), GPP, BLOCK_G, BITS)
     scale, zero = _scale_zero(scale_ptr, zero_ptr, g, gmask, SYM)
     val = _values(codes, scale[:, None], zero[:, None], BITS, SYM)
     _store_values(out_ptr, idx, val, valid, BF16_BITS)
 
 
 @triton.jit
-def _decode_axis_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, rows, C,
+def _unpack(packed, R: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
+    """[R, COLS // PER] bytes -> [R, COLS] int32 codes (the inverse of `_pack`): each byte
+    is loaded once, as a vector, and split by shifts."""
+    PER: tl.constexpr = 8 // BITS
+    shifts = tl.arange(0, PER) * BITS
+    c3 = (packed.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(c3, (R, COLS))
+
+
+@triton.jit
+def _decode_axis_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, rows, C, RB,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr,
-                        LOG_PER: tl.constexpr, SYM: tl.constexpr, BF16_BITS: tl.constexpr):
-    """A [BLOCK_R, BLOCK_C] tile of x[rows, C]: column = parameter index."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+                        SYM: tl.constexpr, BF16_BITS: tl.constexpr):
+    """A [BLOCK_R, BLOCK_C] tile of x[rows, C] within one row chunk: the chunk's
+    parameters once per column, the row bytes loaded as a vector and unpacked."""
+    PER: tl.constexpr = 8 // BITS
+    pid_r = tl.program_id(0)
+    r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
-    idx = r[:, None] * C + c[None, :]
-    valid = (r < rows)[:, None] & cmask[None, :]
-    codes = _code_at(packed_ptr, idx, valid, BITS, LOG_PER)
-    scale, zero = _scale_zero(scale_ptr, zero_ptr, c, cmask, SYM)
+    j = tl.program_id(1) * (BLOCK_C // PER) + tl.arange(0, BLOCK_C // PER)
+    bmask = (r < rows)[:, None] & (j < RB)[None, :]
+    packed = tl.load(packed_ptr + r[:, None] * RB + j[None, :], mask=bmask, other=0)
+    codes = _unpack(packed, BLOCK_R, BLOCK_C, BITS)
+    scale, zero = _scale_zero(scale_ptr, zero_ptr, pid_r.to(tl.int64) * C + c, cmask, SYM)
     val = _values(codes, scale[None, :], zero[None, :], BITS, SYM)
-    _store_values(out_ptr, idx, val, valid, BF16_BITS)
+    valid = (r < rows)[:, None] & cmask[None, :]
+    _store_values(out_ptr, r[:, None] * C + c[None, :], val, valid, BF16_BITS)
 
 
-# ---- launchers (signatures of the reference functions, plus `seed`) ----------------------
+# ---- launchers (signatures of the reference functions) -----------------------------------
 def _noise_args(x, noise, seed):
+    """(NOISE mode, noise tensor, seed int): the passed noise, Philox from `seed`, or nearest."""
     if noise is not None:
-        return 1, noise.reshape(-1).contiguous(), x
+        return 1, noise.reshape(-1).contiguous(), 0
     if seed is not None:
-        if not torch.is_tensor(seed):
-            seed = torch.tensor([int(seed)], dtype=torch.int64, device=x.device)
-        return 2, x, seed
-    return 0, x, x
+        return 2, x, int(seed)
+    return 0, x, 0
 
 
 def _check_group(bits, group_size):
@@ -311,8 +294,9 @@ def _check_group(bits, group_size):
             f"got {group_size}")
 
 
-def int_quant_encode(x, bits, group_size, symmetric, noise=None, seed=None):
-    """Per-group encode; see `int_quant_encode_ref`. `seed`: tl.rand stochastic rounding."""
+def int_quant_encode(x, bits, group_size, symmetric, noise=None, seed=None, state=None,
+                     nf_index=None, nf_value=None, nf_count=None):
+    """Per-group encode; see `int_quant_encode_ref`. `seed`: Philox stochastic rounding."""
     check_bits(bits, symmetric)
     _check_group(bits, group_size)
     x = x.reshape(-1).contiguous()
@@ -324,17 +308,17 @@ def int_quant_encode(x, bits, group_size, symmetric, noise=None, seed=None):
     zero = torch.empty(0 if symmetric else G, dtype=torch.float32, device=x.device)
     if n == 0:
         return out, scale, zero
-    mode, noise_t, seed_t = _noise_args(x, noise, seed)
+    mode, noise_t, seed_i = _noise_args(x, noise, seed)
+    side, *side_t = nonfinite_args(x, state, nf_index, nf_value, nf_count)
     block_g = triton.next_power_of_2(group_size)
     gpp = max(1, _TILE // block_g)
     _encode_groups_kernel[(triton.cdiv(G, gpp),)](
-        x, noise_t, seed_t, out, scale, zero if not symmetric else scale, n, G, n_bytes,
+        x, noise_t, seed_i, out, scale, zero if not symmetric else scale, *side_t[:4], n, G, n_bytes, side_t[4],
         GS=group_size, BLOCK_G=block_g, GPP=gpp, BITS=bits, SYM=symmetric, NOISE=mode,
-        **EXACT_LAUNCH)
+        SIDE=side, **EXACT_LAUNCH)
     return out, scale, zero
 
 
-_LOG_PER = {1: 3, 2: 2, 4: 1, 8: 0}  # log2(8 // bits)
 
 
 def _out(numel, dtype, device):
@@ -353,73 +337,68 @@ def int_quant_decode(packed, scale, zero, bits, group_size, symmetric, numel, dt
     block_g = triton.next_power_of_2(group_size)
     gpp = max(1, _TILE // block_g)
     _decode_groups_kernel[(triton.cdiv(G, gpp),)](
-        packed, scale, zero if not symmetric else scale, out_arg, numel, G,
-        GS=group_size, BLOCK_G=block_g, GPP=gpp, BITS=bits, LOG_PER=_LOG_PER[bits],
-        SYM=symmetric, BF16_BITS=bf16, **EXACT_LAUNCH)
+        packed, scale, zero if not symmetric else scale, out_arg, numel, G, packed.numel(),
+        GS=group_size, BLOCK_G=block_g, GPP=gpp, BITS=bits, SYM=symmetric, BF16_BITS=bf16,
+        **EXACT_LAUNCH)
     return out
 
 
+#: warps of the one-pass per-axis encode (and outlier / dual encode): a 4096-element tile
+#: with its statistics and codes needs about 250 registers a thread with 4 warps, 120 with 8
+#: (ptxas for sm_90, tests/kernels/test_sm90_compile.py), so twice the warps fit on an SM
+ENCODE_WARPS = 8
+
+
+def _axis_tile(rows, C, bits):
+    """(BLOCK_R, BLOCK_C) of the per-axis kernels: a tile's rows are one row chunk (all rows
+    when there are fewer), its columns fill about _TILE elements (at least 16: whole bytes,
+    and 16 elements per Philox call)."""
+    block_r = min(AXIS_CHUNK, triton.next_power_of_2(rows))
+    block_c = max(16, min(_TILE // block_r, triton.next_power_of_2(C)))
+    return block_r, block_c
+
+
+def int_quant_axis_encode(x, bits, symmetric, noise=None, seed=None, state=None,
+                          nf_index=None, nf_value=None, nf_count=None):
+    """Per-column encode of x [rows, C], scales per chunk of AXIS_CHUNK rows, in one pass
+    (one launch); see `int_quant_axis_encode_ref`. Rows may be strided (no copy)."""
+    check_bits(bits, symmetric)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, C], got shape {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, C = x.shape
+    dev = x.device
+    rb = axis_row_bytes(C, bits)
+    K = axis_chunks(rows)
+    out = torch.empty(rows * rb, dtype=torch.uint8, device=dev)
+    scale = torch.empty(K, C, dtype=torch.float32, device=dev)
+    zero = torch.empty(0 if symmetric else K, C, dtype=torch.float32, device=dev)
+    if x.numel() == 0:
+        return out, scale, zero
+    mode, noise_t, seed_i = _noise_args(x, noise, seed)
+    side, *side_t = nonfinite_args(x, state, nf_index, nf_value, nf_count)
+    block_r, block_c = _axis_tile(rows, C, bits)
+    _encode_axis_kernel[(K, triton.cdiv(C, block_c))](
+        x, noise_t, seed_i, out, scale, zero if not symmetric else scale, *side_t[:4],
+        rows, C, x.stride(0), rb, side_t[4], BLOCK_R=block_r, BLOCK_C=block_c, BITS=bits,
+        SYM=symmetric, NOISE=mode, SIDE=side, num_warps=ENCODE_WARPS, **EXACT_LAUNCH)
+    return out, scale, zero
+
+
 def int_quant_axis_decode(packed, scale, zero, bits, symmetric, numel, dtype):
-    """Per-column decode; see `int_quant_axis_decode_ref`."""
+    """Per-column decode (scales per row chunk); see `int_quant_axis_decode_ref`."""
     check_bits(bits, symmetric)
     out, out_arg, bf16 = _out(numel, dtype, packed.device)
     if numel == 0:
         return out
-    C = scale.numel()
+    C = scale.shape[-1]
     if C == 0 or numel % C:
         raise ValueError(f"numel={numel} is not a whole number of rows of {C} channels")
     rows = numel // C
-    block_c = min(128, triton.next_power_of_2(C))
-    block_r = max(1, min(_TILE // block_c, triton.next_power_of_2(rows)))
-    _decode_axis_kernel[(triton.cdiv(rows, block_r), triton.cdiv(C, block_c))](
+    block_r, block_c = _axis_tile(rows, C, bits)
+    _decode_axis_kernel[(axis_chunks(rows), triton.cdiv(C, block_c))](
         packed, scale, zero if not symmetric else scale, out_arg, rows, C,
-        BLOCK_R=block_r, BLOCK_C=block_c, BITS=bits, LOG_PER=_LOG_PER[bits],
+        axis_row_bytes(C, bits), BLOCK_R=block_r, BLOCK_C=block_c, BITS=bits,
         SYM=symmetric, BF16_BITS=bf16, **EXACT_LAUNCH)
     return out
-
-
-def int_quant_axis_encode(x, bits, symmetric, noise=None, seed=None):
-    """Per-column encode of x [rows, C]; see `int_quant_axis_encode_ref`."""
-    check_bits(bits, symmetric)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [rows, C], got shape {tuple(x.shape)}")
-    x = x.contiguous()
-    rows, C = x.shape
-    n = x.numel()
-    dev = x.device
-    out = torch.empty(packed_numel(n, bits), dtype=torch.uint8, device=dev)
-    if n == 0:
-        zeros = torch.zeros(C, dtype=torch.float32, device=dev)
-        return out, zeros, (zeros.new_empty(0) if symmetric else zeros.clone())
-    block_c = min(64, triton.next_power_of_2(C))
-    block_r = max(1, min(_TILE // block_c, triton.next_power_of_2(rows)))
-    chunks = min(triton.cdiv(rows, block_r), 64)
-    rows_per_chunk = triton.cdiv(triton.cdiv(rows, chunks), block_r) * block_r
-    chunks = triton.cdiv(rows, rows_per_chunk)
-    lo = torch.empty(chunks, C, dtype=torch.float32, device=dev)
-    hi = torch.empty_like(lo)
-    bad = torch.empty(chunks, C, dtype=torch.int32, device=dev)
-    _axis_stats_kernel[(triton.cdiv(C, block_c), chunks)](
-        x, lo, hi, bad, rows, C, rows_per_chunk, BLOCK_R=block_r, BLOCK_C=block_c,
-        **EXACT_LAUNCH)
-    lo, hi, bad = lo.amin(0), hi.amax(0), bad.amax(0) > 0
-    none = lo > hi  # no finite value in the column
-    lo = torch.where(none, 0.0, lo)
-    hi = torch.where(none, 0.0, hi)
-    # the parameters come from the reference's own function (torch's `/` is correctly
-    # rounded on every device)
-    scale, zero = quant_params(lo, hi, torch.maximum(lo.abs(), hi.abs()), bad, bits, symmetric)
-    mode, noise_t, seed_t = _noise_args(x, noise, seed)
-    if C % (8 // bits) == 0:  # whole bytes per row: 2-D tiles, the column is the parameter
-        block_c = min(128, triton.next_power_of_2(C))
-        block_r = max(1, min(_TILE // block_c, triton.next_power_of_2(rows)))
-        _quantize_axis_kernel[(triton.cdiv(rows, block_r), triton.cdiv(C, block_c))](
-            x, noise_t, seed_t, out, scale, zero if not symmetric else scale, rows, C,
-            BLOCK_R=block_r, BLOCK_C=block_c, BITS=bits, SYM=symmetric, NOISE=mode,
-            **EXACT_LAUNCH)
-        return out, scale, zero
-    block_b = _TILE // (8 // bits)
-    _quantize_flat_kernel[(triton.cdiv(out.numel(), block_b),)](
-        x, noise_t, seed_t, out, scale, zero if not symmetric else scale, n, C,
-        BLOCK_B=block_b, BITS=bits, SYM=symmetric, NOISE=mode, **EXACT_LAUNCH)
-    return out, scale, zero

@@ -50,7 +50,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.nn.modules import module as _nn_module
 
-from llm_act.sites import OUTER_SITES, SITES
+from llm_act.sites import COUNTED_SITES, OUTER_SITES, SITES
 
 OTHER = "other"
 SiteKey = tuple[Optional[int], str]
@@ -133,9 +133,9 @@ _COPY_NODES = (
 
 
 def _check_site_key(layer: Optional[int], site: str) -> SiteKey:
-    if site != OTHER and site not in SITES and site not in OUTER_SITES:
-        raise ValueError(
-            f"site: unknown site {site!r}; expected one of {', '.join(SITES + OUTER_SITES)} or 'other'"
+    if site != OTHER and site not in SITES + COUNTED_SITES + OUTER_SITES:
+        raise ValueError(f"site: unknown site {site!r}; expected one of "
+                         f"{', '.join(SITES + COUNTED_SITES + OUTER_SITES)} or 'other'"
         )
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
         raise ValueError(f"layer: expected a non-negative int or None, got {layer!r}")

@@ -57,6 +57,12 @@ MASK_SITES: frozenset[str] = frozenset(
     {"attn.dropout_mask", "attn.hidden_dropout_mask", "mlp.hidden_dropout_mask"}
 )
 
+#: Counted by the ledger inside a block but not planned: what a choice at another site brings
+#: with it. `attn.lse`: the attention's logsumexp [b, heads, s] (float32), kept when lossy
+#: Q/K/V are backpropagated from the stored output without a second forward
+#: (`llm_act.attention`, lossy_backward="stored").
+COUNTED_SITES: tuple[str, ...] = ("attn.lse",)
+
 #: Counted by the ledger outside the blocks, not planned.
 OUTER_SITES: tuple[str, ...] = ("embedding.output", "embedding.dropout_mask", "loss.logits")
 

@@ -7,7 +7,8 @@ as the noise S(option) a codec adds (GACT sec. 4).
 
 Conventions shared by all codecs:
 - `decode(encode(x))` has the shape, dtype and device of `x`; non-contiguous inputs are
-  read as if contiguous; empty tensors round-trip.
+  read as if contiguous (per-channel codecs read strided rows in place, the others copy);
+  empty tensors round-trip.
 - Finite in, finite out: values up to the dtype's maximum decode to finite values (the
   kernels work on scaled-down copies where a range could overflow, and clamp decoded
   values to the finite range). The kernels compute in float32, so float64 values beyond
@@ -17,13 +18,15 @@ Conventions shared by all codecs:
   ranges, scales, means) and decode them to NaN by themselves (a flagged code), never to a
   finite value; `Codec.encode` also keeps their exact values in a side list of fixed
   capacity (`nonfinite_capacity`: 4 slots plus one per 8192 elements), which decode
-  writes back: `nonfinite_index` (int32, or int64 beyond 2**31 elements; unused slots
-  repeat a used one, or restore element 0 exactly), `nonfinite_value` (x's dtype) and
-  `nonfinite_count` (int32 [1], how many there were). Fixed shapes: no host sync, and
-  sequence-parallel shards keep one layout; one extra op per decode. When a
-  tensor holds more non-finite values than the capacity, the extra ones decode to NaN (an
-  Inf loses its sign, nothing becomes finite) and the codec's `nonfinite_overflow` (a
-  device tensor, read it when you like: that read is the sync) counts them. `.nbytes`
+  writes back: `nonfinite_index` (int32, or int64 beyond 2**31 elements),
+  `nonfinite_value` (x's dtype) and `nonfinite_count` (int32 [1], how many there were;
+  slots past it are unwritten and ignored). Codecs whose kernels take the side-list
+  buffers (`side_buffers`) find the values in their own pass (`llm_act.kernels.
+  nonfinite_triton`); for the others `encode` scans x with the torch reference. Fixed
+  shapes: no host sync, and sequence-parallel shards keep one layout; one extra small op
+  per decode. When a tensor holds more non-finite values than the capacity, the extra
+  ones decode to NaN (an Inf loses its sign, nothing becomes finite) and the codec's
+  `nonfinite_overflow` counts them (on the device; reading it is the sync). `.nbytes`
   counts the side list. Lossless codecs need no list; codecs whose decode is not x
   (few-bit derivatives) set `keeps_nonfinite = False` and document their own rule.
 - Stochastic rounding draws from the codec's own generator (one per device, seeded from
@@ -41,59 +44,18 @@ from typing import Any
 
 import torch
 
+from llm_act.kernels import custom_ops, nonfinite_ref
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-#: the non-finite side list has NONFINITE_MIN_SLOTS slots plus one per NONFINITE_STRIDE
-#: elements (at most one per element): 12 slots (76 bytes) for 65536 bf16 elements, 0.14%
-#: of an int4 record at any larger size
-NONFINITE_MIN_SLOTS = 4
-NONFINITE_STRIDE = 8192
+#: the side list's size rule (`llm_act.kernels.nonfinite_ref`): 4 slots + 1 per 8192 elements
+NONFINITE_MIN_SLOTS, NONFINITE_STRIDE = nonfinite_ref.MIN_SLOTS, nonfinite_ref.STRIDE
+nonfinite_capacity = nonfinite_ref.nonfinite_capacity
+side_list_nbytes = nonfinite_ref.side_list_nbytes
 
-
-def nonfinite_capacity(numel: int) -> int:
-    """Slots of the non-finite side list of a tensor of `numel` elements: fixed by the
-    size alone, so encoding needs no host sync and every record of a shape has one layout."""
-    return min(numel, NONFINITE_MIN_SLOTS + numel // NONFINITE_STRIDE)
-
-
-def _index_dtype(numel: int) -> torch.dtype:
-    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
-
-
-def side_list_nbytes(numel: int, dtype: torch.dtype) -> int:
-    """Bytes of the side list of a tensor of `numel` elements of `dtype`."""
-    if numel == 0:
-        return 0
-    slot = _index_dtype(numel).itemsize + dtype.itemsize
-    return nonfinite_capacity(numel) * slot + 4
-
-
-def nonfinite_side_list(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Positions (flat, row-major) and exact values of the first `nonfinite_capacity`
-    non-finite elements of `x`, and their count; fixed shapes, no host sync.
-
-    Unused slots repeat the first used one, or hold element 0 and its exact value when x
-    is finite, so decode writes every slot back in one op (`restore_nonfinite`) and never
-    needs to know how many were used.
-    """
-    flat = x.reshape(-1)
-    n = flat.numel()
-    if n == 0:
-        return {"nonfinite_index": torch.empty(0, dtype=torch.int32, device=x.device),
-                "nonfinite_value": flat.new_empty(0),
-                "nonfinite_count": torch.empty(0, dtype=torch.int32, device=x.device)}
-    bad = (flat - flat).ne_(0)  # NaN exactly where x is not finite: 2 ops (isfinite is 4, + not)
-    index = torch.nonzero_static(bad, size=nonfinite_capacity(n), fill_value=n).reshape(-1)
-    index = torch.where(index < n, index, index[0] % n)  # index[0] is n when none is used
-    return {"nonfinite_index": index.to(_index_dtype(n)), "nonfinite_value": flat[index],
-            "nonfinite_count": bad.sum(dtype=torch.int32).reshape(1)}
-
-
-def restore_nonfinite(out: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Write the side list's exact values back into `out`, in place (a fresh tensor: decode
-    never returns memory of the record), in one op and without a host sync."""
-    return out.view(-1).index_put_((index,), value.to(out.dtype)).view(out.shape)
+#: the record's keys for the side list, in the kernels' argument order
+SIDE_KEYS = ("nonfinite_index", "nonfinite_value", "nonfinite_count")
 
 
 @dataclass
@@ -139,44 +101,57 @@ class Codec:
     def __init__(self, seed: int = 1234):
         self.seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
-        self._overflow: dict[str, torch.Tensor] = {}
+        self._states: dict[str, torch.Tensor] = {}
 
     # ---- public API -------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> Encoded:
         self.check_input(x)
-        x = x.contiguous()
+        x = x if self._reads_strided_rows(x) else x.contiguous()
         enc = self._encode(x)
-        if self.keeps_nonfinite and not self.lossless:
-            side = nonfinite_side_list(x)
-            enc.data.update(side)
-            if x.numel():
-                self._count_overflow(side["nonfinite_count"], nonfinite_capacity(x.numel()))
+        if self.keeps_nonfinite and not self.lossless and SIDE_KEYS[0] not in enc.data:
+            side = nonfinite_ref.side_list_ref(x, self.state(x.device))
+            enc.data.update(zip(SIDE_KEYS, side))
         return enc
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         if enc.numel == 0:
             return torch.empty(enc.shape, dtype=enc.dtype, device=enc.device)
         out = self._decode(enc)
-        index = enc.data.get("nonfinite_index")
+        index = enc.data.get(SIDE_KEYS[0])
         if index is not None and index.numel():
-            out = restore_nonfinite(out.contiguous(), index, enc.data["nonfinite_value"])
+            out = out.contiguous()
+            custom_ops.restore_nonfinite(out, *(enc.data[k] for k in SIDE_KEYS))
         return out
 
-    def _count_overflow(self, count: torch.Tensor, capacity: int) -> None:
-        """Add the non-finite values past the side list's capacity to `nonfinite_overflow`
-        (on the device: no sync)."""
-        over = count.sub(capacity).clamp_min_(0)
-        total = self._overflow.get(str(count.device))
-        if total is None:
-            self._overflow[str(count.device)] = over.to(torch.int64)
-        else:
-            total.add_(over)
+    # ---- the non-finite side list and the per-device state ------------------------------
+    def state(self, device: torch.device) -> torch.Tensor:
+        """The codec's state on `device` (`nonfinite_ref.new_state`: its call count, which
+        keys the kernels' random stream, and the side list's running count and overflow);
+        one encode at a time per device uses it."""
+        key = str(torch.device(device))
+        st = self._states.get(key)
+        if st is None:
+            st = self._states[key] = nonfinite_ref.new_state(device)
+        return st
+
+    def side_buffers(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Keyword arguments for an encode op that records the side list in its own pass:
+        the state and the unwritten buffers (`state`, `nf_index`, `nf_value`, `nf_count`)."""
+        index, value, count = nonfinite_ref.empty_side_list(x.numel(), x.dtype, x.device)
+        return {"state": self.state(x.device), "nf_index": index, "nf_value": value,
+                "nf_count": count}
+
+    @staticmethod
+    def side_record(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The record's entries for the side list an encode op filled (`side_buffers`)."""
+        return dict(zip(SIDE_KEYS, (buffers["nf_index"], buffers["nf_value"],
+                                    buffers["nf_count"])))
 
     @property
     def nonfinite_overflow(self) -> int:
         """Non-finite values, over all encodes so far, that did not fit the side list and
         decode to NaN instead of their exact value. Reading it syncs with the device."""
-        return int(sum(int(t.sum()) for t in self._overflow.values()))
+        return int(sum(int(t[nonfinite_ref.OVERFLOW]) for t in self._states.values()))
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x))
@@ -225,7 +200,7 @@ class Codec:
         """Bytes of the non-finite side list that `encode` adds for `shape`/`dtype`."""
         if not self.keeps_nonfinite or self.lossless:
             return 0
-        return side_list_nbytes(math.prod(int(s) for s in shape), dtype)
+        return side_list_nbytes(math.prod(tuple(int(s) for s in shape)), dtype)
 
     # ---- checks ----------------------------------------------------------------------
     def check_input(self, x: torch.Tensor) -> None:
@@ -253,6 +228,7 @@ class Codec:
         return {
             "seed": self.seed,
             "generators": {k: g.get_state() for k, g in self._generators.items()},
+            "states": {k: t.cpu() for k, t in self._states.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -260,12 +236,20 @@ class Codec:
         self._generators = {}
         for key, st in state.get("generators", {}).items():
             self.generator(torch.device(key)).set_state(st)
+        self._states = {k: t.to(torch.device(k)).clone()
+                        for k, t in state.get("states", {}).items()}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
     # ---- subclass hooks ----------------------------------------------------------------
-    def _encode(self, x: torch.Tensor) -> Encoded:  # x is contiguous and floating
+    def _reads_strided_rows(self, x: torch.Tensor) -> bool:
+        """Whether `_encode` takes x as it is (rows of the last dim, any row stride) instead
+        of a contiguous copy: a view such as `attn.v`, a slice of the QKV buffer, is then
+        read in place."""
+        return False
+
+    def _encode(self, x: torch.Tensor) -> Encoded:  # floating; contiguous unless the above
         raise NotImplementedError
 
     def _decode(self, enc: Encoded) -> torch.Tensor:

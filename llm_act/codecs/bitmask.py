@@ -12,7 +12,7 @@ import torch
 
 from llm_act.codecs.base import FLOAT_DTYPES, Codec, Encoded
 from llm_act.kernels import bitmask_ref as ref
-from llm_act.kernels import custom_ops
+from llm_act.kernels import custom_ops, use_triton
 
 MASK_DTYPES = (torch.bool,) + FLOAT_DTYPES
 
@@ -27,9 +27,12 @@ def check_mask_dtype(codec: Codec, dtype: torch.dtype) -> None:
 class BitMask(Codec):
     """A 0/1 (bool or float) mask packed 8 elements per byte; decodes to its own dtype.
 
-    The mask is stored as `mask != 0`. On CPU, values other than 0 and 1 (NaN included)
-    raise ValueError; on CUDA they are not checked (that would cost a host sync) and any
-    nonzero value decodes to 1. Size: ceil(numel / 8) bytes.
+    The mask is stored as `mask != 0`. On CPU (the torch reference), values other than 0
+    and 1 (NaN included) raise ValueError. On CUDA and wherever the Triton kernel runs they
+    are not checked: raising needs the host to read a device value (a sync per encode, and
+    the check alone would read the mask twice more), and the masks this codec is given are
+    keep-masks by construction; any nonzero value (NaN too) decodes to 1 there. Encode is
+    then one launch reading the mask once. Size: ceil(numel / 8) bytes.
     """
 
     name = "bitmask"
@@ -44,7 +47,7 @@ class BitMask(Codec):
         return ref.mask_nbytes(math.prod(int(s) for s in shape))
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        if x.dtype != torch.bool and not x.is_cuda and x.numel():
+        if x.dtype != torch.bool and x.numel() and not (x.is_cuda or use_triton(x)):
             if not bool(((x == 0) | (x == 1)).all()):
                 raise ValueError(
                     f"codec {self.name!r} stores 0/1 masks; got values other than 0 and 1 "

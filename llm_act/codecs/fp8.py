@@ -6,8 +6,9 @@ elements (amax / FMAX) maps each block onto the format's full range. E4M3 (3 man
 bits, max 448) is the precise one, E5M2 (2 mantissa bits, max 57344) the wide one.
 
 Layout: payload uint8 [numel] (float8 bit patterns; non-finite inputs store the NaN code
-0x7F and are left out of the block amax; `Codec`'s side list restores them exactly), scale
-float32 [ceil(numel / block)].
+0x7F, which decodes to NaN, and are left out of the block amax; the encode kernel records
+their exact values in `Codec`'s side list in the same pass, and decode restores them),
+scale float32 [ceil(numel / block)].
 Size: numel + 4 * ceil(numel / block) bytes. Rounding is nearest-even (deterministic).
 """
 from __future__ import annotations
@@ -40,8 +41,11 @@ class FP8(Codec):
         return n + 4 * ref.num_blocks(n, self.block) + self.side_list_bytes(shape, dtype)
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        payload, scale = custom_ops.fp8_encode(x, self.block, self.fmt)
-        return self._record(x, payload=payload, scale=scale)
+        side = self.side_buffers(x)
+        payload, scale = custom_ops.fp8_encode(x, self.block, self.fmt, **side)
+        enc = self._record(x, payload=payload, scale=scale)
+        enc.data.update(self.side_record(side))
+        return enc
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
         out = custom_ops.fp8_decode(enc.data["payload"], enc.data["scale"], self.block,

@@ -837,10 +837,12 @@ class FirstForward:
         ledger.__enter__()
         self._ledgers[key] = ledger
 
-    def _layer_pre(self, module: Any, args: Any, kwargs: Any) -> None:
+    def _layer_pre(self, module: Any, args: Any, kwargs: Any = None) -> None:
         if self.shape is not None:
             return
-        x = args[0] if args else kwargs.get("hidden_states")
+        # torch calls a kwargs hook without kwargs when hooks are removed mid-iteration
+        # (the root module is the first layer itself)
+        x = args[0] if args else (kwargs or {}).get("hidden_states")
         if isinstance(x, torch.Tensor) and x.dim() == 3:
             self.shape, self.dtype = tuple(int(n) for n in x.shape), x.dtype
 

@@ -53,7 +53,7 @@ def transformer_config(args: argparse.Namespace):
         bf16=args.bf16,
         use_cpu_initialization=not on_gpu,
         # megatron's fused bias-dropout-add is a torch.compile function: minutes of
-        # Inductor compilation on CPU, and llm_act rejects torch.compile of patched layers.
+        # Inductor compilation on CPU (and "auto" refuses torch.compile of patched layers).
         bias_dropout_fusion=False,
     )
     if args.swiglu:

@@ -76,8 +76,9 @@ class ActModule:
         stock: with `stores` (the tensor the site would encode, or its (shape, dtype)),
         also None where the codec's size formula stores more bytes than `stores`
         raw (`Codec.within_raw`); the site then runs the stock path, whose raw bytes the
-        ledger books at the site, and `act_kept[site]` counts the forwards that kept it
-        (under a layer's recomputation the kept tensor is handed over as a record).
+        ledger books at the site, and `act_kept[site]` counts the eager forwards that kept
+        it (`count_kept`; under a layer's recomputation the kept tensor is handed over as a
+        record).
         """
         if not (self.training and torch.is_grad_enabled()):
             return None
@@ -85,8 +86,7 @@ class ActModule:
             return None
         codec = self.act_codecs.get(site)
         if codec is not None and stores is not None and not codec_within_raw(codec, stores):
-            kept = self.__dict__.setdefault("act_kept", {})
-            kept[site] = kept.get(site, 0) + 1
+            count_kept(self, site)
             if getattr(self, "act_record_sink", None) is not None:
                 # a recomputation may rebuild a later site from this one's record: keep x
                 # itself through the compressed path (the bytes stock keeps)
@@ -102,11 +102,27 @@ class ActModule:
     def act_report(self, site: str, record, nbytes: int, replaces: torch.Tensor | None = None) -> None:
         """Tell the active ledgers that `site` of this layer stores `record` (`nbytes`), and
         the layer's recomputation (`act_record_sink`, set by `recompute.LayerRecompute`),
-        which may rebuild a later site from this record in backward."""
+        which may rebuild a later site from this record in backward, and a one-shot
+        `act_record_tap(site, record, replaces)` (set for one forward by the core attention,
+        whose backward reads the output projection's record of its output)."""
         report_to_ledger(self.act_layer, site, record, nbytes, replaces)
         sink = getattr(self, "act_record_sink", None)
         if sink is not None:
             sink(site, record)
+        tap = self.__dict__.pop("act_record_tap", None)
+        if tap is not None:  # one forward's consumer of the record (e.g. the core attention)
+            tap(site, record, replaces)
+
+
+def count_kept(module: torch.nn.Module, site: str) -> None:
+    """Count a forward in which `site` of `module` was kept because its codec would store
+    more than stock (`module.act_kept[site]`). Eager forwards only: under torch.compile a
+    Python counter that changes every call would be a guard that fails every call (a
+    recompile per step), so compiled forwards are not counted."""
+    if torch.compiler.is_compiling():
+        return
+    kept = module.__dict__.setdefault("act_kept", {})
+    kept[site] = kept.get(site, 0) + 1
 
 
 def codec_within_raw(codec: Codec, x) -> bool:
@@ -114,6 +130,14 @@ def codec_within_raw(codec: Codec, x) -> bool:
     raw, from the codec's size formula (no trial encode). A dropout mask is priced as
     what stock stores: `dtype=torch.bool` for a bool mask, the noise's dtype on CPU."""
     shape, dtype = (x.shape, x.dtype) if isinstance(x, torch.Tensor) else x
+    return _within_raw(codec, tuple(int(s) for s in shape), dtype)
+
+
+@torch.compiler.assume_constant_result
+def _within_raw(codec: Codec, shape: tuple, dtype: torch.dtype) -> bool:
+    # Python arithmetic on the shape alone: under torch.compile (static shapes) dynamo calls
+    # it once while tracing and keeps the answer as a constant, guarded on the codec's
+    # identity (a plan switch binds new codecs: a recompile, never a stale answer)
     return codec.within_raw(shape, dtype)
 
 

@@ -78,8 +78,11 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     MoE layers with SequentialMLP experts are converted too (`moe.convert_moe`: sites
     `moe.*`). Unsupported features (Transformer Engine, grouped-GEMM or shared MoE experts and
     the other MoE settings of `unsupported.check_moe`, MLA, context parallel, CUDA graphs,
-    torch.compile, Megatron's recompute_granularity) raise a clear error before anything
-    is changed. Calling `apply` again on the same model raises: change plans through the
+    a model already torch.compile'd, Megatron's recompute_granularity) raise a clear error
+    before anything is changed. `torch.compile` of the converted model (after `apply`)
+    works under fixed plans; what it refuses (`unsupported.compile_refusal`: plan "auto",
+    tensor/sequence parallelism, MoE) raises when the compiled code first runs a layer.
+    Calling `apply` again on the same model raises: change plans through the
     Controller (`set_plan`) instead. A model built with `layer_spec(...)` already holds the
     compressed classes; `apply` then only binds them to a Controller.
 
@@ -133,7 +136,7 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     num_layers = max(num_layers, max(modules) + 1)
     controller = Controller(config, modules, num_layers=num_layers)
     for layer in layers:
-        unsupported.guard_compile(layer)
+        unsupported.guard_compile(layer, unsupported.compile_refusal(layer.config, config))
         layer._llm_act_controller = controller
         controller.layer_modules[int(layer.layer_number) - 1] = layer  # what measurement reads
     agreement.agree_setup(controller)

@@ -24,8 +24,14 @@ plan, module mode "auto" otherwise); a converted module starts in "stock".
 Sites: `attn.q/k/v` (after rotary; GQA K/V un-expanded), `attn.softmax` (unfused path
 only), `attn.dropout_mask`, `attn.out` (SDPA output and logsumexp). A codec at `attn.out`
 (here, or at the output projection linked with `link_out_site`, which stores the same
-tensor encoded) makes the attention store no output and no logsumexp: backward recomputes
-the forward from the stored Q, K, V. Lossy Q/K/V codecs do the same (Adacc sec. 3.2).
+tensor encoded) makes the attention store no output of its own. With lossy Q/K/V codecs
+(Adacc sec. 3.2) backward can run only the attention backward on the decoded Q/K/V, from the
+output the projection stores (its record at `attn.out`, handed over by a one-shot
+`act_record_tap`, or the very memory it keeps raw) and the forward's logsumexp (site
+`attn.lse`), with no second attention forward, when `set_lossy_backward("stored")`;
+by default it recomputes the forward from the decoded Q/K/V (`llm_act.attention.core` says
+why: the measured gradient error). With exact Q/K/V and an encoded `attn.out`, backward
+recomputes the forward from Q, K, V (exact).
 
 Attention dropout is drawn inside megatron's RNG tracker fork (unless sequence parallel,
 as the stock class does), so tensor-parallel ranks draw their own streams. Masks: causal
@@ -45,8 +51,11 @@ import torch
 
 from llm_act import ledger
 from llm_act._imports import require
-from llm_act.attention import attention, pick_backend
+from llm_act.attention import (LOSSY_BACKWARDS, OutSource, attention, pick_backend,
+                               resolve_lossy_backward)
+from llm_act.attention._stash import is_lossy
 from llm_act.codecs.base import Codec
+from llm_act.codecs.registry import RECOMPUTE
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
 from llm_act.patches.megatron.dropout import StoredMaskDropout
 from llm_act.sites import QKV_SITES
@@ -96,6 +105,7 @@ class ActCoreAttention(ActModule, DotProductAttention):
     def _act_init(self, attention: str = "stock") -> None:
         ActModule._act_init(self)
         self.set_attention_mode(attention)
+        self.set_lossy_backward("auto")
         self._act_out_source = None
         drop = self.attention_dropout
         if type(drop) is torch.nn.Dropout:
@@ -108,6 +118,14 @@ class ActCoreAttention(ActModule, DotProductAttention):
         if mode not in ATTENTION_MODES:
             raise ValueError(f"mode: expected one of {ATTENTION_MODES}, got {mode!r}")
         self.act_attention = mode
+
+    def set_lossy_backward(self, mode: str) -> None:
+        """With lossy Q/K/V: "stored" (backward from the stored output and logsumexp, no
+        second forward), "recompute" (the forward again from the decoded Q/K/V) or "auto"
+        (`llm_act.attention.DEFAULT_LOSSY_BACKWARD`). Takes effect at the next forward."""
+        if mode not in LOSSY_BACKWARDS:
+            raise ValueError(f"mode: expected one of {LOSSY_BACKWARDS}, got {mode!r}")
+        self.act_lossy_backward = mode
 
     def link_out_site(self, module: Any) -> None:
         """Also read the `attn.out` codec from `module` (the output projection, which stores
@@ -128,6 +146,9 @@ class ActCoreAttention(ActModule, DotProductAttention):
             return None  # never more than stock (the linear keeps its input too)
         return codec
 
+    def _linked_linear(self) -> Optional[Any]:
+        return self._act_out_source() if self._act_out_source is not None else None
+
     def _layer(self) -> int:
         return self.act_layer if self.act_layer is not None else max(0, int(self.layer_number) - 1)
 
@@ -135,6 +156,9 @@ class ActCoreAttention(ActModule, DotProductAttention):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None):
+        linear = self._linked_linear()
+        if linear is not None:  # a tap an earlier forward set and no record consumed
+            linear.__dict__.pop("act_record_tap", None)
         sq, b, heads = query.shape[0], query.shape[1], query.shape[2]
         probs = (b, heads, sq, key.shape[0])
         # stock dropout keeps a bool mask on CUDA (native_dropout), the float noise on CPU
@@ -201,10 +225,11 @@ class ActCoreAttention(ActModule, DotProductAttention):
             use["attn.softmax"] = codecs["attn.softmax"]
         recompute_out = backend != "unfused" and codecs["attn.out"] is not None
         grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        out_source = self._out_source(codecs, grads and recompute_out)
         layer = self._layer()
         report = None
         where = contextlib.nullcontext()
-        if grads:
+        if grads and ledger.current_ledger() is not None:  # nothing to tell without a ledger
             def report(site, tensors, nbytes):
                 ledger.report(layer, site, list(tensors), int(nbytes))
 
@@ -217,8 +242,32 @@ class ActCoreAttention(ActModule, DotProductAttention):
         with where, fork:
             out = attention(query, key, value, causal=causal, dropout_p=p, scale=scale,
                             backend=backend, codecs=use, report=report,
-                            recompute_out=recompute_out)
+                            recompute_out=recompute_out,
+                            lossy_backward=getattr(self, "act_lossy_backward", "auto"),
+                            out_source=out_source)
         return out.reshape(out.shape[0], out.shape[1], self.hidden_size_per_partition)
+
+    def _out_source(self, codecs: dict, wanted: bool) -> Optional[OutSource]:
+        """Where the "stored" backward finds this forward's output when the output projection
+        stores it encoded: an `OutSource` the projection's next record of `attn.out` fills
+        (`act_record_tap`), or None (no linked projection encoding it, exact Q/K/V, or the
+        "recompute" choice: backward then recomputes the output)."""
+        linear = self._linked_linear()
+        codec = codecs["attn.out"]
+        if (not wanted or linear is None or codec is None or codec.name == RECOMPUTE
+                or codec is not linear.act_codecs.get("attn.out")
+                or resolve_lossy_backward(getattr(self, "act_lossy_backward", "auto")) != "stored"
+                or not any(is_lossy(codecs[s]) for s in QKV_SITES)):
+            return None
+        source = OutSource()
+
+        def tap(site, record, replaces):
+            enc = getattr(record, "enc", None)
+            if site == "attn.out" and enc is not None and enc.codec == codec.name:
+                source.offer(replaces, lambda: codec.decode(enc))
+
+        linear.__dict__["act_record_tap"] = tap
+        return source
 
     def extra_repr(self) -> str:
         return f"mode={self.act_attention!r}"

@@ -26,7 +26,7 @@ import torch
 
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.regen import default_generator, dropout_keep_mask, fused_dropout
-from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
+from llm_act.patches.megatron.act_module import ActModule, codec_within_raw, count_kept
 from llm_act.patches.megatron.functions import Record, _report
 
 DROPOUT_SITES = ("attn.hidden_dropout_mask", "mlp.hidden_dropout_mask")
@@ -117,8 +117,7 @@ class ActBiasDropoutAdd(ActModule, torch.nn.Module):
             # never more than stock, which keeps a bool mask (fused) or the noise in x's dtype
             stock_mask = (x.shape, torch.bool if fused_dropout(x.device, x.numel()) else x.dtype)
             if not codec_within_raw(codec, stock_mask):
-                kept = self.__dict__.setdefault("act_kept", {})
-                kept[self.act_site] = kept.get(self.act_site, 0) + 1
+                count_kept(self, self.act_site)
                 return stock_fn(x_with_bias, residual, prob)
             residual = residual if residual.dtype == x.dtype else residual.to(x.dtype)
             if bias is not None:

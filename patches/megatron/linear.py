@@ -27,6 +27,21 @@ from megatron.core.tensor_parallel.layers import (  # noqa: E402
 
 LINEAR_SITES = ("attn.qkv_input", "attn.out", "mlp.fc1_input", "mlp.fc2_input")
 _IMPL_SIG = inspect.signature(_layers.linear_with_grad_accumulation_and_async_allreduce)
+_IMPL_NAMES = tuple(_IMPL_SIG.parameters)
+
+
+def _impl_arguments(args: tuple, kwargs: dict) -> dict:
+    """megatron's `linear_with_grad_accumulation_and_async_allreduce` arguments by name, as
+    `_IMPL_SIG.bind(...).arguments` gives them (defaults left out), in plain dict operations
+    that torch.compile traces (`inspect.Signature.bind` is a graph break)."""
+    if len(args) > len(_IMPL_NAMES):
+        raise TypeError(f"_forward_impl takes at most {len(_IMPL_NAMES)} arguments, got {len(args)}")
+    out = dict(zip(_IMPL_NAMES, args))
+    for name, value in kwargs.items():
+        if name not in _IMPL_NAMES or name in out:
+            _IMPL_SIG.bind(*args, **kwargs)  # raises the TypeError bind would
+        out[name] = value
+    return out
 
 
 class _ActLinear(ActModule):
@@ -48,11 +63,15 @@ class _ActLinear(ActModule):
         codec = self.act_codec(site, input, weight, stores=input) if site is not None else None
         if codec is None or not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
-        a = _IMPL_SIG.bind(input, weight, *args, **kwargs).arguments
+        a = _impl_arguments((input, weight) + args, kwargs)
         if a.get("grad_output_buffer") is not None:
             raise NotImplementedError(
                 f"site {site!r}: deferred embedding wgrad compute is not supported with compression")
-        tp_group = _layers.get_tensor_model_parallel_group_if_none(a.get("tp_group"))
+        tp_group = a.get("tp_group")
+        if tp_group is None and (a.get("allreduce_dgrad") or a.get("sequence_parallel")):
+            # the default TP group, only where it is used (a row-parallel linear passes None
+            # and communicates outside; megatron's lookup is a torch.compile graph break)
+            tp_group = _layers.get_tensor_model_parallel_group_if_none(None)
         if a.get("sequence_parallel"):
             # the local shard is encoded before the all-gather; backward gathers it encoded
             return EncodedSPLinear.apply(

@@ -1,13 +1,21 @@
 """Clear errors for the megatron-core features the compressed layers do not handle yet.
 
 Transformer Engine specs, some MoE settings (`check_moe`), context parallel, multi-latent
-attention, CUDA graphs, torch.compile of patched layers, and Megatron's own `recompute_granularity` together with
-our plan would either bypass the compressed modules (TE, MoE, MLA), break their invariants
-(CUDA graphs freeze the codecs' random streams and Python-side choices; torch.compile traces
-through the per-iteration codec tables; CP splits the sequence our sites assume whole) or
-double the recomputation (Megatron's checkpointing around layers that already choose keep /
-compress / recompute per site). `apply` and `layer_spec` call these checks first, so a
-run fails at set-up with the feature named and what to do, instead of training wrongly.
+attention, CUDA graphs and Megatron's own `recompute_granularity` together with our plan
+would either bypass the compressed modules (TE, MoE, MLA), break their invariants (CUDA
+graphs freeze the codecs' random streams and Python-side choices; CP splits the sequence
+our sites assume whole) or double the recomputation (Megatron's checkpointing around layers
+that already choose keep / compress / recompute per site). `apply` and `layer_spec` call
+these checks first, so a run fails at set-up with the feature named and what to do,
+instead of training wrongly.
+
+torch.compile of patched layers (`compile_refusal`, `guard_compile`): a layer under a
+fixed plan compiles, with its codec ops (`torch.ops.llm_act.*`) inside the graph, and
+computes what the eager layer computes (tests/patches/megatron/test_compile.py). Refused,
+with the reason in one line when the compiled layer first runs: plan "auto" (it measures
+the codecs and re-plans at tracking iterations), and the settings not tested under
+compile yet (tensor or sequence parallelism, MoE layers). A model must be converted
+before it is compiled (`check_modules`).
 """
 from __future__ import annotations
 
@@ -90,7 +98,9 @@ def check_modules(modules: Iterable[torch.nn.Module]) -> None:
                 f"multi-latent attention ({type(module).__name__}) is not supported by llm_act yet"
             )
         if "OptimizedModule" in names or getattr(module, "_compiled_call_impl", None) is not None:
-            raise NotImplementedError(_COMPILE_MESSAGE)
+            raise NotImplementedError(
+                f"{type(module).__name__} is already torch.compile'd: apply llm_act to the "
+                "eager model first, then compile it (apply converts the layers in place)")
 
 
 def check_moe(tconfig: Any, moe_layer: Optional[torch.nn.Module] = None) -> None:
@@ -141,30 +151,52 @@ def check_context_parallel() -> None:
         )
 
 
-_COMPILE_MESSAGE = (
-    "torch.compile of layers patched by llm_act is not supported: the compressed layers "
-    "choose codecs per iteration in Python. Compile other parts of the model, or disable "
-    "activation compression"
-)
+def compile_refusal(tconfig: Any, act_config: Any = None) -> Optional[str]:
+    """Why torch.compile of a layer with megatron config `tconfig`, patched under
+    `act_config`, is refused (one line: what and what to do), or None where it compiles.
+
+    Compiled (with the same values as eager): fixed plans ("keep", "compress",
+    "recompute", JSON plans, per-site codec overrides), dropout and its regenerated masks,
+    one tensor-parallel rank. Stochastic codecs whose torch reference draws its rounding
+    noise from a `torch.Generator` (not traceable) leave that site's autograd function to
+    eager (a graph break, same values); see docs/architecture.md.
+    """
+    if act_config is not None and getattr(act_config, "enabled", True) \
+            and getattr(act_config, "plan", None) == "auto":
+        return ("plan 'auto' measures the codecs and re-plans at tracking iterations, which "
+                "would time and recompile the compiled layer: compile under a fixed plan "
+                "('keep', 'compress', 'recompute' or a JSON plan), or do not compile the layers")
+    tp = getattr(tconfig, "tensor_model_parallel_size", 1) or 1
+    if tp > 1 or getattr(tconfig, "sequence_parallel", False):
+        return (f"tensor/sequence parallelism (tensor_model_parallel_size={tp}, sequence_parallel="
+                f"{bool(getattr(tconfig, 'sequence_parallel', False))}) is not tested under "
+                "torch.compile yet: compile with one tensor-parallel rank, or do not compile the layers")
+    experts = getattr(tconfig, "num_moe_experts", None)
+    if experts is not None:
+        return (f"MoE layers (num_moe_experts={experts}) are not tested under torch.compile yet: "
+                "do not compile the layers")
+    return None
 
 
-@torch.compiler.disable(reason=_COMPILE_MESSAGE)
-def _refuse_compile(name: str) -> None:
-    # Runs eagerly even inside a compiled frame (dynamo graph-breaks here), so the raise is
-    # real; under fullgraph=True dynamo itself refuses with the reason above.
-    raise NotImplementedError(f"{name}: {_COMPILE_MESSAGE}")
-
-
-def _compile_guard(module: torch.nn.Module, _args: Any) -> None:
-    if torch.compiler.is_compiling():
-        _refuse_compile(type(module).__name__)
-
-
-def guard_compile(module: torch.nn.Module) -> Optional[Any]:
-    """Make `torch.compile` of `module` (or of a model holding it) fail with a clear error.
-    Idempotent; returns the hook handle (None if already guarded)."""
-    if getattr(module, "_llm_act_compile_guard", None) is not None:
+def guard_compile(module: torch.nn.Module, reason: Optional[str]) -> Optional[Any]:
+    """Make `torch.compile` of `module` (or of a model holding it) fail with `reason`
+    (`compile_refusal`) when the compiled code first runs it; nothing where `reason` is
+    None. Idempotent; returns the hook handle (None if already guarded or not refused)."""
+    if reason is None or getattr(module, "_llm_act_compile_guard", None) is not None:
         return None
-    handle = module.register_forward_pre_hook(_compile_guard)
+    message = f"torch.compile of layers patched by llm_act: {reason}"
+    name = type(module).__name__
+
+    @torch.compiler.disable(reason=message)
+    def refuse() -> None:
+        # Runs eagerly even inside a compiled frame (dynamo graph-breaks here), so the raise
+        # is real; under fullgraph=True dynamo itself refuses with `message`.
+        raise NotImplementedError(f"{name}: {message}")
+
+    def hook(_module: torch.nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():
+            refuse()
+
+    handle = module.register_forward_pre_hook(hook)
     module._llm_act_compile_guard = handle
     return handle

@@ -77,12 +77,13 @@ def test_table_targets_and_files(result, tmp_path):
     assert "Throughput against stock" in text and "Throughput against megatron full" in text
     assert "SavedTensorLedger's bytes" in text
     lines = G.targets(res, krows)
-    assert len(lines) == 4
+    assert len(lines) == 5
     for line, what in zip(lines, ("ours at full recompute's memory", "our largest micro-batch",
-                                  "keep >= 0.98x stock", "kernels >= 90% of copy")):
+                                  "keep >= 0.98x stock", "compress >= 0.9x stock",
+                                  "kernels >= 85% of copy")):
         assert what in line and line.split(":")[0] in ("- PASS", "- FAIL", "- n/a"), line
         assert line in text
-    assert G.targets(res)[3].startswith("- n/a")
+    assert G.targets(res)[4].startswith("- n/a")
     paths = G.save(res, str(tmp_path), text, krows)
     assert (tmp_path / "gpu.md").read_text().strip() == text.strip()
     data = json.loads((tmp_path / "gpu.json").read_text())

@@ -38,3 +38,26 @@ def test_bitmask_rejects_non_binary_values(value):
     m[3] = value
     with pytest.raises(ValueError, match="0 and 1"):
         BitMask().encode(m)
+
+
+def test_triton_path_packs_in_one_launch_without_a_check(monkeypatch):
+    """Where the kernel runs (forced here, as on CUDA) a float mask is not checked for 0/1
+    (that needs a host sync): encode is the packing launch alone, and any nonzero value,
+    NaN included, decodes to 1."""
+    import triton.runtime.interpreter as interpreter
+
+    from tests.no_syncs import NoSyncs, force_triton
+
+    force_triton(monkeypatch)
+    launches = []
+    launch = interpreter.GridExecutor.__call__
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__",
+                        lambda self, *a, **k: launches.append(self.fn.__name__)
+                        or launch(self, *a, **k))
+    m = (torch.rand(3, 700) > 0.3).to(torch.bfloat16)
+    m[0, 3], m[1, 5], m[2, 7] = float("nan"), 2.0, -1.0
+    with NoSyncs():
+        enc = BitMask().encode(m)
+    assert launches == ["_pack_mask_kernel"]
+    y = BitMask().decode(enc)
+    assert torch.equal(y, (m != 0).to(m.dtype))

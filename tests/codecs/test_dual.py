@@ -37,7 +37,8 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("shape,dim", [((1,), 0), ((13, 3, 10), 0), ((256, 2, 512), 0),
-                                       ((5, 17, 6), 1), ((4, 6, 19), -1)])
+                                       ((600, 3, 4), 0), ((5, 17, 6), 1), ((4, 6, 19), -1),
+                                       ((3, 300, 2), 1)])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_nbytes_exact(shape, dim, bits):
     c = DualPrecision(hfc_bits=bits, dim=dim)
@@ -45,8 +46,9 @@ def test_nbytes_exact(shape, dim, bits):
     enc = c.encode(x)
     s = shape[dim]
     C = math.prod(shape) // s
-    formula = (2 * math.ceil(s / 8) * C + s * math.ceil(C * bits / 8) + 4 * C
-               + side_list_nbytes(x.numel(), x.dtype))
+    # zero and step (bf16) per channel per chunk of 256 tokens (32 pool blocks of 8)
+    formula = (2 * math.ceil(s / 8) * C + s * math.ceil(C * bits / 8)
+               + 4 * C * math.ceil(s / 256) + side_list_nbytes(x.numel(), x.dtype))
     assert enc.nbytes == c.nbytes_for(shape, x.dtype) == formula
     assert c.decode(enc).shape == x.shape
 
@@ -82,7 +84,8 @@ def test_unbiased_given_the_lfc():
     x = torch.randn(24, 3, 10) * torch.linspace(0.1, 3, 10)
     n = 400
     mean = sum(c.roundtrip(x) for _ in range(n)) / n
-    # the stored step is that of the residual * H_SCALE (so ranges near 2 max fit)
+    # the stored step is that of the residual * H_SCALE (so ranges near 2 max fit); 24
+    # tokens: one chunk
     step = c.encode(x).data["step"].float().abs().view(3, 10) / dual_ref.H_SCALE
     # per-element std of the mean <= step / (2 sqrt(n)); allow 5 sigma
     assert ((mean - x).abs() <= 5 * step / (2 * math.sqrt(n)) + 1e-6).all()
@@ -133,3 +136,23 @@ def test_constant_noncontiguous_empty_and_types():
     for bad in (torch.ones(8, 2, dtype=torch.int32), torch.ones(8, 2, dtype=torch.complex64)):
         with pytest.raises(TypeError):
             c.encode(bad)
+
+
+def test_zero_and_step_are_per_chunk_of_256_tokens():
+    """One-pass encode: zero/step per channel per 256 tokens. A loud chunk keeps its own
+    step, the quiet chunks' errors stay within their own (much smaller) steps, and the
+    error model uses the chunks' steps."""
+    c = DualPrecision(seed=6)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(700, 2, 8, generator=g)  # 3 chunks of 256 tokens
+    x[256:512] *= 50.0
+    enc = c.encode(x)
+    step = enc.data["step"].float().abs() / dual_ref.H_SCALE  # [3, 16]
+    assert enc.data["zero"].shape == enc.data["step"].shape == (3, 16)
+    assert (step[1] > 20 * step[0]).all() and (step[1] > 20 * step[2]).all()
+    err = (c.decode(enc) - x).abs().view(700, 16)
+    own = step[torch.arange(700) // 256]
+    assert (err <= own * (1 + 1e-5) + 1e-6).all()  # stochastic: within one step of its own
+    assert err[:256].max() < step[1].min() / 4  # a whole-tensor step would not be
+    measured = float(((c.decode(c.encode(x)) - x).double() ** 2).mean())
+    assert 0.5 <= measured / c.expected_error(x) <= 2.0

@@ -93,8 +93,14 @@ def _formula(codec, shape):
     n = math.prod(shape)
     if n == 0:
         return 0
-    groups = shape[codec.axis] if codec.axis is not None else math.ceil(n / codec.group_size)
-    return (math.ceil(n * codec.bits / 8) + (4 if codec.symmetric else 8) * groups
+    per_param = 4 if codec.symmetric else 8
+    if codec.axis is None:
+        return (math.ceil(n * codec.bits / 8) + per_param * math.ceil(n / codec.group_size)
+                + side_list_nbytes(n, torch.bfloat16))
+    # per axis: rows padded to whole bytes, a scale (and zero) per column per 256 rows
+    C = shape[codec.axis]
+    rows = n // C
+    return (rows * math.ceil(C * codec.bits / 8) + per_param * C * math.ceil(rows / 256)
             + side_list_nbytes(n, torch.bfloat16))
 
 
@@ -110,7 +116,8 @@ def test_nbytes(name, shape):
 
 @pytest.mark.parametrize("name,bits", [("int1", 1.5), ("int2", 2.5), ("int4", 4.5), ("int8", 8.5),
                                        ("int4_sym", 4.25), ("int4_asym", 4.5),
-                                       ("int4_channel", 4 + 32 * 512 / (256 * 2 * 512))])
+                                       # scales per column per 256 of the 512 rows
+                                       ("int4_channel", 4 + 32 * 2 * 512 / (256 * 2 * 512))])
 def test_bits_per_element_at_defaults(name, bits):
     codec = make_codec(name)
     enc = codec.encode(torch.randn(256, 2, 512, dtype=torch.bfloat16))
@@ -242,3 +249,27 @@ def test_registry_flags_and_names():
     ch = make_codec("int4_channel")
     assert (ch.bits, ch.symmetric, ch.axis) == (4, True, -1)
     assert make_codec("int4").group_size == 128
+
+
+def test_channel_scales_are_per_chunk_of_256_rows():
+    """int4_channel stores a scale per column per 256 rows (one-pass encode): a loud chunk
+    keeps its own scale, the others' errors stay within half their own step, and the error
+    model uses the same steps as the record."""
+    codec = make_codec("int4_channel")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(600, 2, 32, generator=g)  # rows = 1200 (s * b), C = 32: 5 chunks
+    x[128:256] *= 100.0  # rows 256..511 of the [1200, 32] view
+    enc = codec.encode(x)
+    scale = enc.data["scale"]
+    assert scale.shape == (5, 32)
+    assert (scale[1] > 20 * scale[0]).all() and (scale[1] > 20 * scale[2]).all()
+    rows = x.view(1200, 32)
+    amax = torch.stack([rows[i:i + 256].abs().amax(0) for i in range(0, 1200, 256)])
+    torch.testing.assert_close(scale, amax / torch.full_like(amax, 7.0), rtol=0, atol=0)
+    delta = codec.step_sizes(x).view(1200, 32).float()
+    torch.testing.assert_close(delta, scale.repeat_interleave(256, dim=0)[:1200])
+    err = (codec.decode(enc) - x).view(1200, 32).abs()
+    assert (err <= delta / 2 * (1 + 1e-5)).all()  # nearest rounding, each chunk's own step
+    assert (err[:256].amax() < scale[1].amin() / 2)  # a whole-column scale would fail this
+    measured = float(((codec.decode(enc) - x) ** 2).mean())
+    assert 0.5 <= measured / codec.expected_error(x) <= 2.0

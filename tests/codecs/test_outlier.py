@@ -20,15 +20,23 @@ def _outlier_x(rows=256, C=256, dtype=torch.float32, scale=50.0, gen_seed=0):
     return x.to(dtype)
 
 
+def _rows_per_chunk(C, group_size=128):
+    """Rows of a tile (`outlier_ref.tile_layout`): 4096 elements of 512 channels (whole
+    groups), groups padded to powers of two."""
+    tc = min(C, group_size * max(1, 512 // group_size))
+    pow2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
+    return max(1, 4096 // (pow2(-(-tc // group_size)) * pow2(group_size)))
+
+
 def _inlier_groups_delta(codec, x):
     """Per-element step Delta of its group (float32 [rows*C]) and the outlier mask."""
     rows, C = x.reshape(-1, x.shape[-1]).shape
     x2 = x.reshape(rows, C)
     idx = codec.select(x2)
     _, _, _, mn, mx, bad = ref.group_stats(x2, idx, codec.group_size)
-    delta = (mx - mn) / torch.where(bad, 14.0, 15.0)
-    per = delta.repeat_interleave(codec.group_size)[: rows * C]
-    is_out = ref.outlier_positions(idx, C).ge(0).expand(rows, C).reshape(-1)
+    delta = (mx - mn) / torch.where(bad, 14.0, 15.0)  # [rows, groups of a row]
+    per = delta.repeat_interleave(codec.group_size, dim=1)[:, :C].reshape(-1)
+    is_out = ref.outlier_mask(idx, rows, C, _rows_per_chunk(C, codec.group_size)).reshape(-1)
     return per, is_out, idx
 
 
@@ -39,7 +47,8 @@ def test_outlier_channels_are_found_and_recovered_exactly(dtype):
     enc = codec.encode(x)
     y = codec.decode(enc)
     assert enc.meta["n_outliers"] == 4 and codec.last_outlier_count == 4
-    assert enc.data["index"].tolist() == OUT_CH
+    # one tile (all 256 channels), 4 slots; every chunk of 16 rows finds the same channels
+    assert enc.data["index"].tolist() == [OUT_CH] * (256 // 16)
     assert enc.data["index"].dtype == torch.int16
     assert enc.data["values"].dtype == dtype
     assert torch.equal(y[:, OUT_CH], x[:, OUT_CH])
@@ -49,7 +58,8 @@ def test_outlier_channels_are_found_and_recovered_exactly(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_inlier_error_is_at_most_one_step_of_its_group(dtype):
     codec = OutlierInt4(seed=5)
-    # groups straddle rows; inliers lie around 10, so a fill of 0 would stretch ranges
+    # C = 264: a partial group ends each row (groups do not span rows); inliers lie
+    # around 10, so a fill of 0 would stretch ranges
     x = (_outlier_x(rows=64, C=264) + 10.0).to(dtype)
     y = codec.roundtrip(x).float().reshape(-1)
     xf = x.float().reshape(-1)
@@ -139,9 +149,15 @@ def test_nbytes_matches_formula_and_encode(shape, dtype):
     C = shape[-1]
     itemsize = x.element_size()
     index_bytes = 2 if C < 2**15 else 4
-    formula = (math.ceil(numel / 2) + 8 * math.ceil(numel / 128)
-               + k * (numel // C * itemsize + index_bytes) + side_list_nbytes(numel, dtype))
+    rows = numel // C
+    chunks = math.ceil(rows / _rows_per_chunk(C))
+    # rows padded to whole bytes, groups within rows, k slots per row, indices per chunk
+    formula = (rows * math.ceil(C / 2) + 8 * rows * math.ceil(C / 128)
+               + k * (rows * itemsize + chunks * index_bytes) + side_list_nbytes(numel, dtype))
     assert enc.nbytes == codec.nbytes_for(shape, dtype, k) == formula
+    # floor(1/64 of each tile's channels) per tile: tiles of 512 (C below 512: all of C)
+    tiles = math.ceil(C / 512)
+    assert k == tiles * (min(C, 512) // 64)
     if shape[-1] >= 64:
         assert k >= 1
 
@@ -154,7 +170,8 @@ def test_bits_per_element_at_defaults():
     # the default: its fixed slots, 1/64 of the channels (8 of 512), whatever the data
     assert codec.nbytes_for((512, 512), torch.bfloat16) == codec.nbytes_for((512, 512), torch.bfloat16, 8)
     with_4 = (codec.nbytes_for((512, 512), torch.bfloat16, 4) - side) * 8 / n
-    assert with_4 == pytest.approx(4.5 + (4 * 512 * 2 + 4 * 2) * 8 / n)
+    # values: 4 per row; indices: 4 per chunk of 8 rows (one tile of 512 channels)
+    assert with_4 == pytest.approx(4.5 + (4 * 512 * 2 + 4 * (512 // 8) * 2) * 8 / n)
     assert codec.nbytes_for((0, 512), torch.float16) == 0
     with pytest.raises(ValueError, match="n_outliers"):
         codec.nbytes_for((4, 8), torch.float32, 9)
@@ -168,16 +185,19 @@ def test_cap_keeps_the_largest_z_channels():
         x[:, c] = x[:, c].sign() * (30.0 + i)  # later ones larger
     codec = OutlierInt4(max_outlier_frac=1 / 64)  # cap 4
     assert codec.max_outliers(256) == 4
-    colsum = ref.outlier_colsum_ref(x)
+    colsum = ref.column_abs_sums(x)
     z = (colsum - colsum.mean()) / colsum.std(correction=0)
     assert bool((z[big] > 3).all())
     enc = codec.encode(x)
-    assert enc.data["index"].tolist() == big[-4:]
+    assert enc.data["index"].tolist() == [big[-4:]] * (64 // 16)  # every chunk of 16 rows
     assert torch.equal(codec.decode(enc)[:, big[-4:]], x[:, big[-4:]])
+    # the other 4 are quantized: within a step of their group, not exact
+    y = codec.decode(enc)
+    assert not torch.equal(y[:, big[:4]], x[:, big[:4]])
     # an infinite threshold separates nothing: the 4 slots stay unused (index C)
     enc = OutlierInt4(z_threshold=float("inf"), max_outlier_frac=1 / 64).encode(x)
     assert enc.meta["n_outliers"] == 4 and OutlierInt4.outlier_count(enc) == 0
-    assert enc.data["index"].tolist() == [256] * 4
+    assert enc.data["index"].tolist() == [[256] * 4] * 4
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -199,7 +219,8 @@ def test_non_contiguous_input_reads_as_contiguous():
     assert not x.is_contiguous()
     a = OutlierInt4(seed=4).encode(x)
     b = OutlierInt4(seed=4).encode(x.contiguous())
-    assert a.data["index"].tolist() == [5, 130]  # 2 slots for 130 channels, one unused (C)
+    # 2 slots for 130 channels (one tile), one unused (C), in each of 6 chunks of 16 rows
+    assert a.data["index"].tolist() == [[5, 130]] * 6
     for key in a.data:
         assert torch.equal(a.data[key], b.data[key])
     y = OutlierInt4(seed=4).decode(a)
@@ -226,7 +247,8 @@ def test_nonfinite_values_are_kept_at_their_positions(dtype):
         x[r, c] = v
     codec = OutlierInt4()
     enc = codec.encode(x)
-    assert enc.data["index"].tolist() == OUT_CH  # non-finite values do not sway selection
+    # non-finite values do not sway selection (40 rows: 3 chunks of 16)
+    assert enc.data["index"].tolist() == [OUT_CH] * 3
     y = codec.decode(enc)
     expect = torch.zeros(x.shape, dtype=torch.bool)
     for r, c, _ in bad:
@@ -255,3 +277,26 @@ def test_registry_and_bad_arguments():
             OutlierInt4(**kw)
     with pytest.raises(TypeError, match="dtype"):
         OutlierInt4().encode(torch.arange(10))
+
+
+def test_each_tile_keeps_its_own_outlier_channels():
+    """C = 1024: two tiles of 512 channels with 8 slots each, chosen per chunk of 8 rows;
+    8 outlier channels crowded into the first tile all fit, the second tile's are found
+    too, all exactly; the error model uses the same choice."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(48, 1024, generator=g)
+    crowded, other = [0, 1, 2, 60, 61, 200, 300, 511], [512, 1023]
+    x[:, crowded + other] *= 40.0
+    codec = OutlierInt4(seed=1)
+    enc = codec.encode(x)
+    assert enc.meta["n_outliers"] == 16 == codec.max_outliers(1024)
+    index = enc.data["index"]
+    assert index.shape == (6, 16)  # 48 rows / 8
+    assert index.tolist() == [crowded + other + [1024] * 6] * 6
+    y = codec.decode(enc)
+    assert torch.equal(y[:, crowded + other], x[:, crowded + other])
+    inl = torch.ones(1024, dtype=torch.bool)
+    inl[crowded + other] = False
+    assert float((y - x)[:, inl].abs().max()) < 1.0  # steps of N(0, 1) groups, not of 40x
+    mse = float(((y - x) ** 2).mean())
+    assert 0.5 <= mse / codec.expected_error(x) <= 2.0

@@ -4,7 +4,8 @@ implementations, and that the codecs reach every kernel through an op.
 `opcheck` runs each op on CPU (the torch reference; the Triton launchers on a GPU, `gpu`
 tests) and checks its schema (no input mutated or aliased), its autograd registration and
 its fake implementation against the real outputs, also under AOT dispatch with dynamic
-shapes. The coverage checks read the `*_triton.py` sources (no triton import): every
+shapes. Only the declared arguments are written in place: the codec state and side-list
+buffers of an encode (`nonfinite_ref`) and a restore's output. The coverage checks read the `*_triton.py` sources (no triton import): every
 launcher is the Triton side of an op whose reference has its signature, and no codec calls
 a launcher or its reference directly.
 """
@@ -21,6 +22,7 @@ from torch.utils._pytree import tree_map_only
 import llm_act.codecs as codecs
 import llm_act.kernels as kernels
 from llm_act.codecs import CODEC_NAMES, make_codec
+from llm_act.kernels import nonfinite_ref
 from llm_act.kernels.custom_ops import KERNEL_OPS, NAMESPACE
 
 KERNEL_DIR = pathlib.Path(kernels.__file__).parent
@@ -46,26 +48,33 @@ def _samples(device) -> list[tuple[str, tuple, dict]]:
         out.append((name, args, kwargs))
         return KERNEL_OPS[name].op(*args, **kwargs)
 
-    seed = torch.tensor([7], dtype=torch.int64, device=device)
     x = randn(300)
     enc = add("int_quant_encode", x, 4, 128, False, noise=rand(300))
     add("int_quant_encode", randn(300, dtype=torch.bfloat16), 8, 64, True)
-    add("int_quant_encode", x, 2, 128, False, seed=seed)
+    add("int_quant_encode", x, 2, 128, False, seed=7)
     add("int_quant_decode", *enc, 4, 128, False, 300, torch.bfloat16)
     enc = add("int_quant_axis_encode", randn(20, 12), 2, True, noise=rand(240))
-    add("int_quant_axis_encode", randn(7, 5, dtype=torch.float16), 4, False, seed=seed)
+    add("int_quant_axis_encode", randn(7, 5, dtype=torch.float16), 4, False, seed=7)
     add("int_quant_axis_decode", *enc, 2, True, 240, torch.float32)
+    x_nf = randn(300, dtype=torch.bfloat16)
+    x_nf[[4, 200]] = float("nan")
+    side = dict(zip(("nf_index", "nf_value", "nf_count"),
+                    nonfinite_ref.empty_side_list(300, torch.bfloat16, device)))
+    add("int_quant_encode", x_nf, 4, 128, False, seed=7, state=nonfinite_ref.new_state(device),
+        **side)
+    add("restore_nonfinite", randn(300, dtype=torch.bfloat16), *side.values())
 
     x2 = randn(16, 40)
     x2[:, 3] *= 50
-    idx = torch.tensor([3, 17], device=device)
-    add("outlier_colsum", x2)
-    packed, scale, zero, values = add("outlier_encode", x2, idx, 32, noise=rand(640))
-    add("outlier_encode", x2.half(), idx[:0], 32, seed=seed)
-    add("outlier_decode", packed, scale, zero, idx, values, 32, 16, 40, torch.float16)
+    enc = add("outlier_encode", x2, 32, 3.0, 1, noise=rand(640))
+    add("outlier_encode", x2.half(), 32, 3.0, 0, seed=7)
+    side = dict(zip(("nf_index", "nf_value", "nf_count"),
+                    nonfinite_ref.empty_side_list(640, torch.float32, device)))
+    add("outlier_encode", x2, 32, 3.0, 1, seed=7, state=nonfinite_ref.new_state(device), **side)
+    add("outlier_decode", *enc, 32, 16, 40, torch.float16)
 
     enc = add("dual_encode", randn(20, 12), 8, 2, rand(20, 12))
-    add("dual_encode", randn(9, 5, dtype=torch.bfloat16), 4, 4, seed=seed)
+    add("dual_encode", randn(9, 5, dtype=torch.bfloat16), 4, 4, seed=7)
     add("dual_decode", *enc, 8, 2, 20, 12, torch.float32)
 
     enc = add("fp8_encode", x, 128, "e4m3")
@@ -116,6 +125,9 @@ def _check_fake_matches_real(name, args, kwargs):
     fake_args, fake_kwargs = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
     with mode:
         fake = op(*fake_args, **fake_kwargs)
+    if real is None:  # an op that only writes in place (restore_nonfinite)
+        assert fake is None, name
+        return
     real = real if isinstance(real, tuple) else (real,)
     fake = fake if isinstance(fake, tuple) else (fake,)
     assert len(fake) == len(real)
@@ -163,7 +175,7 @@ def _launchers() -> dict[str, list[str]]:
 def test_launcher_sources_found():
     assert {k.split(".")[0] for k in _launchers()} == {
         "int_quant_triton", "outlier_triton", "dual_triton", "fp8_triton", "fewbit_triton",
-        "bitmask_triton"}
+        "bitmask_triton", "nonfinite_triton"}
 
 
 def test_every_launcher_is_an_op_with_its_references_signature():

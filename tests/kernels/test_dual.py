@@ -50,29 +50,57 @@ def test_constant_channels():
 
 
 def test_large_inputs_launch_several_programs(grids):
-    """The largest shape above reaches past one program in every kernel."""
-    grids.watch(triton_dual, "_dual_stats_kernel", "_dual_quant_kernel", "_dual_decode_kernel")
-    _check(_input(30, 130, torch.float32), 8, 2)
-    assert min(grids.most(k) for k in grids.programs) > 1, grids.programs
-    assert len(grids.programs) == 3
+    """Programs along token chunks and channel blocks in both kernels (one launch each)."""
+    grids.watch(triton_dual, "_dual_encode_kernel", "_dual_decode_kernel")
+    _check(_input(600, 40, torch.float32), 8, 2)  # 3 chunks of 256 tokens x 3 x 16 channels
+    assert len(grids.programs) == 2
+    for k in ("_dual_encode_kernel", "_dual_decode_kernel"):
+        assert grids.grids[k] == [(3, 3)], grids.grids
     assert all(grids.exact(k) for k in grids.programs), grids.fusion  # no FMA contraction
 
 
-@pytest.mark.parametrize("s,C,pool", [(100, 130, 8), (50, 70, 3)])
-def test_encode_is_parallel_over_tokens(grids, monkeypatch, s, C, pool):
-    """Encode runs programs along tokens as well as channels; chunks of several pool
-    blocks (a small program target forces them) still give the reference's bits."""
-    monkeypatch.setattr(triton_dual, "TARGET_PROGRAMS", 9)
-    grids.watch(triton_dual, "_dual_stats_kernel", "_dual_quant_kernel")
-    _check(_input(s, C, torch.float32), pool, 2)
-    for k in ("_dual_stats_kernel", "_dual_quant_kernel"):
-        assert grids.most_along(k, 0) > 1 and grids.most_along(k, 1) > 1, grids.grids
-    nb = -(-s // pool)
-    assert grids.most_along("_dual_stats_kernel", 0) < nb  # chunks of several pool blocks
-    # with the default target: one stats program per pool block here
-    monkeypatch.setattr(triton_dual, "TARGET_PROGRAMS", 1024)
-    _check(_input(s, C, torch.bfloat16), pool, 4)
-    assert grids.grids["_dual_stats_kernel"][-1][0] == nb
+@pytest.mark.parametrize("s,C,pool", [(600, 24, 8), (500, 10, 3)])
+def test_chunks_have_their_own_zero_and_step(s, C, pool):
+    """zero/step per channel and chunk (256 tokens at pool 8; 64 blocks of 3 = 192 tokens
+    at pool 3): a loud chunk does not widen the others' steps; bit for bit."""
+    x = _input(s, C, torch.float32)
+    per = ref.chunk_blocks(pool) * pool
+    x[per:2 * per] *= 100  # the second chunk only
+    _check(x, pool, 2)
+    lfc, codes, zero, step = triton_dual.dual_encode(x, pool, 2, seed=3)
+    K = -(-s // per)
+    assert zero.shape == step.shape == (K, C) and K == ref.num_chunks(s, pool) == 3
+    mag = step.float().abs()
+    assert (mag[1] > 20 * mag[0]).all() and (mag[1] > 20 * mag[2]).all()
+    y = triton_dual.dual_decode(lfc, codes, zero, step, pool, 2, s, C, torch.float32)
+    fin = torch.isfinite(x)
+    err = (y - x).abs()
+    # stochastic rounding: within one step of its own chunk (the stored step of h / 4)
+    own = (mag / ref.H_SCALE)[ref.token_chunk(s, pool)]
+    assert (err[fin] <= own[fin] * (1 + 1e-5) + 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_side_list_is_filled_in_the_encode_pass(dtype, grids):
+    """With a state, the kernel's side list is the reference's (in the one launch)."""
+    from llm_act.kernels import nonfinite_ref
+
+    grids.watch(triton_dual, "_dual_encode_kernel")
+    x = _input(300, 40, dtype)  # 3 non-finite values, 2 x 3 programs
+    x[290, 33] = float("nan")
+    found = []
+    for encode in (triton_dual.dual_encode, ref.dual_encode_ref):
+        state = nonfinite_ref.new_state("cpu")
+        buffers = nonfinite_ref.empty_side_list(x.numel(), dtype, "cpu")
+        encode(x, 8, 2, seed=3, state=state,
+               **dict(zip(("nf_index", "nf_value", "nf_count"), buffers)))
+        found.append((state, buffers))
+    (state, (index, value, count)), (_, (rindex, rvalue, rcount)) = found
+    assert grids.most("_dual_encode_kernel") == 6
+    assert int(count) == int(rcount) == 4
+    assert torch.equal(index[:4], rindex[:4])
+    assert torch.equal(value[:4].view(torch.uint8), rvalue[:4].view(torch.uint8))
+    assert state.tolist()[:3] == [1, 0, 0]  # the call counted, the running fields reset
 
 
 def test_pool_sum_adds_tokens_in_order():
@@ -107,7 +135,7 @@ def test_in_kernel_noise_is_unbiased():
     n = 24
     acc = torch.zeros(s, C)
     for i in range(n):
-        enc = triton_dual.dual_encode(x, pool, bits, seed=torch.tensor([1000 + 17 * i]))
+        enc = triton_dual.dual_encode(x, pool, bits, seed=1000 + 17 * i)
         acc += triton_dual.dual_decode(*enc, pool, bits, s, C, torch.float32)
     step = enc[3].float().abs() / ref.H_SCALE  # stored: the step of h * H_SCALE
     # std of the mean <= step / (2 sqrt(n)); 5 sigma per element

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from llm_act.kernels.fewbit_ref import (
+    GROUP,
     code_bytes,
     fewbit_decode_ref,
     fewbit_encode_ref,
@@ -158,3 +159,28 @@ def test_empty():
     assert codes.numel() == 0 and flags.numel() == 0
     out = fewbit_triton.fewbit_decode(codes, flags, levels, 2, 0, torch.bfloat16)
     assert out.shape == (0,) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_each_stored_byte_and_element_is_read_once(bits):
+    """Encode reads each element once and decode each stored byte once (bytes of a word
+    loaded as one vector, codes shifted apart); the tables cost a few loads per program,
+    not one per element (scalars up to SCAN_BITS, a gathered vector above)."""
+    from tests.kernels.traffic import measure
+
+    gen = torch.Generator().manual_seed(bits)
+    cuts, levels = _table(bits, False, gen)
+    n = 5 * 1024 + 77  # six programs, the last one partial
+    x = _input((n,), torch.bfloat16, gen, cuts[:50])
+    (codes, flags), enc = measure(lambda: fewbit_triton.fewbit_encode(x, cuts, bits, False))
+    out, dec = measure(lambda: fewbit_triton.fewbit_decode(codes, flags, levels, bits, n,
+                                                           torch.bfloat16))
+    programs = -(-n // (GROUP * fewbit_triton.GROUPS))
+    for t in (enc, dec):
+        assert len(t.launches) == 1 and not t.ops and not t.syncs, (t.launches, t.ops)
+    table = 4 * 2**bits * programs  # at most the whole float32 table once per program
+    assert 2 * n <= enc.lane_read <= 2 * n + table
+    assert dec.kernel_read == code_bytes(n, bits) + flag_bytes(n) + 4 * 2**bits
+    assert dec.lane_read <= code_bytes(n, bits) + programs + table
+    assert torch.equal(out.nan_to_num(9.0), fewbit_decode_ref(codes, flags, levels, bits, n,
+                                                              torch.bfloat16).nan_to_num(9.0))

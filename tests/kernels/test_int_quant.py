@@ -47,18 +47,38 @@ def _scaled(x, scale, zero, bits, symmetric, param_index):
     return (0.5 * xf - 0.5 * zero[param_index]) / s  # the stored scale is that of x / 2
 
 
-def _assert_codes_match(x, r, k, bits, symmetric, param_index, noise=None):
-    """Same scales; codes equal except, at most one step apart, at exact rounding ties."""
+def _axis_codes(packed, bits, C):
+    """Codes of a per-axis record in x's order (rows are padded to whole bytes)."""
+    per = 8 // bits
+    rb = -(-C * bits // 8)
+    rows = packed.numel() // rb
+    return unpack_bits(packed, bits, rows * rb * per).view(rows, -1)[:, :C].reshape(-1)
+
+
+def _axis_param_index(rows, C):
+    """Index into the flattened [chunks, C] parameters of each element of [rows, C]."""
+    i = torch.arange(rows * C)
+    return (i // C // 256) * C + i % C
+
+
+def _assert_codes_match(x, r, k, bits, symmetric, param_index, noise=None, axis_c=None):
+    """Same scales; codes equal except, at most one step apart, at exact rounding ties.
+    `axis_c`: a per-axis record of C columns (row-padded codes, [chunks, C] parameters)."""
     torch.testing.assert_close(k[1], r[1], rtol=RTOL, atol=0)
     torch.testing.assert_close(k[2], r[2], rtol=RTOL, atol=0)
     n = x.numel()
     assert k[0].shape == r[0].shape and k[0].dtype == torch.uint8
-    cr = unpack_bits(r[0], bits, n).long()
-    ck = unpack_bits(k[0], bits, n).long()
+    if axis_c is None:
+        cr = unpack_bits(r[0], bits, n).long()
+        ck = unpack_bits(k[0], bits, n).long()
+    else:
+        cr = _axis_codes(r[0], bits, axis_c).long()
+        ck = _axis_codes(k[0], bits, axis_c).long()
     diff = (cr != ck).nonzero().flatten()
     if diff.numel():
         assert (cr[diff] - ck[diff]).abs().max() <= 1
-        v = _scaled(x, r[1], r[2], bits, symmetric, param_index)[diff]
+        v = _scaled(x, r[1].reshape(-1), r[2].reshape(-1), bits, symmetric,
+                    param_index)[diff]
         v = v + (0.5 if noise is None else noise.reshape(-1)[diff])
         assert torch.allclose(v, v.round(), atol=1e-4), f"non-tie code differences at {diff}"
 
@@ -88,28 +108,39 @@ def test_group_kernels_match_reference(shape, dtype, bits, symmetric):
 
 @pytest.mark.parametrize("bits,symmetric", MODES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(1, 1), (127, 1), (40, 125), (15, 130)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (127, 1), (40, 125), (15, 130), (300, 21)], ids=str)
 def test_axis_kernels_match_reference(shape, dtype, bits, symmetric):
     x = _input(shape, dtype)
     n, C = x.numel(), shape[1]
+    pidx = _axis_param_index(*shape)
     r = ref.int_quant_axis_encode_ref(x, bits, symmetric)
     k = _dev(tri.int_quant_axis_encode, x, bits, symmetric)
-    _assert_codes_match(x, r, k, bits, symmetric, torch.arange(n) % C)
+    _assert_codes_match(x, r, k, bits, symmetric, pidx, axis_c=C)
     dr = ref.int_quant_axis_decode_ref(*r, bits, symmetric, n, dtype)
     dk = _dev(tri.int_quant_axis_decode, *r, bits, symmetric, n, dtype)
     torch.testing.assert_close(dk, dr, rtol=RTOL, atol=0, equal_nan=True)
     noise = torch.rand(n)
     r = ref.int_quant_axis_encode_ref(x, bits, symmetric, noise)
     k = _dev(tri.int_quant_axis_encode, x, bits, symmetric, noise)
-    _assert_codes_match(x, r, k, bits, symmetric, torch.arange(n) % C, noise)
+    _assert_codes_match(x, r, k, bits, symmetric, pidx, noise, axis_c=C)
 
 
 def test_many_rows_use_several_chunks():
+    """Scales per column and chunk of 256 rows: a large value moves only its own chunk's."""
     x = _input((3000, 3), torch.float32, nonfinite=False)
     x[2999, 1] = 100.0  # the max of column 1 sits in the last chunk
     r = ref.int_quant_axis_encode_ref(x, 4, True)
     k = _dev(tri.int_quant_axis_encode, x, 4, True)
-    _assert_codes_match(x, r, k, 4, True, torch.arange(x.numel()) % 3)
+    _assert_codes_match(x, r, k, 4, True, _axis_param_index(3000, 3), axis_c=3)
+    scale = k[1]
+    assert scale.shape == (12, 3)  # ceil(3000 / 256) chunks
+    assert scale[-1, 1] == 100.0 / 7  # the chunk that holds it
+    assert (scale[:-1, 1] < 20.0 / 7).all()  # the others keep their own (N(0.5, 3)) range
+    amax = torch.stack([x[i:i + 256, 0].abs().max() for i in range(0, 3000, 256)])
+    torch.testing.assert_close(scale[:, 0], amax / torch.full_like(amax, 7.0), rtol=0, atol=0)
+    d = _dev(tri.int_quant_axis_decode, *k, 4, True, x.numel(), torch.float32).view(3000, 3)
+    step = scale.repeat_interleave(256, dim=0)[:3000]
+    assert ((d - x).abs() <= step / 2 * (1 + 1e-5)).all()  # nearest: half a chunk step
 
 
 @pytest.mark.parametrize("group_size", [8, 32, 96, 256])
@@ -187,20 +218,19 @@ def test_seeded_rounding_is_unbiased(axis):
 
 def test_large_inputs_launch_several_programs(grids):
     """The shapes above reach past one program in every kernel of the family."""
-    grids.watch(tri, "_encode_groups_kernel", "_decode_groups_kernel", "_axis_stats_kernel",
-                "_quantize_flat_kernel", "_quantize_axis_kernel", "_decode_axis_kernel")
+    grids.watch(tri, "_encode_groups_kernel", "_decode_groups_kernel", "_encode_axis_kernel",
+                "_decode_axis_kernel")
     n = max(math.prod(s) for s in SHAPES)
     enc = _dev(tri.int_quant_encode, _input((n,), torch.float32), 4, 128, False)
     _dev(tri.int_quant_decode, *enc, 4, 128, False, n, torch.float32)
-    _dev(tri.int_quant_axis_encode, _input((40, 125), torch.float32), 4, True)  # flat: C odd
-    x2 = _input((70, 130), torch.float32)  # 3 x 2 tiles
+    x2 = _input((600, 130), torch.float32)  # 3 row chunks x 9 column blocks
     enc = _dev(tri.int_quant_axis_encode, x2, 4, True)
     _dev(tri.int_quant_axis_decode, *enc, 4, True, x2.numel(), torch.float32)
     assert min(grids.most(k) for k in grids.programs) > 1, grids.programs
-    assert len(grids.programs) == 6
-    # the axis quantize and decode tile [rows, channels]: several programs along both
-    for k in ("_quantize_axis_kernel", "_decode_axis_kernel"):
-        assert grids.most_along(k, 0) > 1 and grids.most_along(k, 1) > 1, grids.grids
+    assert len(grids.programs) == 4
+    # the axis encode and decode tile [row chunk, channels]: several programs along both
+    for k in ("_encode_axis_kernel", "_decode_axis_kernel"):
+        assert grids.most_along(k, 0) == 3 and grids.most_along(k, 1) > 1, grids.grids
     # every launch forbids FMA contraction (see llm_act.kernels: no GPU-only semantics)
     assert all(grids.exact(k) for k in grids.programs), grids.fusion
 
@@ -251,9 +281,9 @@ def test_extreme_values_match_reference_and_stay_finite(dtype, bits, symmetric):
 
 @pytest.mark.parametrize("bits,symmetric", MODES)
 def test_axis_tiles_with_whole_bytes_per_row_match_reference(bits, symmetric):
-    """C a multiple of 8 // bits (here 136): the 2-D [rows, channels] quantize path, with
-    noise and non-finite values, bit for bit."""
-    x = _input((33, 136), torch.float32)
+    """C a multiple of 8 // bits (here 136), two row chunks: with noise and non-finite
+    values, bit for bit."""
+    x = _input((300, 136), torch.float32)
     noise = torch.rand(x.numel())
     r = ref.int_quant_axis_encode_ref(x, bits, symmetric, noise)
     k = _dev(tri.int_quant_axis_encode, x, bits, symmetric, noise)

@@ -158,7 +158,12 @@ def _snapshot(model, controller, opt, gen):
 
 
 def _codec_states(controller):
-    return {k: v.state_dict()["generators"] for k, v in controller._codecs.items()}
+    """Each codec's generators and device states (call count: the kernels' random stream)."""
+    out = {}
+    for k, v in controller._codecs.items():
+        sd = v.state_dict()
+        out[k] = {**sd["generators"], **{f"state {d}": t for d, t in sd["states"].items()}}
+    return out
 
 
 def test_resume_continues_with_the_same_plans_tracking_and_encodes():
@@ -193,7 +198,7 @@ def test_resume_continues_with_the_same_plans_tracking_and_encodes():
     assert controller2.adapter.sensitivity == first_adapt["sensitivity"]
     second_codecs = _codec_states(controller2)
     assert first_codecs.keys() == second_codecs.keys()
-    for key in first_codecs:  # every codec's generator ended in the same state: identical encodes
+    for key in first_codecs:  # every codec's generator and state ended alike: identical encodes
         for dev, st in first_codecs[key].items():
             assert torch.equal(st, second_codecs[key][dev]), key
 

@@ -55,7 +55,10 @@ def test_tp2_sequence_parallel_compressed_matches_one_rank():
     got = losses(out)
     ref = single_rank_losses(argv)
     assert len(got) == 3 and got[-1] < got[0]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=2e-4, atol=0)
+    # the two runs compress different tensors (TP shards vs whole ones: other per-tile
+    # scales and random draws), so they differ by compression noise (2.4e-4 relative at
+    # iteration 3 with the one-pass per-tile codecs of issue 26)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=5e-4, atol=0)
 
 
 PP2 = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "8",

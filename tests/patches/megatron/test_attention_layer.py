@@ -13,7 +13,11 @@
 - the "compress" plan on a full GPT layer (bf16, s=256, b=2, h=512, a=8, bias on, RoPE)
   stores at most 10 bytes per s*b*h, by the ledger and by the memory the process holds
   after forward (profiler);
-- TP=2 with SDPA attention (GQA, 2 gloo ranks) matches TP=1 within fp32 round-off.
+- TP=2 with SDPA attention (GQA, 2 gloo ranks) matches TP=1 within fp32 round-off;
+- lossy Q/K/V with the "stored" backward (no second attention forward): with nothing lost
+  it gives the recompute path's gradients (SDPA and chunked with dropout, GQA, the output
+  kept or encoded at the projection, whose record backward then reads), the logsumexp is
+  booked at `attn.lse`; under "compress" the layer holds what the ledger says.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from llm_act.bench.memory import held_after_forward, ledger_and_held
 from llm_act.codecs import make_codec
 from llm_act.ledger import SavedTensorLedger
 from llm_act.sites import DEFAULT_CODECS
+from tests.attention.exact_codec import ExactLossy
 from tests.patches import broken_codec
 from tests.patches.megatron.layer_pairs import GaussianChannel, rel_errors
 
@@ -293,13 +298,14 @@ def test_qkv_bound_fails_with_a_broken_codec(site):
 # ---- the "compress" plan on a full GPT layer ---------------------------------------------------
 
 
-def compress_layer_bytes(dropout, s=256, b=2, h=512, a=8):
+def compress_layer_bytes(dropout, s=256, b=2, h=512, a=8, lossy_backward="auto"):
     """(ledger, bytes the process holds after forward) of one bf16 layer under "compress"."""
     cfg = config(dropout, torch.bfloat16, hidden_size=h, num_attention_heads=a, add_bias_linear=True)
     _, layer, sites = twins(cfg, torch.bfloat16)
     for site, module in sites.items():
         module.set_act_codec(site, make_codec(DEFAULT_CODECS[site], seed=7))
     core(layer).set_attention_mode("auto")
+    core(layer).set_lossy_backward(lossy_backward)
     emb = rope(s, h, a)
     x0 = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
 
@@ -326,6 +332,48 @@ def test_compress_plan_stores_at_most_10_bytes_per_sbh(dropout):
     assert ((0, "attn.dropout_mask") in sites) == (dropout > 0)
     assert led.total_bytes <= 10 * sbh
     assert held == pytest.approx(led.total_bytes, rel=0.01), (held / sbh, led.total_bytes / sbh)
+
+
+def test_compress_plan_with_the_stored_backward_books_lse():
+    """"stored": the logsumexp at `attn.lse` (4 bytes per (b, head, s)), the projection's
+    record read back in backward rather than a copy: the process holds what the ledger says."""
+    s, b, h, a = 128, 2, 256, 8
+    led, held = compress_layer_bytes(0.1, s, b, h, a, lossy_backward="stored")
+    sites = led.by_site()
+    assert sites[(0, "attn.lse")] == 4 * b * a * s
+    assert led.total_bytes <= 10 * s * b * h
+    assert held == pytest.approx(led.total_bytes, rel=0.01), (held, led.total_bytes)
+
+
+@pytest.mark.parametrize("dropout,mode", [(0.0, "sdpa"), (0.1, "chunked")])
+@pytest.mark.parametrize("out_encoded", [False, True])
+def test_stored_backward_matches_recompute_when_nothing_is_lost(dropout, mode, out_encoded,
+                                                                monkeypatch):
+    from llm_act.attention import OutSource
+
+    taken = []
+    real_take = OutSource.take
+    monkeypatch.setattr(OutSource, "take", lambda self: taken.append(real_take(self)) or taken[-1])
+    heads = 8
+    _, act, sites = twins(config(dropout, num_attention_heads=heads, num_query_groups=2))
+    core(act).set_attention_mode(mode)
+    for site in QKV:
+        sites[site].set_act_codec(site, ExactLossy())
+    if out_encoded:
+        sites["attn.out"].set_act_codec("attn.out", ExactLossy())
+    x = torch.randn(S, B, H)
+    results, booked = {}, {}
+    for lossy_backward in ("recompute", "stored"):
+        core(act).set_lossy_backward(lossy_backward)
+        with SavedTensorLedger() as led:
+            results[lossy_backward] = step(act, x)
+        booked[lossy_backward] = led.by_site()
+    assert_close(results["stored"], results["recompute"], tol=1e-6)
+    assert booked["stored"][(0, "attn.lse")] == 4 * B * heads * S
+    assert (0, "attn.lse") not in booked["recompute"]
+    assert booked["stored"][(0, "attn.out")] == booked["recompute"][(0, "attn.out")] == S * B * H * 4
+    # encoded at the projection: backward read its record (taken), no copy of the output
+    assert [t is not None for t in taken] == ([True] if out_encoded else [])
 
 
 def test_output_projection_codec_drops_the_attention_output():

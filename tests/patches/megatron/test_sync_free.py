@@ -6,7 +6,8 @@ host (`.item()` / `bool(tensor)` / `int(tensor)` are `_local_scalar_dense`; `non
 stream, so a CPU run that never asks for one proves the GPU run will not either.
 
 Covered: plans "keep", "recompute", "compress", and fixed plans with every codec family at its sites,
-attention dropout on (regenerated masks). The Triton path: tests/kernels/test_sync_free_triton.py.
+attention dropout on (regenerated masks); on the torch references and on the Triton kernels
+(under the interpreter); every codec alone: tests/kernels/test_sync_free_triton.py.
 Not yet here: sequence parallel (its gather exchanges no sizes since issue 26, but it needs
 two ranks), MoE routing (token counts per expert on the host, as megatron-core's own
 SequentialMLP); issue 26 keeps them open.
@@ -65,6 +66,21 @@ def test_layers_forward_and_backward_issue_no_host_sync(plan):
     _step_without_syncs(model)
 
 
+@pytest.mark.parametrize("plan", ["compress", "every codec family"])
+def test_layers_issue_no_host_sync_on_the_triton_path(plan, monkeypatch):
+    """The same step with every codec on its Triton kernels (the interpreter on CPU, as a GPU
+    would run them): one-pass encodes with the side list inside the kernels."""
+    pytest.importorskip("triton")
+    from tests.no_syncs import force_triton
+
+    force_triton(monkeypatch)
+    model = R.build(dropout=0.1)
+    apply(model, PLANS[plan])
+    R.seed_all(5)
+    _step_without_syncs(model)  # the first step makes the codecs' states
+    _step_without_syncs(model)
+
+
 def test_nonfinite_activations_are_kept_without_a_sync():
     """A NaN in the block input reaches the gradients (NaN stays NaN), with no sync."""
     model = R.build(dropout=0.0)
@@ -79,3 +95,21 @@ def test_nonfinite_activations_are_kept_without_a_sync():
     assert torch.isnan(model.decoder.layers[0].mlp.linear_fc1.weight.main_grad
                        if getattr(model.decoder.layers[0].mlp.linear_fc1.weight, "main_grad", None) is not None
                        else model.decoder.layers[0].mlp.linear_fc1.weight.grad).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["compress", "every codec family"])
+def test_layers_issue_no_host_sync_on_cuda(plan):
+    """The same step on a GPU under `torch.cuda.set_sync_debug_mode("error")`: every
+    device-to-host copy or stream sync raises (the Triton kernels, not the references)."""
+    model = R.build(dropout=0.1).cuda()
+    apply(model, PLANS[plan])
+    ids, pos, labels = (t.cuda() for t in R.batch(1))
+    R.seed_all(5)
+    model(ids, pos, None, labels=labels).float().mean().backward()  # builds codec states
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(ids, pos, None, labels=labels).float().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

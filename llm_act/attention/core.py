@@ -89,19 +89,26 @@ def _codecs(codecs: Optional[Mapping[str, Union[Codec, str, None]]]) -> dict[str
     return out
 
 
+def _stash_inputs(report, q, k, v, qkv_codecs, p, generator):
+    """A forward's stash of Q, K, V (encoded where their codec is lossy) and, with dropout,
+    the generator state before the draw (the mask is replayed, never stored); and that
+    generator (None without dropout)."""
+    stash = Stash(report)
+    for site, x, codec in zip(QKV, (q, k, v), qkv_codecs):
+        stash.add(site, x, codec if is_lossy(codec) else None)
+    gen = None
+    if p > 0.0:
+        gen = C.resolve_generator(generator, q.device)
+        stash.add("attn.dropout_mask", gen.get_state())
+    return stash, gen
+
+
 class _RecomputeFromEncoded(torch.autograd.Function):
     """Forward on exact Q/K/V; stores encoded Q/K/V; backward recomputes from decoded ones."""
 
     @staticmethod
     def forward(ctx, q, k, v, backend, causal, p, scale, generator, cq, ck, qkv_codecs, report):
-        stash = Stash(report)
-        for site, x, codec in zip(QKV, (q, k, v), qkv_codecs):
-            stash.add(site, x, codec if is_lossy(codec) else None)
-        state = None
-        if p > 0.0:
-            gen = C.resolve_generator(generator, q.device)
-            state = gen.get_state()
-            stash.add("attn.dropout_mask", state)
+        stash, gen = _stash_inputs(report, q, k, v, qkv_codecs, p, generator)
         if backend == "chunked":
             keep = draw_mask(gen, p, q, k.shape[0]) if p > 0.0 else None
             out, _ = chunked_forward(q, k, v, causal, p, scale, keep, cq, ck)
@@ -192,13 +199,7 @@ class _BackwardFromStored(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, impl, causal, p, scale, generator, cq, ck, qkv_codecs, report,
                 out_source):
-        stash = Stash(report)
-        for site, x, codec in zip(QKV, (q, k, v), qkv_codecs):
-            stash.add(site, x, codec if is_lossy(codec) else None)
-        gen = None
-        if p > 0.0:
-            gen = C.resolve_generator(generator, q.device)
-            stash.add("attn.dropout_mask", gen.get_state())
+        stash, gen = _stash_inputs(report, q, k, v, qkv_codecs, p, generator)
         out, lse, rng = _forward_lse(impl, q, k, v, causal, p, scale, gen, cq, ck)
         for t in rng:
             stash.add("attn.dropout_mask", t)

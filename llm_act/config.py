@@ -20,6 +20,9 @@ ATTENTION_MODES = ("auto", "stock", "sdpa", "chunked")
 #: plan "auto"'s default noise budget, as a fraction of the measured sampling noise
 #: (`llm-act bench convergence`, docs/benchmarks.md, is the evidence behind it)
 NOISE_FRACTION = 0.25
+#: how plan "auto" treats a biased codec under a noise budget: "charge" its noise at the
+#: coherent error measured on the real gradient, or "exclude" it
+BIASED_MODES = ("charge", "exclude")
 
 _UNITS = {
     "": 1,
@@ -102,6 +105,12 @@ class ActConfig:
     gradient's own mini-batch sampling variance, measured during training (GACT sec. 4:
     below it, compression noise is lost in sampling noise). None: no noise budget."""
 
+    biased_codecs: str = "charge"
+    """Under a noise budget, how plan "auto" treats codecs whose error does not average out
+    (nearest rounding, fp8, few-bit tables): "charge" (their noise is scaled by the
+    coherence measured on the real gradient, `llm_act.measurement.sensitivity`) or
+    "exclude" (only unbiased codecs are chosen)."""
+
     fidelity_every: int = 250
     """Report the gradient fidelity (compressed against exact gradient on one
     micro-batch, `llm_act.measurement.fidelity`) every this many iterations; 0: only on request."""
@@ -150,6 +159,8 @@ class ActConfig:
                     f"e.g. {NOISE_FRACTION}) or None, got {self.noise_fraction!r}"
                 )
             self.noise_fraction = float(self.noise_fraction)
+        if self.biased_codecs not in BIASED_MODES:
+            raise ValueError(f"biased_codecs: expected one of {', '.join(BIASED_MODES)}, got {self.biased_codecs!r}")
         if isinstance(self.fidelity_every, bool) or not isinstance(self.fidelity_every, int) \
                 or self.fidelity_every < 0:
             raise ValueError(

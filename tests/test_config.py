@@ -18,6 +18,7 @@ BRIEF_FIELDS = {
     "variance_budget": None,
     "seed": 1234,
     "noise_fraction": 0.25,
+    "biased_codecs": "charge",
     "fidelity_every": 250,
 }
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 def _noise(controller) -> float:
     """Predicted noise of the plan in force, on the adapter's last profile and c."""
     a = controller.adapter
-    return a.profile.noise(controller.plan, a.sensitivity)
+    return a.profile.noise(controller.plan, a.sensitivity, a.coherence)
 
 
 def test_the_default_budget_is_a_fraction_of_the_measured_sampling_noise():
@@ -95,3 +95,32 @@ def test_a_given_variance_budget_wins_and_none_turns_the_fraction_off():
     assert controller.adapter.noise_budget() is None
     # without a noise budget the first tracking measures the rotation's first site types only
     assert len(controller.adapter.sensitivity) < len(sensitive_sites(controller))
+
+
+def test_biased_codecs_are_charged_their_measured_coherence_or_excluded():
+    """Issue 28 item 3: under a noise budget a nearest-rounding codec's error, the same on
+    every token, is charged at its measured coherence (default), or such codecs are left
+    out ("exclude"); both hold from the first plan (iteration 1)."""
+    from llm_act.codecs.registry import KEEP, RECOMPUTE, UNBIASED_CODECS
+
+    budget = _tight()
+    model, controller, opt, gen = _setup(budget=budget)
+    _train(model, controller, opt, gen, 1)
+    a = controller.adapter
+    assert a.config.biased_codecs == "charge"
+    assert set(a.coherence) == set(sensitive_sites(controller)) and all(k > 0 for k in a.coherence.values())
+    blocks, _ = a.problem(a.profile)
+    site = "mlp.fc2_input"
+    option = {o.name: o for p in blocks[0].sites if p.name == site for o in p.codecs}
+    layers = a.profile.block_layers()[0]
+    raw = sum(a.profile.sites[(i, site)].options["int4_channel"].rel_error for i in layers) / len(layers)
+    assert option["int4_channel"].variance == pytest.approx(raw * a.coherence[site])
+    raw_int4 = sum(a.profile.sites[(i, site)].options["int4"].rel_error for i in layers) / len(layers)
+    assert option["int4"].variance == pytest.approx(raw_int4)  # unbiased: not charged
+    assert controller.state_dict()["adapt"]["coherence"] == a.coherence
+
+    model, controller, opt, gen = _setup(budget=budget, biased_codecs="exclude")
+    _train(model, controller, opt, gen, 2)
+    chosen = {n for choice in controller.plan.values() for n in choice.values()} - {KEEP, RECOMPUTE}
+    assert controller.history and chosen <= UNBIASED_CODECS, chosen
+    assert controller.adapter.coherence == {}  # nothing to charge: not measured

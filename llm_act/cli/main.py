@@ -61,18 +61,41 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--output-dir", default="docs", help="plots (and benchmarks.md) go here")
         sp.set_defaults(cmd_parser=sp)
         if suite in ("convergence", "all"):
-            sp.add_argument("--convergence-json", default=None,
-                           help="reuse a convergence result saved by `bench convergence "
-                                "--save-json` instead of training again")
+            sp.add_argument("--convergence-json", default=None, nargs="+", metavar="JSON",
+                           help="reuse convergence results saved by `bench convergence "
+                                "--save-json` instead of training again (several: merged per "
+                                "setting, e.g. seeds run by two processes)")
         if suite == "convergence":
             sp.add_argument("--save-json", default=None,
                             help="save the result as JSON after every run; if the file holds an "
                                  "unfinished result of the same settings, its runs are kept")
+            sp.add_argument("--setting", choices=("fp32", "bf16"), default=None,
+                            help="fp32: the low-floor measurement (10 paired seeds, two sizes; the "
+                                 "default when no --convergence-json is given); bf16: the chaotic "
+                                 "setting of earlier rounds, as confirmation")
+            sp.add_argument("--seeds", type=_seed_range, default=None, metavar="A-B",
+                            help="run only these seeds of the setting (a range A-B or a comma list), "
+                                 "e.g. to split the bench over two processes with their own --save-json")
 
     add_plan_parser(sub)
 
     add_train_parser(sub)
     return p
+
+
+def _seed_range(text: str) -> tuple[int, ...]:
+    """'1234-1238' or '1234,1236' -> the seeds (argparse type)."""
+    try:
+        if "-" in text.strip("-"):
+            a, b = text.split("-", 1)
+            seeds = tuple(range(int(a), int(b) + 1))
+        else:
+            seeds = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a seed range A-B or a comma list, got {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"no seed in {text!r}")
+    return seeds
 
 
 def _check_user_input(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -101,8 +124,9 @@ def _check_user_input(parser: argparse.ArgumentParser, args: argparse.Namespace)
         path = getattr(args, flag, None)
         if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             fail(parser, f"--{flag.replace('_', '-')} {path}: its folder does not exist; create it first")
-    for flag in ("convergence_json", "save_json"):  # read back: an existing one must be ours
-        path = getattr(args, flag, None)
+    reads = [("convergence_json", p) for p in getattr(args, "convergence_json", None) or []]
+    reads += [("save_json", getattr(args, "save_json", None))]
+    for flag, path in reads:  # read back: an existing one must be ours
         if path is None or (flag == "save_json" and not os.path.exists(path)):
             continue
         name = "--" + flag.replace("_", "-")

@@ -81,6 +81,10 @@ MASK_CODECS = frozenset({"bitmask", "regen"})
 FEWBIT_CODECS = frozenset({"fewbit1", "fewbit2", "fewbit3", "fewbit4"})
 #: every name a plan may hold for a site
 CHOICE_NAMES: tuple[str, ...] = NON_CODECS + CODEC_NAMES
+#: codecs whose decoded tensor is unbiased: stochastic rounding, or exact (the masks).
+#: The rest (nearest rounding, fp8 casts, few-bit tables) err the same way on every token,
+#: so their error adds up coherently in a weight gradient (issue 28)
+UNBIASED_CODECS = frozenset({"int1", "int2", "int4", "int8", "outlier_int4", "dual2"}) | MASK_CODECS
 
 
 def make_codec(name: str, *, seed: int = 1234, activation: str = "gelu") -> Codec:

@@ -8,7 +8,12 @@ the plan in force, and the relative error ||g_plan - g_exact|| / ||g_exact|| is 
 - per parameter group (a parameter's name with the layer index taken out, so
   `decoder.layers.*.mlp.linear_fc1.weight` gathers fc1's weight of every layer) and in total;
 - per site type, for `SITES_PER_REPORT` lossy site types in rotation: the error with only
-  that site compressed (its codec of the plan in every layer), the rest exact.
+  that site compressed (its codec of the plan in every layer), the rest exact;
+- the gradient-noise ratio (GACT's criterion, the one plan "auto" holds to a budget): the
+  compression's squared error ||g_plan - g_exact||^2 over the mini-batch sampling variance
+  of the gradient, ||g_a - g_b||^2 / 4 from the batch's two halves
+  (`llm_act.measurement.sensitivity.sampling_halves`), per parameter group and in total.
+  Below 1 the compression adds less noise than drawing another batch does.
 
 Both passes run inside `llm_act.measurement.probing.isolated` with the RNG streams rewound before each,
 so they draw the same dropout masks and differ only by the codecs; the plan's codecs are
@@ -34,6 +39,7 @@ from llm_act.measurement.controlled import ControlledModel
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.measurement import probing
+from llm_act.measurement.sensitivity import sampling_halves
 from llm_act.sites import MASK_SITES
 
 log = logging.getLogger(__name__)
@@ -106,8 +112,9 @@ def measure_sums(controller: ControlledModel, forward: Callable[[], Any], named:
                  ) -> dict[str, float]:
     """The squared sums a report is made of, as one flat mapping (so ranks can combine it):
     `err:<group>` ||g_plan - g_exact||^2 and `norm:<group>` ||g_exact||^2 per parameter
-    group, and `site:<site>` the total ||g_site - g_exact||^2 with only that site type
-    compressed, for each of `sites`."""
+    group, `samp:<group>` its sampling variance (none for a batch of one), and
+    `site:<site>` the total ||g_site - g_exact||^2 with only that site type compressed, for
+    each of `sites`."""
     params = [p for _, p in named]
     groups = [group_name(n) for n, _ in named]
     out: dict[str, float] = {}
@@ -117,6 +124,11 @@ def measure_sums(controller: ControlledModel, forward: Callable[[], Any], named:
         comp = _grad(controller, forward, params, snap, plan_codecs(controller, plan, seed))
         out.update({f"err:{g}": v for g, v in probing.sq_by_group(comp, exact, groups).items()})
         del comp
+        probing.install(controller, {})
+        halves = sampling_halves(forward, params, snap)
+        if halves is not None:
+            out.update({f"samp:{g}": v / 4.0 for g, v in probing.sq_by_group(*halves, groups).items()})
+        del halves
         for site in sites:
             alone = _grad(controller, forward, params, snap, plan_codecs(controller, plan, seed + 1, only=site))
             out[f"site:{site}"] = probing.sq_distance(alone, exact)
@@ -133,6 +145,11 @@ class FidelityReport:
     groups: dict[str, float] = field(default_factory=dict)
     sites: dict[str, float] = field(default_factory=dict)
     """site type -> error with that site alone compressed (measured at this report)"""
+    noise_ratio: Optional[float] = None
+    """compression's squared gradient error over the sampling variance, whole gradient
+    (None: the batch had one sample)"""
+    noise_ratios: dict[str, float] = field(default_factory=dict)
+    """the same per parameter group"""
 
     @classmethod
     def from_sums(cls, iteration: int, sums: dict[str, float]) -> "FidelityReport":
@@ -141,15 +158,21 @@ class FidelityReport:
         whole = sum(norm.values())
         groups = {g: _rel(err.get(g, 0.0), n) for g, n in norm.items()}
         sites = {k[5:]: _rel(v, whole) for k, v in sums.items() if k.startswith("site:")}
-        return cls(iteration, _rel(sum(err.values()), whole), groups, sites)
+        samp = {k[5:]: v for k, v in sums.items() if k.startswith("samp:")}
+        ratios = {g: _ratio(err.get(g, 0.0), v) for g, v in samp.items()}
+        total = _ratio(sum(err.values()), sum(samp.values())) if samp else None
+        return cls(iteration, _rel(sum(err.values()), whole), groups, sites, total, ratios)
 
     def to_dict(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "total": self.total, "groups": dict(self.groups),
-                "sites": dict(self.sites)}
+                "sites": dict(self.sites), "noise_ratio": self.noise_ratio,
+                "noise_ratios": dict(self.noise_ratios)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FidelityReport":
-        return cls(int(d["iteration"]), float(d["total"]), dict(d.get("groups", {})), dict(d.get("sites", {})))
+        ratio = d.get("noise_ratio")
+        return cls(int(d["iteration"]), float(d["total"]), dict(d.get("groups", {})), dict(d.get("sites", {})),
+                   None if ratio is None else float(ratio), dict(d.get("noise_ratios", {})))
 
     def format(self, worst: int = 5) -> str:
         """One line: the total, the worst parameter groups and the measured sites."""
@@ -157,9 +180,17 @@ class FidelityReport:
         parts = [f"{g} {v:.3g}" for g, v in top[:worst]]
         line = (f"gradient fidelity at iteration {self.iteration}: relative error {self.total:.3g} "
                 f"(worst groups: {', '.join(parts) or 'none'})")
+        if self.noise_ratio is not None:
+            line += f"; {self.format_noise(worst)}"
         if self.sites:
             line += "; alone: " + ", ".join(f"{s} {v:.3g}" for s, v in self.sites.items())
         return line
+
+    def format_noise(self, worst: int = 3) -> str:
+        """The gradient-noise ratio: total and the worst parameter groups."""
+        top = sorted(self.noise_ratios.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)
+        return (f"gradient-noise ratio (compression / sampling variance) {self.noise_ratio:.3g} (worst groups: "
+                + ", ".join(f"{g} {v:.3g}" for g, v in top[:worst]) + ")")
 
 
 def _rel(err2: float, norm2: float) -> float:
@@ -170,6 +201,13 @@ def _rel(err2: float, norm2: float) -> float:
     if norm2 == 0.0:
         return math.inf if err2 > 0 else math.nan
     return math.sqrt(err2 / norm2)
+
+
+def _ratio(err2: float, samp2: float) -> float:
+    """err2 / samp2; 0 when both are 0, inf for an error against no sampling noise."""
+    if samp2 == 0.0:
+        return 0.0 if err2 == 0.0 else (math.inf if err2 > 0 else math.nan)
+    return err2 / samp2
 
 
 def latest_sites(reports: Sequence[FidelityReport]) -> dict[str, tuple[int, float]]:

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE
+from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
 from llm_act.sites import MASK_SITES, SITES
 
@@ -136,18 +136,21 @@ class MeasuredProfile:
             total += st.stored(plan.get(layer, {}).get(site, KEEP))
         return total
 
-    def noise(self, plan: Mapping[int, Mapping[str, str]], sensitivity: Mapping[str, float]) -> float:
+    def noise(self, plan: Mapping[int, Mapping[str, str]], sensitivity: Mapping[str, float],
+              coherence: Optional[Mapping[str, float]] = None) -> float:
         """Predicted compression noise of `plan`: sum over layers and sites of c_i * S."""
-        return sum(self.noise_by_site(plan, sensitivity).values())
+        return sum(self.noise_by_site(plan, sensitivity, coherence).values())
 
-    def noise_by_site(self, plan: Mapping[int, Mapping[str, str]],
-                      sensitivity: Mapping[str, float]) -> dict[str, float]:
-        """Per site type: sum over layers of c_i * S(choice) under `plan`."""
+    def noise_by_site(self, plan: Mapping[int, Mapping[str, str]], sensitivity: Mapping[str, float],
+                      coherence: Optional[Mapping[str, float]] = None) -> dict[str, float]:
+        """Per site type: sum over layers of c_i * S(choice) under `plan` (a biased codec's
+        S times the site's measured `coherence`)."""
         out: dict[str, float] = {}
         for (layer, site), st in self.sites.items():
             choice = plan.get(layer, {}).get(site, KEEP)
             if choice in st.options:
-                out[site] = out.get(site, 0.0) + float(sensitivity.get(site, 0.0)) * st.options[choice].rel_error
+                out[site] = out.get(site, 0.0) + float(sensitivity.get(site, 0.0)) * charged_error(
+                    st.options[choice].rel_error, site, choice, coherence)
         return out
 
     def times(self) -> dict[str, dict[str, Any]]:
@@ -164,12 +167,15 @@ class MeasuredProfile:
     def blocks(self, sensitivity: Optional[Mapping[str, float]] = None, inflight: int = 1,
                per_layer: bool = False, recompute: bool = False,
                candidates: Optional[Mapping[str, Sequence[str]]] = None,
-               exclude: Sequence[str] = ()) -> list[BlockProfile]:
+               exclude: Sequence[str] = (), coherence: Optional[Mapping[str, float]] = None,
+               unbiased_only: bool = False) -> list[BlockProfile]:
         """`BlockProfile`s in layer order: one per group of identical layers (`count` = its
         size; bytes the mean over the group, rounded up, so totals are exact for the uniform
         plan a group gets), or one per layer with `per_layer`. `recompute`: offer
         "recompute" (the producer's measured forward time); `candidates`: site -> the codec
-        names to offer (default: all measured); `exclude`: sites left out (fixed choices)."""
+        names to offer (default: all measured); `exclude`: sites left out (fixed choices);
+        `coherence`: site -> the factor a biased codec's noise is charged at (issue 28);
+        `unbiased_only`: offer no biased codec (`UNBIASED_CODECS` only)."""
         sens = dict(sensitivity or {})
         groups = [[layer] for layer in self.layers] if per_layer else self.groups()
         out = []
@@ -179,14 +185,16 @@ class MeasuredProfile:
             for site in sites:
                 stats = [self.sites[(layer, site)] for layer in group]
                 names = [n for n in stats[0].options
-                         if candidates is None or site not in candidates or n in candidates[site]]
+                         if (candidates is None or site not in candidates or n in candidates[site])
+                         and (not unbiased_only or n in UNBIASED_CODECS)]
                 options = tuple(
                     CodecOption(
                         name,
                         _mean_up([s.options[name].nbytes for s in stats]),
                         stats[0].options[name].encode_ms,
                         stats[0].options[name].decode_ms,
-                        sum(s.options[name].rel_error for s in stats) / len(stats),
+                        charged_error(sum(s.options[name].rel_error for s in stats) / len(stats),
+                                      site, name, coherence),
                     )
                     for name in names
                 )
@@ -218,6 +226,14 @@ class MeasuredProfile:
         exclude=...)` (a group takes its first layer's choice)."""
         return [{s: plan.get(layers[0], {}).get(s, KEEP) for s in self.layer_sites(layers[0]) if s not in exclude}
                 for layers in self.block_layers(per_layer)]
+
+
+def charged_error(rel_error: float, site: str, name: str, coherence: Optional[Mapping[str, float]]) -> float:
+    """The S the noise model charges `name` at `site`: its relative error, times the site's
+    measured coherence when the codec is biased (its error does not average out over tokens)."""
+    if not coherence or name in UNBIASED_CODECS:
+        return rel_error
+    return rel_error * float(coherence.get(site, 1.0))
 
 
 def _mean_up(values: Sequence[int]) -> int:

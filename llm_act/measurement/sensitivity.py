@@ -57,7 +57,7 @@ from llm_act.measurement.controlled import ControlledModel
 
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.fewbit import derivative
-from llm_act.codecs.registry import make_codec
+from llm_act.codecs.registry import FEWBIT_CODECS, make_codec
 from llm_act.measurement import probing
 from llm_act.sites import MASK_SITES, SITES
 
@@ -84,6 +84,9 @@ class Sensitivity:
     """GACT's c of the whole gradient (equal to `c` without groups)"""
     sampling_by_group: dict[str, float] = field(default_factory=dict)
     """the sampling noise per parameter group (with groups)"""
+    coherence: dict[str, float] = field(default_factory=dict)
+    """site type -> kappa of its biased codec (with `biased`): the squared gradient error it
+    really adds over what GACT's model predicts for independent errors of its size"""
 
 
 class _ValueProbe(Codec):
@@ -133,6 +136,29 @@ class _DerivativeProbe(Codec):
         return enc.data["d"]
 
 
+class _Recording(Codec):
+    """A real codec at a site, recording its S (expected error over the power of what it
+    stores: x, or f'(x) for a few-bit table) on every encode."""
+
+    keeps_nonfinite = False  # the inner codec keeps them already
+
+    def __init__(self, inner: Codec, activation: Optional[str], record: list):
+        super().__init__(0)
+        self.inner, self.activation, self.record = inner, activation, record
+        self.name = inner.name
+        if getattr(inner, "table", None) is not None:
+            self.table = inner.table  # the MLP takes the few-bit path for it
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        stored = derivative(self.activation)(x.detach().float()) if self.activation else x.detach()
+        power = float(stored.double().pow(2).mean()) or 1.0
+        self.record.append(float(self.inner.expected_error(x)) / power)
+        return self.inner.encode(x)
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        return self.inner.decode(enc)
+
+
 def _probe(controller: ControlledModel, layer: int, site: str, seed: int, record: list) -> Codec:
     if site == "mlp.act_input":
         act = getattr(controller.module(layer, site), "act_activation", None)
@@ -160,14 +186,20 @@ def sensitive_sites(controller: ControlledModel) -> list[str]:
 
 def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any], params: Any, *,
                         sites: Optional[Sequence[str]] = None, seed: int = 0,
-                        sampling: bool = True, groups: Optional[Sequence[str]] = None) -> Sensitivity:
+                        sampling: bool = True, groups: Optional[Sequence[str]] = None,
+                        biased: Optional[dict[str, str]] = None) -> Sensitivity:
     """c_i for each site type in `sites` (default: all that carry noise), from two
     backward passes per site type on the batch `forward()` runs (see the module docstring).
     `params`: the parameters whose gradient counts (a module, modules or tensors).
     `sampling`: also estimate the mini-batch sampling noise (needs a loss with a batch
     dimension of at least 2: `forward()` returning per-sample or per-token losses).
     `groups`: a parameter-group name per parameter: c becomes the worst group's, each
-    against its own sampling noise (needs `sampling`)."""
+    against its own sampling noise (needs `sampling`).
+    `biased`: site type -> a biased codec (nearest rounding, few-bit) whose coherence kappa
+    is measured at that site (one exact pass, and one pass per site with that codec in every
+    layer): kappa = ||g_codec - g_exact||^2 / (c_whole * sum_l S_l). Stochastic rounding
+    gives 1 in expectation; an error that is the same on every token adds up in a weight
+    gradient and gives more. Sites whose c is not measured here are skipped."""
     params = probing.params_of(params)
     if not params:
         raise ValueError("params: no trainable parameter given")
@@ -200,9 +232,12 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
                 by_group = probing.sq_by_group(grads[0], grads[1], groups)
                 per_group[site] = {g: v / (2.0 * s_sum) for g, v in by_group.items()}
             del grads
+        todo = {site: name for site, name in (biased or {}).items() if out.c.get(site, 0.0) > 0}
+        if todo:
+            out.coherence = _coherence(controller, forward, params, snap, todo, out.c, seed)
         if sampling:
             probing.install(controller, {})
-            halves = _sampling_halves(forward, params, snap)
+            halves = sampling_halves(forward, params, snap)
             if halves is not None:
                 out.sampling_noise = probing.sq_distance(*halves) / 4.0
                 if groups is not None:
@@ -212,6 +247,33 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
     if per_group and out.sampling_noise:
         out.c = {site: worst_group(per_group.get(site), out.sampling_by_group, out.sampling_noise, c)
                  for site, c in out.c.items()}
+    return out
+
+
+def _coherence(controller: ControlledModel, forward: Callable[[], Any], params: list[torch.Tensor],
+               snap: probing.RngSnapshot, biased: dict[str, str], c: dict[str, float], seed: int
+               ) -> dict[str, float]:
+    """kappa per site of `biased` (see `measure_sensitivity`), against `c` (whole gradient)."""
+    snap.restore()
+    probing.install(controller, {})
+    exact = probing.optional_grad(probing.scalar_loss(forward()), params)
+    out = {}
+    for site, name in biased.items():
+        record: list[float] = []
+        codecs = {}
+        for layer in controller.layers:
+            if site not in controller.sites(layer):
+                continue
+            act = getattr(controller.module(layer, site), "act_activation", None) if site == "mlp.act_input" else None
+            act = act if isinstance(act, str) and name in FEWBIT_CODECS else None
+            inner = make_codec(name, seed=seed + 7919 * layer, activation=act or "gelu")
+            codecs[(layer, site)] = _Recording(inner, act, record)
+        snap.restore()
+        probing.install(controller, codecs)
+        grad = probing.optional_grad(probing.scalar_loss(forward()), params)
+        s_sum = sum(record)
+        out[site] = probing.sq_distance(grad, exact) / (c[site] * s_sum) if s_sum > 0 else 1.0
+        del grad
     return out
 
 
@@ -227,7 +289,7 @@ def worst_group(c_by_group: Optional[dict[str, float]], sampling_by_group: dict[
     return worst
 
 
-def _sampling_halves(forward: Callable[[], Any], params: list[torch.Tensor],
+def sampling_halves(forward: Callable[[], Any], params: list[torch.Tensor],
                      snap: probing.RngSnapshot) -> Optional[list[list[torch.Tensor]]]:
     """The gradients of the two halves of the batch, each scaled as a full batch's (exact
     passes; one forward per half, as some losses -- megatron's cross entropy -- cannot

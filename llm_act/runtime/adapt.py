@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from llm_act.codecs.fewbit import ACTIVATIONS
-from llm_act.codecs.registry import KEEP, RECOMPUTE
+from llm_act.codecs.registry import KEEP, RECOMPUTE, UNBIASED_CODECS
 from llm_act.ledger import current_ledger, SavedTensorLedger
 from llm_act.measurement import fidelity
 from llm_act.measurement.fidelity import FidelityReport
@@ -67,6 +67,7 @@ from llm_act.planner.budget import min_budget
 from llm_act.planner.milp import InfeasibleBudget
 from llm_act.runtime import agreement
 from llm_act.runtime.logs import speaks_for_stage
+from llm_act.sites import DEFAULT_CODECS
 
 if TYPE_CHECKING:
     from llm_act.runtime.controller import Controller  # it owns this Adapter
@@ -152,6 +153,12 @@ def _median(values: list[float]) -> float:
     return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
+def _window_medians(recent: list[dict[str, float]]) -> dict[str, float]:
+    """site -> the median of its last SENS_WINDOW values over `recent` measurements."""
+    seen = {site for m in recent for site in m}
+    return {site: _median([m[site] for m in recent if site in m][-SENS_WINDOW:]) for site in seen}
+
+
 def _ratio(a: float, b: float, eps: float) -> float:
     a, b = abs(a) + eps, abs(b) + eps
     return max(a, b) / min(a, b) if min(a, b) > 0 else (1.0 if a == b else float("inf"))
@@ -190,6 +197,10 @@ class Adapter:
         self.sensitivity: dict[str, float] = {}
         """c_i the planner uses: the median of the last SENS_WINDOW measurements"""
         self.c_recent: list[dict[str, float]] = []
+        self.coherence: dict[str, float] = {}
+        """site type -> kappa a biased codec's noise is charged at (`biased_codecs="charge"`):
+        the median of the last SENS_WINDOW measurements"""
+        self.coherence_recent: list[dict[str, float]] = []
         self.sampling_noise: Optional[float] = None
         self.budget: Optional[int] = None
         self.times: Optional[dict] = None
@@ -395,21 +406,24 @@ class Adapter:
                  "channels": {site: st.shape[-1] for (_, site), st in profile.sites.items() if st.shape}}
         if self.config.sensitivity and self.track_count % 2 == 0:
             named = self._named_params()
+            sites = self.sensitivity_sites()
             sens = measure_sensitivity(c, probe, [p for _, p in named], seed=self.config.seed + it,
-                                       sites=self.sensitivity_sites(),
-                                       groups=[fidelity.group_name(n) for n, _ in named])
+                                       sites=sites, groups=[fidelity.group_name(n) for n, _ in named],
+                                       biased=self.coherence_codecs(sites))
             fresh = agreement.reduce_dict(sens.c, "mean", g.world if g else None)
             self.c_recent = (self.c_recent + [fresh])[-SENS_WINDOW * self._sens_rounds():]
-            seen = {site for m in self.c_recent for site in m}
-            self.sensitivity = {site: _median([m[site] for m in self.c_recent if site in m][-SENS_WINDOW:])
-                                for site in seen}
+            self.sensitivity = _window_medians(self.c_recent)
+            if self.charges_biased():
+                kappa = agreement.reduce_dict(sens.coherence, "mean", g.world if g else None)
+                self.coherence_recent = (self.coherence_recent + [kappa])[-SENS_WINDOW * self._sens_rounds():]
+                self.coherence = _window_medians(self.coherence_recent)
             sn = agreement.reduce_dict({} if sens.sampling_noise is None else {"s": sens.sampling_noise},
                                        "mean", g.world if g else None)
             if "s" in sn:  # one micro-batch's halves: a rough estimate, hence the median
                 self.sampling_recent = (self.sampling_recent + [sn["s"]])[-SENS_WINDOW:]
             self.sampling_noise = _median(self.sampling_recent) if self.sampling_recent else None
             stats["c"] = dict(self.sensitivity)
-            by_site = profile.noise_by_site(c.plan, self.sensitivity)
+            by_site = profile.noise_by_site(c.plan, self.sensitivity, self.coherence)
             total = sum(by_site.values())
             stats["share"] = {s: v / total for s, v in by_site.items()} if total > 0 else {}
         reasons = self._shifts(stats)
@@ -463,7 +477,8 @@ class Adapter:
             reset = bool(agreement.reduce_dict({"r": float(reset)}, "max", g.world)["r"])
         in_force = c.pending_plan or c.plan
         if self.sensitivity and self.sampling_noise is not None:
-            self.noise_ratio = check_noise(profile.noise(in_force, self.sensitivity), self.sampling_noise,
+            self.noise_ratio = check_noise(profile.noise(in_force, self.sensitivity, self.coherence),
+                                           self.sampling_noise,
                                            where=f" (iteration {it})")
         self.tracked.append(it)
         self.track_count += 1
@@ -492,6 +507,31 @@ class Adapter:
         start = self.sens_next % len(every)
         self.sens_next = start + SENS_SITES_PER_TRACK
         return [every[(start + i) % len(every)] for i in range(SENS_SITES_PER_TRACK)]
+
+    def charges_biased(self) -> bool:
+        """Whether biased codecs are charged their measured coherence (under a noise budget)."""
+        return self.noise_bounded() and self.config.biased_codecs == "charge"
+
+    def offers_biased(self) -> bool:
+        """Whether the planner may choose a biased codec: not under a noise budget with
+        `biased_codecs="exclude"`."""
+        return not (self.noise_bounded() and self.config.biased_codecs == "exclude")
+
+    def coherence_codecs(self, sites: Optional[list[str]]) -> Optional[dict[str, str]]:
+        """site -> the biased codec whose coherence is measured there (with `charges_biased`):
+        the one the plan in force uses at that site, else the site's default codec when it
+        is biased, else int4_channel (fewbit3 at the activation's input)."""
+        if not self.charges_biased():
+            return None
+        c = self.controller
+        out = {}
+        for site in sites or sensitive_sites(c):
+            in_force = [ch[site] for ch in c.plan.values() if ch.get(site) not in (None, KEEP, RECOMPUTE)]
+            biased = [n for n in in_force if n not in UNBIASED_CODECS]
+            default = DEFAULT_CODECS.get(site)
+            out[site] = (biased[0] if biased else default if default and default not in UNBIASED_CODECS
+                         else "fewbit3" if site == "mlp.act_input" else "int4_channel")
+        return out
 
     def _sens_rounds(self) -> int:
         """Measurements it takes for every site type to be measured SENS_WINDOW times."""
@@ -553,8 +593,8 @@ class Adapter:
         with what is not activations and what no planned site owns."""
         pins = self.pins()
         inflight = _inflight()
-        blocks = profile.blocks(self.sensitivity or None, inflight=inflight,
-                                recompute=True, exclude=pins)
+        blocks = profile.blocks(self.sensitivity or None, inflight=inflight, recompute=True, exclude=pins,
+                                coherence=self.coherence, unbiased_only=not self.offers_biased())
         pinned = sum(st.stored(pins[site]) for (_, site), st in profile.sites.items() if site in pins)
         return blocks, self._static_bytes() + profile.other_bytes + inflight * pinned
 
@@ -669,9 +709,10 @@ class Adapter:
         frac = self.measuring_fraction()
         spent = "" if frac is None or not self.track_count else (
             f"; measuring and planning took {self.measure_seconds:.2f} s, {100 * frac:.1f}% of the run's time")
-        fid = "" if not self.fidelity else (
-            f"; gradient fidelity at iteration {self.fidelity[-1].iteration}: relative error "
-            f"{self.fidelity[-1].total:.3g}")
+        last = self.fidelity[-1] if self.fidelity else None
+        fid = "" if last is None else (
+            f"; gradient fidelity at iteration {last.iteration}: relative error {last.total:.3g}"
+            + ("" if last.noise_ratio is None else f", {last.format_noise()}"))
         return (f"re-planning: {self.track_count} tracking points, {len(self.history)} plan changes, "
                 f"{self.solver_failures} solver failures (plan kept){spent}{fid}")
 
@@ -683,6 +724,7 @@ class Adapter:
             "history": [dict(h) for h in self.history],
             "last": {k: dict(v) for k, v in self.last.items()},
             "sensitivity": dict(self.sensitivity), "c_recent": [dict(m) for m in self.c_recent],
+            "coherence": dict(self.coherence), "coherence_recent": [dict(m) for m in self.coherence_recent],
             "sampling_noise": self.sampling_noise,
             "budget": self.budget, "times": self.times, "solver_failures": self.solver_failures,
             "sens_next": self.sens_next, "sampling_recent": list(self.sampling_recent),
@@ -699,6 +741,8 @@ class Adapter:
         self.last = {k: dict(v) for k, v in state["last"].items()}
         self.sensitivity = dict(state["sensitivity"])
         self.c_recent = [dict(m) for m in state.get("c_recent", [])]
+        self.coherence = dict(state.get("coherence", {}))
+        self.coherence_recent = [dict(m) for m in state.get("coherence_recent", [])]
         self.sampling_noise = state["sampling_noise"]
         self.budget = state["budget"]
         self.times = state["times"]

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional
 from llm_act.kernels import codec_backend
 from llm_act.sites import OUTER_SITES, SITES
 from llm_act.train import parallel, rng
-from llm_act.train.loop import load_data
+from llm_act.train.loop import load_data, needs_final_fidelity
 from llm_act.train.trainer import Trainer
 
 MiB = 2**20
@@ -131,6 +131,9 @@ def _table(stock: _Run, comp: _Run, args: argparse.Namespace, sha256: str) -> st
         f"saved activations: {s_tot / MiB:.3f} MiB -> {c_tot / MiB:.3f} MiB per micro-batch "
         f"({_ratio(c_tot, s_tot)} of stock)",
     ]
+    c = comp.trainer.controller
+    if c is not None and c.adapter.fidelity:
+        lines.append(c.adapter.fidelity[-1].format())
     return "\n".join(lines)
 
 
@@ -202,8 +205,11 @@ def run(args: argparse.Namespace, output_dir: str, log: Callable[[str], None] = 
         comp = _Run("compressed", args, data)
         for it in range(1, args.train_iters + 1):
             measure = it == 1 or it % args.ledger_interval == 0 or it == args.train_iters
+            report = it == args.train_iters and needs_final_fidelity(comp.trainer)
+            if report:  # the summary's gradient fidelity and noise ratio; this step is not timed
+                comp.trainer.controller.request_fidelity()
             for r in (stock, comp):
-                r.step(measure, timed=it > 1)
+                r.step(measure, timed=it > 1 and not (report and r is comp))
             if it % args.log_interval == 0 or it == args.train_iters:
                 log(f" iteration {it:4d}/{args.train_iters} | stock loss {stock.losses[-1]:.4f} | "
                     f"compressed loss {comp.losses[-1]:.4f} | saved MiB/micro-batch stock "

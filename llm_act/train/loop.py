@@ -145,6 +145,8 @@ def _train(args: argparse.Namespace, trainer: Trainer, data: data_lib.TokenData,
     while trainer.iteration < args.train_iters:
         it = trainer.iteration + 1
         measure = it == first_iter + 1 or it % args.ledger_interval == 0
+        if it == args.train_iters and needs_final_fidelity(trainer):
+            trainer.controller.request_fidelity()  # the summary's gradient-noise ratio
         stats = trainer.train_step(measure=measure)
         if measure:
             saved = max_over_ranks(stats.saved_bytes or 0)
@@ -193,7 +195,21 @@ def _train(args: argparse.Namespace, trainer: Trainer, data: data_lib.TokenData,
             + ("" if args.act_config is None else f"; {codec_backend(parallel.device())}"))
         if adapter is not None and adapter.active:
             say(f"summary: {adapter.summary()}")
+        elif adapter is not None and adapter.fidelity:
+            say(f"summary: {adapter.fidelity[-1].format()}")
+        if adapter is not None and adapter.fidelity:
+            summary["noise_ratio"] = adapter.fidelity[-1].noise_ratio
+            summary["fidelity"] = adapter.fidelity[-1].total
     return summary
+
+
+def needs_final_fidelity(trainer: Trainer) -> bool:
+    """Whether the run's last iteration must be asked for a gradient-fidelity report (with
+    its gradient-noise ratio, for the summary): compression is on, reports are not turned
+    off (`fidelity_every` 0: on request only) and none is scheduled there anyway."""
+    c = trainer.controller
+    return (c is not None and c.enabled and c.config.fidelity_every > 0 and c.adapter.measurable
+            and not c.adapter.fidelity_due())
 
 
 def _rate(tps: float) -> str:

@@ -100,6 +100,8 @@ _FLAGS: dict[str, tuple[Optional[Callable[[str], Any]], str]] = {
     "variance_budget": (_float, "upper bound on the summed gradient noise"),
     "noise_fraction": (_optional_float, "auto's noise budget as a fraction of the measured "
                                         "mini-batch sampling noise ('none': no noise budget)"),
+    "biased_codecs": (str, "under a noise budget, auto 'charge's biased codecs (nearest rounding, fp8, "
+                           "few-bit) their measured coherent error, or 'exclude's them"),
     "fidelity_every": (_int, "report the gradient fidelity every N iterations (0: on request only)"),
     "seed": (_int, "seed of the codecs' private stochastic-rounding generator"),
 }

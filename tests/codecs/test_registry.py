@@ -63,3 +63,13 @@ def test_codec_generators_are_seeded_from_the_seed_alone():
     codec = make_codec("int2", seed=77)
     want = torch.rand(8, generator=torch.Generator().manual_seed(77))
     assert torch.equal(torch.rand(8, generator=codec.generator(torch.device("cpu"))), want)
+
+
+def test_unbiased_codecs_are_the_stochastic_and_the_exact_ones():
+    """`UNBIASED_CODECS` (what plan "auto" may choose under a noise budget with
+    biased_codecs="exclude") is derived from the codecs themselves: stochastic rounding, or
+    lossless masks."""
+    from llm_act.codecs.registry import MASK_CODECS, UNBIASED_CODECS
+
+    assert UNBIASED_CODECS == {n for n in CODEC_NAMES if make_codec(n).stochastic} | MASK_CODECS
+    assert {"int4_channel", "fp8_e4m3", "fewbit3", "int4_asym"}.isdisjoint(UNBIASED_CODECS)

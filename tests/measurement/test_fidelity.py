@@ -71,6 +71,12 @@ def test_compress_is_close_and_a_broken_codec_is_not():
         _, c = _trained("compress")
     (bad,) = c.adapter.fidelity
     assert bad.groups[FC2] > 0.99 and bad.total > 2 * good.total, bad.format()
+    # the gradient-noise ratio (compression's squared error over the sampling variance) sees
+    # it too, in fc2's group and in total
+    assert 0 < good.noise_ratio < math.inf and set(good.noise_ratios) == set(good.groups)
+    assert bad.noise_ratios[FC2] > 10 * good.noise_ratios[FC2], (good.format(), bad.format())
+    assert bad.noise_ratio > 2 * good.noise_ratio
+    assert "gradient-noise ratio (compression / sampling variance)" in bad.format()
 
 
 def test_sites_measured_alone_rotate_and_name_the_broken_one():
@@ -117,6 +123,13 @@ def test_report_arithmetic():
     assert r.groups == {"a": 0.5, "b": 0.0, "c": math.inf}
     assert r.total == pytest.approx(math.sqrt(2 / 4))  # every group's error over the whole norm
     assert r.sites == {"x": 1.0}
+    assert r.noise_ratio is None and r.noise_ratios == {}  # no sampling variance measured
+    n = FidelityReport.from_sums(7, {"norm:a": 4.0, "err:a": 1.0, "samp:a": 2.0,
+                                     "norm:b": 1.0, "err:b": 0.0, "samp:b": 0.0,
+                                     "norm:c": 1.0, "err:c": 1.0, "samp:c": 0.0})
+    assert n.noise_ratios == {"a": 0.5, "b": 0.0, "c": math.inf}
+    assert n.noise_ratio == pytest.approx(2.0 / 2.0)  # summed errors over summed variances
+    assert FidelityReport.from_dict(n.to_dict()) == n
     nan = FidelityReport.from_sums(1, {"norm:a": 1.0, "err:a": math.nan})
     assert math.isnan(nan.total) and math.isnan(nan.groups["a"])
     assert FidelityReport.from_dict(r.to_dict()) == r

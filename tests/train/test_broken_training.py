@@ -16,8 +16,10 @@ What a quick run can tell, measured (healthy: codec seeds 1234-1237):
 - dropped outlier channels do nothing here: a freshly initialized GPT of this size has no
   outlier channels (every loss equal to the healthy run's); with channels made 30x larger
   through the norms' weights, dropping them doubles the gap (0.0014 -> 0.0030), inside any
-  margin a noisy loss allows. Its companions are the codec and layer tests, on data with
-  outlier channels.
+  margin a noisy loss allows. What a training run sees is its own gradient-fidelity report
+  (the one every run summary ends with): on that model fc1's weight gradient carries 0.088
+  and 0.101 relative error at iteration 12 (codec seeds 1234, 1235), 0.197 and 0.198 with
+  the outliers dropped. Bound: 1.4x the healthy worst.
 
 The per-iteration loss guard is tests/train/test_loss_guard.py; this file bounds whole-run
 statistics (the mean gap, and test_cli_train's final and validation losses).
@@ -44,6 +46,12 @@ MEAN_GAP = 0.0012
 #: a fewbit run against its table twin: float rounding only (measured 0 in fp32), and the
 #: smallest sabotage moves it by > 1e-3
 TWIN_GAP = 1e-5
+#: with outlier channels: fc1's weight-gradient error in the run's last fidelity report;
+#: healthy worst 0.101, x1.4
+FC1_ERROR = 0.14
+FC1 = "decoder.layers.*.mlp.linear_fc1.weight"
+#: channels the norms' weights make 30x larger (outlier channels, as trained LLMs have)
+OUTLIER_CHANNELS = (3, 17, 40)
 
 
 def _args(plan="compress", seed=1234, adapt=True):
@@ -74,8 +82,10 @@ def trainer():
     data = load_data(first)
     cache = {}
 
-    def run(stock=False, broken=None, twin=False, adapt=True, seed=1234):
-        key = ("stock",) if stock else (broken, twin, adapt, seed)
+    def run(stock=False, broken=None, twin=False, adapt=True, seed=1234, outliers=False):
+        """With `outliers`: outlier channels, and the compressed run's last fidelity report
+        is returned third."""
+        key = ("stock",) if stock else (broken, twin, adapt, seed, outliers)
         if key in cache:
             return cache[key]
         args = _args(seed=seed, adapt=adapt)
@@ -89,12 +99,17 @@ def trainer():
             if twin:
                 stack.callback(_install_twin())
             r = compare._Run("run", args, data)
-            for _ in range(ITERATIONS):
+            if outliers:
+                _make_outlier_channels(r.trainer)
+            for it in range(1, ITERATIONS + 1):
+                if outliers and it == ITERATIONS:
+                    r.trainer.controller.request_fidelity()
                 r.step(measure=False, timed=False)
-            r.evaluate()
+            if not outliers:
+                r.evaluate()
             if broken is not None:
                 assert count() > 0, f"the sabotage {broken} met no codec"
-        cache[key] = (r.losses, r.valid_loss)
+        cache[key] = (r.losses, r.valid_loss) + ((r.trainer.controller.adapter.fidelity[-1],) if outliers else ())
         return cache[key]
 
     yield run
@@ -139,6 +154,32 @@ def test_cli_train_bounds_fail_with_zeros(trainer, site):
     0.0024)."""
     (stock, sv), (comp, cv) = trainer(stock=True), trainer(broken=("zeros", site, 1))
     assert abs(comp[-1] - stock[-1]) > FINAL_GAP or abs(cv - sv) > VALID_GAP
+
+
+def _make_outlier_channels(trainer) -> None:
+    """Scale `OUTLIER_CHANNELS` of every norm's weight by 30: the residual stream's normalized
+    copies (what ln1/ln2/fc1 inputs store) get outlier channels."""
+    with torch.no_grad():
+        for chunk in trainer.chunks:
+            for name, p in chunk.named_parameters():
+                if name.endswith("layernorm.weight"):
+                    p[list(OUTLIER_CHANNELS)] *= 30.0
+
+
+def check_fc1_error(report):
+    err = report.groups[FC1]
+    assert err <= FC1_ERROR, f"fc1's weight gradient error {err:.3f} > {FC1_ERROR} ({report.format()})"
+
+
+@pytest.mark.parametrize("seed", [1234, 1235])
+def test_outlier_channels_are_kept_in_training(trainer, seed):
+    check_fc1_error(trainer(seed=seed, outliers=True)[2])
+
+
+def test_the_fidelity_of_a_run_fails_with_dropped_outliers(trainer):
+    bad = trainer(broken=("drop_outliers", broken_codec.ALL, None), outliers=True)[2]
+    with pytest.raises(AssertionError, match="fc1's weight gradient error"):
+        check_fc1_error(bad)
 
 
 def _install_twin():

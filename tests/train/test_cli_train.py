@@ -69,6 +69,10 @@ def test_llm_act_train_prints_the_table_and_writes_the_plot(tmp_path):
     assert 0 < ratio < 10
     # on CPU the codecs run their references: the line says why the ratio is low
     assert re.search(r"tokens/s ratio .*pure-torch references on cpu", out)
+    # the summary's gradient fidelity and gradient-noise ratio, reported at the last iteration
+    fid = re.search(r"^gradient fidelity at iteration 12: relative error (\S+) .*gradient-noise ratio "
+                    r"\(compression / sampling variance\) (\S+)", out, re.M)
+    assert fid and 0 < float(fid.group(1)) < 0.5 and 0 < float(fid.group(2)) < 1.0, out[-2000:]
     plot = tmp_path / "train_memory_per_site.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {plot}" in out
 

@@ -33,6 +33,17 @@ def test_auto_prints_its_plan_and_every_re_plan(tmp_path):
     summary = [ln for ln in lines if ln.startswith("summary:")]
     assert "pure-torch references on cpu" in summary[0]
     assert "re-planning:" in summary[1] and "solver failures" in summary[1]
+    # the run's last iteration reports the gradient fidelity and the gradient-noise ratio
+    assert "gradient fidelity at iteration 3" in summary[1]
+    assert "gradient-noise ratio (compression / sampling variance)" in summary[1]
+
+
+def test_a_fixed_plan_summary_gives_the_gradient_noise_ratio(tmp_path):
+    out = _run(tmp_path, "--act-compress", "--act-compress-plan", "compress")
+    summary = [ln for ln in out.splitlines() if ln.startswith("summary:")]
+    assert len(summary) == 2 and "gradient fidelity at iteration 3" in summary[1]
+    assert "gradient-noise ratio (compression / sampling variance)" in summary[1]
+    assert "re-planning:" not in out
 
 
 def test_a_fixed_plan_is_printed_and_never_re_planned(tmp_path):

@@ -393,6 +393,8 @@ def merge(results: list[dict]) -> dict:
     out["seeds"] = sorted({s for r in results for s in r["seeds"]})
     out["plans"] = list(dict.fromkeys(p for r in results for p in r["plans"]))
     out["wall_s"] = max(r.get("wall_s", 0.0) for r in results)
+    if len(results) > 1:
+        out["wall_parts"] = [r.get("wall_s", 0.0) for r in results]
     out["complete"] = all(r.get("complete") for r in results)
     out["models"] = {}
     for r in results:
@@ -441,10 +443,9 @@ def summary(result: dict) -> dict:
             stats = paired_stats(diffs)
             plans[plan] = {"per_seed": dict(zip(per, diffs)), **stats, "meets": meets_target(stats),
                            "memory": sum(mem) / n, "measuring": sum(meas) / len(meas) if meas else None}
-            gact = [(per[s]["valid"][-1], runs[f"{GACT} seed {s}"]["valid"][-1]) for s in per
-                    if f"{GACT} seed {s}" in runs]
-            if plan != GACT and len(gact) >= 2:
-                plans[plan]["vs_gact"] = paired_stats([a / b - 1 for a, b in gact])
+            gact = paired_between(result, name, plan, GACT) if plan != GACT else None
+            if gact is not None:
+                plans[plan]["vs_gact"] = gact
         out[name] = {"stock_finals": finals,
                      "stock_spread": (max(finals) - min(finals)) / (sum(finals) / len(finals))
                      if len(finals) > 1 else math.nan, "plans": plans,
@@ -482,6 +483,20 @@ def sentences(result: dict) -> list[str]:
                 f"{p['n']} seeds ends **{p['mean']:+.2%}** on average (standard error {p['se']:.2%}; "
                 f"one-sided {level} upper bound **{_pct(p['upper'])}**; per seed {per})."
                 + beside)
+    for name, s in summ.items():
+        stock = s["stock_finals"]
+        mean = sum(stock) / len(stock)
+        if "entropy" in result:
+            lines.append(f"- **{name}**: stock ends at {mean:.4f} nats/byte on average, "
+                         f"{result['entropy'] - mean:.3f} below the corpus's unigram entropy.")
+        both = paired_between(result, name, f"{VERDICT_PLAN} unbiased", VERDICT_PLAN)
+        if both is not None:
+            lines.append(
+                f"- **{name}, biased codecs charged or excluded** (issue 28 item 3): excluding them "
+                f"(\"{VERDICT_PLAN} unbiased\") against charging their measured coherence "
+                f"(\"{VERDICT_PLAN}\"), paired over {both['n']} seeds: {_pct(both['mean'])} on average "
+                f"(standard error {both['se']:.2%}, one-sided {level} upper bound {_pct(both['upper'])}): "
+                + _which_better(both) + ".")
     for name, parts in verdicts(result).items():
         plan = verdict_plan(result)
         p = summ[name]["plans"].get(plan)
@@ -514,6 +529,25 @@ def sentences(result: dict) -> list[str]:
             f"one-sided {level} upper bounds on the paired means; the positive control must fail) on "
             f"{name}: **{'met' if ok else 'not met'}**: " + "; ".join(why) + "." + floor)
     return lines
+
+
+def _which_better(stats: dict) -> str:
+    """Which of charge (the gap's denominator) and exclude wins, when the bound resolves it."""
+    lower = stats["mean"] - stats["t"] * stats["se"]
+    if lower > 0:
+        return "charging is better (the one-sided lower bound is above 0 too)"
+    if stats["upper"] < 0:
+        return "excluding is better"
+    return "not resolved at this many seeds"
+
+
+def paired_between(result: dict, model: str, plan: str, other: str) -> Optional[dict]:
+    """`paired_stats` of `plan`'s final validation loss against `other`'s at the same seeds
+    on `model` (relative gap), or None with fewer than 2 common seeds."""
+    runs = result["models"][model]["runs"]
+    pairs = [(runs[f"{plan} seed {s}"]["valid"][-1], runs[f"{other} seed {s}"]["valid"][-1])
+             for s in result["seeds"] if f"{plan} seed {s}" in runs and f"{other} seed {s}" in runs]
+    return paired_stats([a / b - 1 for a, b in pairs]) if len(pairs) >= 2 else None
 
 
 def verdicts(result: dict) -> dict[str, dict[str, Optional[bool]]]:

@@ -121,6 +121,9 @@ def convergence_section(results: list[dict], command: str, plot: Optional[str]) 
             "", f"### {title} ({len(result['seeds'])} seeds)", "",
             provenance(result.get("command", command), result.get("wall_s"), when=result.get("when"),
                        reused_by=command), "",
+            *([f"The seeds ran in {len(result['wall_parts'])} processes side by side (one thread each), "
+               f"taking {', '.join(f'{w:.0f} s' for w in result['wall_parts'])}.", ""]
+              if result.get("wall_parts") else []),
             f"{models}. {result['describe']}. Validation loss (nats/byte) on the same 4 held-out "
             f"batches; unigram entropy of the corpus: **{result['entropy']:.4f}** nats/byte. Every plan "
             f"is paired with stock at each seed (same initial weights and batches). Memory: the "

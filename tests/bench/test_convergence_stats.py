@@ -99,3 +99,49 @@ def test_replace_section_rewrites_one_section(tmp_path):
     assert replace_section(str(page), "## 2. B (new)\n\nnew\n")
     assert page.read_text() == "# t\n\n## 1. A\n\na\n\n## 2. B (new)\n\nnew\n\n## 3. C\n\nc\n"
     assert not replace_section(str(tmp_path / "none.md"), "## 2. x\n")
+
+
+def test_the_positive_control_and_gact_enter_the_verdict():
+    """At the low floor the verdict also needs the positive control (INT2 everywhere) to fail
+    the bound, and "auto" within TARGET_VS_GACT of GACT 4-bit (both bounds one-sided)."""
+    tight = [0.0005, 0.0, 0.001]
+    ok = _result({C.VERDICT_PLAN: tight, C.GACT: tight, C.INT2_EVERYWHERE: [0.02, 0.03, 0.025]})
+    assert C.verdicts(ok)["m"] == {"memory": True, "bound": True, "vs_gact": True, "positive_fails": True}
+    assert C.target_met(ok) == {"m": True}
+    # a positive control that passes: the floor was bought by training too little
+    weak = _result({C.VERDICT_PLAN: tight, C.GACT: tight, C.INT2_EVERYWHERE: tight})
+    assert C.verdicts(weak)["m"]["positive_fails"] is False and C.target_met(weak) == {"m": False}
+    assert "the positive control (INT2 everywhere) passes" in "\n".join(C.sentences(weak))
+    # within the bound against stock, but GACT is clearly better: not met
+    behind = _result({C.VERDICT_PLAN: [0.004, 0.0042, 0.0041], C.GACT: [-0.002, -0.0021, -0.0019],
+                      C.INT2_EVERYWHERE: [0.02, 0.03, 0.025]})
+    assert C.verdicts(behind)["m"]["bound"] and not C.verdicts(behind)["m"]["vs_gact"]
+    assert C.target_met(behind) == {"m": False}
+    # paired against GACT at each seed: (1 + a) / (1 + g) - 1
+    g = C.summary(behind)["m"]["plans"][C.VERDICT_PLAN]["vs_gact"]
+    assert g["mean"] == pytest.approx(sum((1 + a) / (1 + b) - 1 for a, b in
+                                          zip([0.004, 0.0042, 0.0041], [-0.002, -0.0021, -0.0019])) / 3)
+
+
+def test_charge_against_exclude_is_reported_only_when_resolved():
+    both = {C.VERDICT_PLAN: [0.0, 0.001, 0.0005], f"{C.VERDICT_PLAN} unbiased": [0.02, 0.025, 0.018]}
+    text = "\n".join(C.sentences(_result(both)))
+    assert "biased codecs charged or excluded" in text and "charging is better" in text
+    close = {C.VERDICT_PLAN: [0.0, 0.001, 0.0005], f"{C.VERDICT_PLAN} unbiased": [0.001, -0.001, 0.0]}
+    assert "not resolved at this many seeds" in "\n".join(C.sentences(_result(close)))
+
+
+def test_seeds_run_apart_merge_into_one_result():
+    a, b = _result({"compress": [0.001, 0.002]}), _result({"compress": [0.003, 0.004]})
+    b["models"]["m"]["runs"] = {k.replace("seed 0", "seed 2").replace("seed 1", "seed 3"): v
+                                for k, v in b["models"]["m"]["runs"].items()}
+    b["seeds"] = [2, 3]
+    a["wall_s"], b["wall_s"] = 10.0, 12.0
+    merged = C.merge([a, b])
+    assert merged["seeds"] == [0, 1, 2, 3] and merged["wall_s"] == 12.0 and merged["wall_parts"] == [10.0, 12.0]
+    assert C.summary(merged)["m"]["plans"]["compress"]["n"] == 4
+    other = dict(b, setting="fp32")
+    with pytest.raises(ValueError, match="settings"):
+        C.merge([a, other])
+    with pytest.raises(ValueError, match="steps"):
+        C.merge([a, dict(b, steps=7)])

@@ -199,7 +199,8 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
     is measured at that site (one exact pass, and one pass per site with that codec in every
     layer): kappa = ||g_codec - g_exact||^2 / (c_whole * sum_l S_l). Stochastic rounding
     gives 1 in expectation; an error that is the same on every token adds up in a weight
-    gradient and gives more. Sites whose c is not measured here are skipped."""
+    gradient and gives more. Sites whose c is not measured here are skipped; every rank runs
+    the same passes."""
     params = probing.params_of(params)
     if not params:
         raise ValueError("params: no trainable parameter given")
@@ -232,7 +233,8 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
                 by_group = probing.sq_by_group(grads[0], grads[1], groups)
                 per_group[site] = {g: v / (2.0 * s_sum) for g, v in by_group.items()}
             del grads
-        todo = {site: name for site, name in (biased or {}).items() if out.c.get(site, 0.0) > 0}
+        # every rank runs the same passes (the forwards hold collectives): no filter on local values
+        todo = {site: name for site, name in (biased or {}).items() if site in out.c}
         if todo:
             out.coherence = _coherence(controller, forward, params, snap, todo, out.c, seed)
         if sampling:
@@ -271,8 +273,9 @@ def _coherence(controller: ControlledModel, forward: Callable[[], Any], params: 
         snap.restore()
         probing.install(controller, codecs)
         grad = probing.optional_grad(probing.scalar_loss(forward()), params)
-        s_sum = sum(record)
-        out[site] = probing.sq_distance(grad, exact) / (c[site] * s_sum) if s_sum > 0 else 1.0
+        d2, s_sum = probing.sq_distance(grad, exact), sum(record)
+        if c[site] > 0 and s_sum > 0:  # else nothing to scale: this rank reports no kappa there
+            out[site] = d2 / (c[site] * s_sum)
         del grad
     return out
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from llm_act._imports import require
 from llm_act.config import ActConfig
-from llm_act.patches.deepspeed import ds_config
+from llm_act.patches.deepspeed import build_locks, ds_config
 from llm_act.runtime import agreement
 from llm_act.runtime.controller import Controller
 
@@ -86,6 +86,7 @@ def initialize(
 
     if model is None or not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    build_locks.clear_stale_locks()  # DeepSpeed builds its ops inside deepspeed.initialize
     ds = ds_config.load(ds_config.source(args, config, config_params))
     act = ds_config.act_config(ds)
     checkpointing = ds_config.checkpointing(ds)

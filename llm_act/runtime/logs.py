@@ -23,6 +23,14 @@ from llm_act.runtime import agreement
 MARK = "_llm_act_default"
 
 
+def stderr_line(msg: str) -> None:
+    """One line on stderr in one write: every rank shares the pipe, and `print` writes the
+    text and its newline apart under PYTHONUNBUFFERED, so two ranks' lines could run together.
+    How our launchers report a user's error: one line per rank, no traceback."""
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
 def speaks_for_stage() -> bool:
     """True on the rank that prints its pipeline stage's plan: under megatron-core's
     parallel state the last of the stage's tensor- and data-parallel ranks (Megatron-LM and

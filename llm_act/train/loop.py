@@ -21,7 +21,7 @@ import torch.distributed as dist
 from llm_act.kernels import codec_backend
 from llm_act.plan import describe as describe_plan
 from llm_act.runtime.agreement import timed
-from llm_act.runtime.logs import default_handlers
+from llm_act.runtime.logs import default_handlers, stderr_line
 from llm_act.train import checkpoint, data as data_lib, parallel
 from llm_act.train.args import build_parser, check
 from llm_act.train.trainer import Trainer
@@ -77,13 +77,6 @@ def train(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[
     say = log if parallel.is_logging_rank() else (lambda _msg: None)
     with _controller_log(say):
         return _train(args, trainer, data, say)
-
-
-def stderr_line(msg: str) -> None:
-    """One line on stderr in one write: every rank shares the pipe, and `print` writes the
-    text and its newline apart under PYTHONUNBUFFERED, so two ranks' lines could run together."""
-    sys.stderr.write(msg + "\n")
-    sys.stderr.flush()
 
 
 @contextlib.contextmanager

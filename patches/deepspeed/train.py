@@ -25,6 +25,7 @@ from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.deepspeed import ds_config, hf_decoder, initialize
 from llm_act.plan import describe
 from llm_act.runtime.agreement import timed
+from llm_act.runtime.logs import stderr_line
 from llm_act.train import data as data_lib, parallel, small_gpt
 
 
@@ -68,6 +69,7 @@ def ds_config_from(args: argparse.Namespace) -> dict[str, Any]:
         section["plan"] = args.act_plan
     if section is not None:
         ds[ds_config.SECTION] = section
+    ds_config.act_config(ds)  # a bad section is refused here, before any process group or build
     return ds
 
 
@@ -182,6 +184,10 @@ def _plan_line(plan: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run(args)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError) as err:  # what the user got wrong: one line per rank
+        stderr_line(f"ds_train.py: error: {err}")
+        return 2
     timed(lambda: torch.distributed.barrier(async_op=True), "the closing barrier")
     return 0

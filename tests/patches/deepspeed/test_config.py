@@ -133,3 +133,23 @@ def test_generic_compress_keeps_forward_and_shrinks_saved_bytes():
     y_ref.square().mean().backward()
     for p, q in zip(net.parameters(), ref.parameters()):
         assert torch.nn.functional.cosine_similarity(p.grad.flatten(), q.grad.flatten(), 0) > 0.95
+
+
+@pytest.mark.parametrize("section,names", [({"enabled": True, "plan": "nope"}, "plan"),
+                                           ({"enabled": True, "budgett": "1GB"}, "budgett"),
+                                           ({"enabled": True, "biased_codecs": "ignore"}, "biased_codecs")])
+def test_ds_train_refuses_a_bad_section_in_one_line(tmp_path, capsys, section, names):
+    """Our launcher owns its process: a config error is one line (per rank), exit code 2, no
+    traceback, before any process group or op build."""
+    from pathlib import Path
+
+    from llm_act.patches.deepspeed.train import main
+
+    cfg = json.loads((Path(__file__).resolve().parents[3] / "launch" / "ds_config.json").read_text())
+    cfg["activation_compression"] = section
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["--deepspeed_config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ds_train.py: error: ") and err.count("\n") == 1 and names in err, err
+    assert "Traceback" not in err

@@ -634,16 +634,17 @@ def plot(result: dict, path: str) -> str:
         ax.errorbar(xs, ys, yerr=[[0.0] * len(up), up], fmt="o", capsize=3, label=name)
         for x, y, plan in zip(xs, ys, s["plans"]):
             ax.annotate(plan, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        spread = 100 * s["stock_spread"]
-        if math.isfinite(spread):
-            ax.axhspan(-spread / 2, spread / 2, alpha=0.08)
+        control = s["control"]  # the floor: the control's per-seed gaps
+        if control is not None:
+            gaps = [100 * d for d in control["per_seed"].values()]
+            ax.axhspan(min(gaps), max(gaps), alpha=0.15)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.axhline(100 * TARGET_GAP, color="gray", linestyle=":", label=f"target {TARGET_GAP:.1%}")
     ax.axvline(TARGET_FRACTION, color="gray", linestyle="--", linewidth=0.8)
     ax.set_xlabel("activation memory in the layers (fraction of stock)")
     ax.set_ylabel("validation loss vs stock, paired mean and upper bound (%)")
     ax.set_title(f"{result['steps']} steps, {len(result['seeds'])} seeds (bar: one-sided "
-                 f"{CONFIDENCE:.0%} upper bound; band: stock's spread)", fontsize=9)
+                 f"{CONFIDENCE:.0%} upper bound; band: the control's per-seed gaps)", fontsize=9)
     ax.legend(fontsize=7)
     last = list(result["models"].values())[-1]
     seed = result["seeds"][0]

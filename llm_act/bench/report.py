@@ -129,8 +129,14 @@ def convergence_section(results: list[dict], command: str, plot: Optional[str]) 
             f"is paired with stock at each seed (same initial weights and batches). Memory: the "
             f"saved-tensor ledger of the last step's first micro-batch in the layers, against stock's. "
             f"Measuring share: time spent measuring, planning and reporting gradient fidelity over the "
-            f"run's wall time. \"{C.VERDICT_PLAN} unbiased\": the same plan with biased codecs excluded "
-            f"(`biased_codecs=\"exclude\"`) instead of charged their measured coherence.", "",
+            f"run's wall time."
+            + (f" \"{C.VERDICT_PLAN} unbiased\": the same plan with biased codecs excluded "
+               f"(`biased_codecs=\"exclude\"`) instead of charged their measured coherence."
+               if f"{C.VERDICT_PLAN} unbiased" in result["plans"] else "")
+            + ("" if setting is C.LOW_FLOOR or len(ordered) == 1 else
+               " These runs were saved on the date above and are read back as they are: they "
+               "confirm how chaotic bf16 training is here (the control's spread), not today's "
+               "codecs and planner."), "",
             C.table(result), "",
             *C.sentences(result), "",
             "Every run (fidelity: the relative error of the compressed gradient against the exact one "

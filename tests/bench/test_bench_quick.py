@@ -132,7 +132,8 @@ def test_planner_quick(memory_rows, bench_all):
 @pytest.fixture(scope="module")
 def quick_convergence(tmp_path_factory):
     out = tmp_path_factory.mktemp("conv")
-    result, text = R.run_convergence(True, str(out), "llm-act bench convergence --quick", log=lambda m: None)
+    (result,), text = R.run_convergence(True, str(out), "llm-act bench convergence --quick", log=lambda m: None)
+    assert C.setting_of(result) is C.LOW_FLOOR  # the default: the low-floor setting (fp32)
     return result, text, out
 
 
@@ -175,7 +176,7 @@ def test_an_interrupted_convergence_goes_on_where_it_stopped(quick_convergence, 
     kept = runs.pop("auto 0.15 seed 1235")
     trained = []
     again = C.run(steps=30, quick=True, seeds=(1234, 1235), plans=("compress", "auto 0.15"),
-                  models=(C.QUICK_MODEL,), previous=result, log=trained.append)
+                  models=(C.QUICK_MODEL,), previous=result, log=trained.append, setting=C.setting_of(result))
     assert len(trained) == 1 and "auto 0.15 seed 1235" in trained[0]
     assert again["models"]["quick"]["runs"]["stock seed 1234"] is runs["stock seed 1234"]
     assert again["models"]["quick"]["runs"]["auto 0.15 seed 1235"]["steps"] == kept["steps"]

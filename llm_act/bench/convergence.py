@@ -91,7 +91,6 @@ STOCK_AGAIN = "stock, 1 thread"
 #: reductions do not depend on the thread count (1 thread reproduces stock bit for bit), so
 #: the low-floor setting's control perturbs at the rounding scale itself
 STOCK_ULP = "stock, 1 ulp"
-CONTROLS = (STOCK_AGAIN, STOCK_ULP)
 #: the positive control: stochastic INT2 at every stored value (unbiased, large variance): a
 #: setting whose floor comes from training too little lets it pass the bound
 INT2_EVERYWHERE = "INT2 everywhere"
@@ -424,7 +423,7 @@ def summary(result: dict) -> dict:
     """Per model and plan: the paired differences per seed (plan against stock at that
     seed) and their `paired_stats` (mean, standard error, one-sided upper bound), whether
     the bound meets the target, the memory fraction and measuring share (means); per model,
-    stock's finals and spread ((max - min) / mean) and the control (`STOCK_AGAIN`'s stats,
+    stock's finals and spread ((max - min) / mean) and the control (`control_plan`'s stats,
     or None when it was not run)."""
     out = {}
     for name, entry in result["models"].items():
@@ -433,15 +432,16 @@ def summary(result: dict) -> dict:
         finals = [r["valid"][-1] for r in stock.values()]
         plans = {}
         for plan in result["plans"]:
-            per = {s: runs[f"{plan} seed {s}"] for s in stock if f"{plan} seed {s}" in runs}
-            if not per:
+            gaps = paired_gaps(result, name, plan, "stock")
+            if not gaps:
                 continue
-            diffs = [per[s]["valid"][-1] / stock[s]["valid"][-1] - 1 for s in per]
+            per = {s: runs[f"{plan} seed {s}"] for s in gaps}
+            diffs = list(gaps.values())
             n = len(diffs)
             mem = [per[s]["block_bytes"] / stock[s]["block_bytes"] for s in per]
             meas = [per[s]["measuring"] for s in per if per[s].get("measuring") is not None]
             stats = paired_stats(diffs)
-            plans[plan] = {"per_seed": dict(zip(per, diffs)), **stats, "meets": meets_target(stats),
+            plans[plan] = {"per_seed": gaps, **stats, "meets": meets_target(stats),
                            "memory": sum(mem) / n, "measuring": sum(meas) / len(meas) if meas else None}
             gact = paired_between(result, name, plan, GACT) if plan != GACT else None
             if gact is not None:
@@ -541,13 +541,18 @@ def _which_better(stats: dict) -> str:
     return "not resolved at this many seeds"
 
 
-def paired_between(result: dict, model: str, plan: str, other: str) -> Optional[dict]:
-    """`paired_stats` of `plan`'s final validation loss against `other`'s at the same seeds
-    on `model` (relative gap), or None with fewer than 2 common seeds."""
+def paired_gaps(result: dict, model: str, plan: str, other: str) -> dict:
+    """seed -> `plan`'s final validation loss over `other`'s at that seed on `model`, minus 1
+    (the seeds both ran, in the result's order)."""
     runs = result["models"][model]["runs"]
-    pairs = [(runs[f"{plan} seed {s}"]["valid"][-1], runs[f"{other} seed {s}"]["valid"][-1])
-             for s in result["seeds"] if f"{plan} seed {s}" in runs and f"{other} seed {s}" in runs]
-    return paired_stats([a / b - 1 for a, b in pairs]) if len(pairs) >= 2 else None
+    return {s: runs[f"{plan} seed {s}"]["valid"][-1] / runs[f"{other} seed {s}"]["valid"][-1] - 1
+            for s in result["seeds"] if f"{plan} seed {s}" in runs and f"{other} seed {s}" in runs}
+
+
+def paired_between(result: dict, model: str, plan: str, other: str) -> Optional[dict]:
+    """`paired_stats` of `paired_gaps`, or None with fewer than 2 common seeds."""
+    gaps = paired_gaps(result, model, plan, other)
+    return paired_stats(list(gaps.values())) if len(gaps) >= 2 else None
 
 
 def verdicts(result: dict) -> dict[str, dict[str, Optional[bool]]]:

@@ -369,8 +369,7 @@ def main(args, argv=None) -> int:
         run_gpu(command, say, args.output_dir)
     elif args.suite == "all":
         rows, mem = run_memory(args.quick, args.output_dir, command, say)
-        _, con = run_convergence(args.quick, args.output_dir, command, say, conv,
-                                 setting=None if conv else C.LOW_FLOOR)
+        _, con = run_convergence(args.quick, args.output_dir, command, say, conv)
         _, pla = run_planner(args.quick, command, rows, say)
         _, gpu = run_gpu(command, say, args.output_dir)
         path = write(os.path.join(args.output_dir, "benchmarks.md"), [mem, con, pla, gpu])

@@ -196,18 +196,15 @@ class FidelityReport:
 def _rel(err2: float, norm2: float) -> float:
     """sqrt(err2 / norm2); 0 when both are 0, inf for an error on a zero gradient, NaN
     stays NaN."""
-    if err2 == 0.0 and norm2 == 0.0:
-        return 0.0
-    if norm2 == 0.0:
-        return math.inf if err2 > 0 else math.nan
-    return math.sqrt(err2 / norm2)
+    return math.sqrt(_ratio(err2, norm2))
 
 
-def _ratio(err2: float, samp2: float) -> float:
-    """err2 / samp2; 0 when both are 0, inf for an error against no sampling noise."""
-    if samp2 == 0.0:
-        return 0.0 if err2 == 0.0 else (math.inf if err2 > 0 else math.nan)
-    return err2 / samp2
+def _ratio(num: float, den: float) -> float:
+    """num / den of two squared norms; 0 when both are 0, inf for a positive num over 0,
+    NaN stays NaN."""
+    if den == 0.0:
+        return 0.0 if num == 0.0 else (math.inf if num > 0 else math.nan)
+    return num / den
 
 
 def latest_sites(reports: Sequence[FidelityReport]) -> dict[str, tuple[int, float]]:

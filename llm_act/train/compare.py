@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional
 from llm_act.kernels import codec_backend
 from llm_act.sites import OUTER_SITES, SITES
 from llm_act.train import parallel, rng
-from llm_act.train.loop import load_data, needs_final_fidelity
+from llm_act.train.loop import load_data, request_final_fidelity
 from llm_act.train.trainer import Trainer
 
 MiB = 2**20
@@ -205,9 +205,8 @@ def run(args: argparse.Namespace, output_dir: str, log: Callable[[str], None] = 
         comp = _Run("compressed", args, data)
         for it in range(1, args.train_iters + 1):
             measure = it == 1 or it % args.ledger_interval == 0 or it == args.train_iters
-            report = it == args.train_iters and needs_final_fidelity(comp.trainer)
-            if report:  # the summary's gradient fidelity and noise ratio; this step is not timed
-                comp.trainer.controller.request_fidelity()
+            # the summary's gradient fidelity and noise ratio; that step is not timed
+            report = request_final_fidelity(comp.trainer, it, args.train_iters)
             for r in (stock, comp):
                 r.step(measure, timed=it > 1 and not (report and r is comp))
             if it % args.log_interval == 0 or it == args.train_iters:

@@ -138,8 +138,7 @@ def _train(args: argparse.Namespace, trainer: Trainer, data: data_lib.TokenData,
     while trainer.iteration < args.train_iters:
         it = trainer.iteration + 1
         measure = it == first_iter + 1 or it % args.ledger_interval == 0
-        if it == args.train_iters and needs_final_fidelity(trainer):
-            trainer.controller.request_fidelity()  # the summary's gradient-noise ratio
+        request_final_fidelity(trainer, it, args.train_iters)
         stats = trainer.train_step(measure=measure)
         if measure:
             saved = max_over_ranks(stats.saved_bytes or 0)
@@ -196,13 +195,17 @@ def _train(args: argparse.Namespace, trainer: Trainer, data: data_lib.TokenData,
     return summary
 
 
-def needs_final_fidelity(trainer: Trainer) -> bool:
-    """Whether the run's last iteration must be asked for a gradient-fidelity report (with
-    its gradient-noise ratio, for the summary): compression is on, reports are not turned
-    off (`fidelity_every` 0: on request only) and none is scheduled there anyway."""
+def request_final_fidelity(trainer: Trainer, it: int, last: int) -> bool:
+    """Before iteration `it` of `last`: ask the run's last iteration for a gradient-fidelity
+    report (with its gradient-noise ratio, for the summary) when compression is on, reports
+    are not turned off (`fidelity_every` 0: on request only) and none is scheduled there
+    anyway. Returns whether it asked."""
     c = trainer.controller
-    return (c is not None and c.enabled and c.config.fidelity_every > 0 and c.adapter.measurable
-            and not c.adapter.fidelity_due())
+    ask = (it == last and c is not None and c.enabled and c.config.fidelity_every > 0
+           and c.adapter.measurable and not c.adapter.fidelity_due())
+    if ask:
+        c.request_fidelity()
+    return ask
 
 
 def _rate(tps: float) -> str:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from llm_act.kernels import dual_ref as ref
-from tests.kernels._values import tiny_values
+from tests.kernels._values import assert_same_side_list, side_lists, tiny_values
 
 triton_dual = pytest.importorskip("llm_act.kernels.dual_triton")
 
@@ -83,24 +83,12 @@ def test_chunks_have_their_own_zero_and_step(s, C, pool):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_side_list_is_filled_in_the_encode_pass(dtype, grids):
     """With a state, the kernel's side list is the reference's (in the one launch)."""
-    from llm_act.kernels import nonfinite_ref
-
     grids.watch(triton_dual, "_dual_encode_kernel")
     x = _input(300, 40, dtype)  # 3 non-finite values, 2 x 3 programs
     x[290, 33] = float("nan")
-    found = []
-    for encode in (triton_dual.dual_encode, ref.dual_encode_ref):
-        state = nonfinite_ref.new_state("cpu")
-        buffers = nonfinite_ref.empty_side_list(x.numel(), dtype, "cpu")
-        encode(x, 8, 2, seed=3, state=state,
-               **dict(zip(("nf_index", "nf_value", "nf_count"), buffers)))
-        found.append((state, buffers))
-    (state, (index, value, count)), (_, (rindex, rvalue, rcount)) = found
+    found = side_lists((triton_dual.dual_encode, ref.dual_encode_ref), x, 8, 2, seed=3)
     assert grids.most("_dual_encode_kernel") == 6
-    assert int(count) == int(rcount) == 4
-    assert torch.equal(index[:4], rindex[:4])
-    assert torch.equal(value[:4].view(torch.uint8), rvalue[:4].view(torch.uint8))
-    assert state.tolist()[:3] == [1, 0, 0]  # the call counted, the running fields reset
+    assert_same_side_list(found, 4)
 
 
 def test_pool_sum_adds_tokens_in_order():

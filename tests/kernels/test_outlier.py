@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from llm_act.kernels import nonfinite_ref
 from llm_act.kernels import outlier_ref as ref
+from tests.kernels._values import assert_same_side_list, side_lists
 
 tri = pytest.importorskip("llm_act.kernels.outlier_triton")
 
@@ -134,19 +134,9 @@ def test_side_list_is_filled_in_the_encode_pass(dtype, grids):
     grids.watch(tri, "_encode_kernel")
     x2, _ = _matrix((40, 100), dtype)  # 3 non-finite values, 2 programs
     x2[30, 50] = float("nan")
-    found = {}
-    for who, encode in (("kernel", tri.outlier_encode), ("ref", ref.outlier_encode_ref)):
-        state = nonfinite_ref.new_state("cpu")
-        buffers = nonfinite_ref.empty_side_list(x2.numel(), dtype, "cpu")
-        encode(x2, 128, 3.0, 1, seed=3, state=state,
-               **dict(zip(("nf_index", "nf_value", "nf_count"), buffers)))
-        found[who] = (state, buffers)
-    (state, (index, value, count)), (_, (rindex, rvalue, rcount)) = found.values()
+    found = side_lists((tri.outlier_encode, ref.outlier_encode_ref), x2, 128, 3.0, 1, seed=3)
     assert grids.most("_encode_kernel") == 2
-    assert int(count) == int(rcount) == 4
-    assert torch.equal(index[:4], rindex[:4])
-    assert torch.equal(value[:4].view(torch.uint8), rvalue[:4].view(torch.uint8))
-    assert state.tolist()[:3] == [1, 0, 0]  # the call counted, the running fields reset
+    assert_same_side_list(found, 4)
 
 
 def test_no_slots_and_empty():

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
 from llm_act.codecs.registry import KEEP, MASK_CODECS, RECOMPUTE, check_choice, check_choices
@@ -181,7 +181,10 @@ def describe(plan: LayerPlans) -> str:
 @dataclass
 class Plan:
     """The planner's answer for one device. `choice[i][site]` is "keep", "recompute" or a
-    codec name, indexed like the `blocks` given to `solve_plan`."""
+    codec name, indexed like the `blocks` given to `solve_plan`: the choice of block i's
+    layers that are planned per site, or `recompute_layer(...)` when all its layers are
+    recomputed whole. `full[i]`: {checkpoint choice: layers} of block i recomputed whole
+    from their input, kept ("keep") or encoded (a codec): identical layers may differ."""
 
     blocks: tuple[BlockProfile, ...]
     choice: list[dict[str, str]]
@@ -198,23 +201,47 @@ class Plan:
     objective: str = "time"
     optimal: bool = True
     """False when the solver stopped at `time_limit` with a feasible plan not proven optimal."""
+    full: list[dict[str, int]] = field(default_factory=list)
+
+    def layer_choices(self, i: int) -> list[dict[str, str]]:
+        """The choice of each of block i's `count` layers: those recomputed whole first."""
+        count = self.blocks[i].count
+        full = self.full[i] if i < len(self.full) else {}
+        out = [whole_layer(self.blocks[i], ckpt) for ckpt, n in sorted(full.items()) for _ in range(n)]
+        return out + [dict(self.choice[i]) for _ in range(count - len(out))]
 
     def to_dict(self, first_layer: int = 0) -> dict[str, Any]:
         """The JSON plan; block i covers the next `blocks[i].count` layers from
         `first_layer`, and contiguous layers with equal choices are merged."""
         runs: list[dict[str, Any]] = []
         layer = first_layer
-        for block, choice in zip(self.blocks, self.choice):
-            last = layer + block.count - 1
-            if runs and runs[-1]["choice"] == choice:
-                runs[-1]["layers"][1] = last
-            else:
-                runs.append({"layers": [layer, last], "choice": dict(choice)})
-            layer = last + 1
+        for i in range(len(self.blocks)):
+            for choice in self.layer_choices(i):
+                if runs and runs[-1]["choice"] == choice:
+                    runs[-1]["layers"][1] = layer
+                else:
+                    runs.append({"layers": [layer, layer], "choice": dict(choice)})
+                layer += 1
         return {"version": 1, "blocks": runs}
 
     def to_json(self, first_layer: int = 0, indent: Optional[int] = None) -> str:
         return json.dumps(self.to_dict(first_layer), indent=indent)
+
+
+def whole_layer(block: "BlockProfile", checkpoint: str = KEEP) -> LayerPlan:
+    """`recompute_layer(checkpoint)` over the sites of `block` as well (a profile may name
+    sites beyond `SITES`)."""
+    return {**recompute_layer(checkpoint), **{s.name: RECOMPUTE for s in block.sites
+                                              if s.name != CHECKPOINT_SITE}}
+
+
+def is_whole(choice: Mapping[str, str], block: "BlockProfile") -> bool:
+    """Whether `choice` recomputes all of `block` from its checkpoint (every other site
+    named "recompute", and the block has the checkpoint)."""
+    names = {s.name for s in block.sites}
+    return CHECKPOINT_SITE in names and all(
+        c == RECOMPUTE for s, c in choice.items() if s != CHECKPOINT_SITE) and all(
+        choice.get(s, KEEP) == RECOMPUTE for s in names if s != CHECKPOINT_SITE)
 
 
 def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> list[dict[str, str]]:

@@ -41,7 +41,7 @@ import gc
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -92,11 +92,14 @@ TARGET_KEEP_VS_STOCK = 0.98
 TARGET_KERNEL_OF_COPY = 0.85
 
 
-def _scheme(name: str, choice: Optional[dict] = None) -> M.Scheme:
+def _scheme(name: str, choice=None) -> M.Scheme:
+    """A scheme of the table; `choice`: one {site: choice} for every layer, or a list of them
+    (one per layer: a plan that recomputes some identical layers whole)."""
     base = {STOCK: {}, SELECTIVE: selective_layer(), FULL: recompute_layer(), KEEP: {},
             COMPRESS: M.compress_choice()}
-    return M.Scheme(name, "", dict(choice if choice is not None else base[name]),
-                    attention="sdpa", convert_attention=True)
+    layers = tuple(dict(c) for c in choice) if isinstance(choice, list) else ()
+    one = layers[-1] if layers else (choice if choice is not None else base[name])
+    return M.Scheme(name, "", dict(one), attention="sdpa", convert_attention=True, layers=layers)
 
 
 @functools.lru_cache(maxsize=256)
@@ -115,9 +118,10 @@ def full_activation_bytes(shape: GpuShape, mbs: int) -> int:
     return shape.layers * ln1 + sum(s.nbytes for s in block.sites)
 
 
-def ours_choice(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0) -> Optional[dict]:
-    """The MILP's per-block choice for this micro-batch size within `budget` bytes of which
-    `static_bytes` are not activations (None: nothing fits)."""
+def ours_choice(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0):
+    """The MILP's choice for this micro-batch size within `budget` bytes of which
+    `static_bytes` are not activations: one {site: choice} for every layer, or one per layer
+    when the plan recomputes some of them whole (None: nothing fits)."""
     choice, note = _solve(shape, mbs, budget, static_bytes)
     return None if note else choice
 
@@ -142,9 +146,8 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
             return None, f"MILP infeasible (needs {_size(need)})"
         note = (f"infeasible at this budget: solved at the MILP's least, {_size(need)} "
                 f"({_size(need - budget)} more)")
-    choice = dict(plan.choice[0])
-    choice.setdefault("attn.dropout_mask", "regen")
-    return choice, note
+    layers = [{"attn.dropout_mask": "regen", **c} for c in plan.layer_choices(0)]
+    return (layers[0] if all(c == layers[0] for c in layers) else layers), note
 
 
 def _model(shape: GpuShape, device: torch.device, seed: int = 1234):
@@ -177,7 +180,7 @@ def bind(model, scheme: M.Scheme) -> None:
             convert_attention(layer, index)
             layer.self_attention.core_attention.set_attention_mode(scheme.attention)
         else:
-            M.bind_layer(layer, index, scheme)
+            M.bind_layer(layer, index, replace(scheme, choice=scheme.layers[index]) if scheme.layers else scheme)
 
 
 OOM = "out of memory"
@@ -440,7 +443,7 @@ class _Sweep:
                     row["note"] = why
                 if scheme is None:
                     return {**row, "fits": False}
-                key = json.dumps(scheme.choice, sort_keys=True)
+                key = json.dumps([scheme.choice, scheme.layers], sort_keys=True)
                 if key != bound:
                     bind(model, scheme)
                     bound = key
@@ -453,7 +456,8 @@ class _Sweep:
                         _free(dev)
                         model = _model(self.shape, dev)
                     return {**row, "fits": False, "note": OOM, "why": failed.why}
-                return {**row, "fits": True, "plan": scheme.choice if name in (AUTO_AT_FULL, OURS) else None,
+                plan = (list(scheme.layers) or scheme.choice) if name in (AUTO_AT_FULL, OURS) else None
+                return {**row, "fits": True, "plan": plan,
                         **got}
 
             try:
@@ -625,7 +629,14 @@ def _size(x: int) -> str:
     return f"{x / 2**30:.2f} GiB" if abs(x) >= 2**30 else f"{x / 2**20:.3f} MiB"
 
 
-def _plan_text(choice: dict) -> str:
+def _plan_text(choice) -> str:
+    """One plan as text; per-layer plans (a list) as how many layers take each choice."""
+    if isinstance(choice, list):
+        counts: dict[str, int] = {}
+        for c in choice:
+            text = _plan_text(c)
+            counts[text] = counts.get(text, 0) + 1
+        return " | ".join(f"{n} layers: {text}" for text, n in counts.items())
     groups: dict[str, list[str]] = {}
     for site, name in sorted(choice.items()):
         groups.setdefault(name, []).append(site)

@@ -77,6 +77,8 @@ class Scheme:
     convert_attention: bool = False
     note: str = ""
     predicted: dict = field(default_factory=dict)
+    layers: tuple = ()
+    """per-layer choices, when a plan splits identical layers (some recomputed whole)"""
 
 
 def _every(name: str, masks: str = KEEP, skip=()) -> dict[str, str]:
@@ -126,7 +128,7 @@ def restricted_block(block, codecs: Optional[dict] = None, recompute: tuple = SI
         opts = tuple(o for o in st.codecs if allowed is None or o.name in allowed)
         fwd = st.forward_ms if st.name in recompute else None
         sites.append(SiteProfile(st.name, st.nbytes, fwd, st.inputs, opts, st.sensitivity))
-    return BlockProfile(tuple(sites), count=block.count, inflight=block.inflight)
+    return BlockProfile(tuple(sites), count=block.count, inflight=block.inflight, full_ms=block.full_ms)
 
 
 def gact_scheme(shape: Shape) -> Scheme:

@@ -150,7 +150,7 @@ def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget
         if name == "keep":
             stored, ms = site.nbytes, 0.0
         elif name == "recompute":
-            stored, ms = 0, site.forward_ms
+            stored, ms = 0, site.forward_ms or 0.0
         else:
             opt = next(c for c in site.codecs if c.name == name)
             stored, ms = opt.nbytes, opt.cost_ms
@@ -162,6 +162,12 @@ def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget
     total = plan.activation_bytes + res.static_bytes + res.outer_bytes
     compute = 3 * layer_forward_ms(shape, device) * block.count
     keep_all = res.inflight * block.count * keep_sum
+    whole = plan.full[0] if plan.full else {}
+    if whole:
+        lines.append(f"  {'whole-block recompute':<25} " + ", ".join(
+            f"{n} of {block.count} layers from their input ({'kept' if c == 'keep' else c})"
+            for c, n in sorted(whole.items())) + (" (the rows above: the other layers)"
+                                                   if sum(whole.values()) < block.count else ""))
     lines += [
         f"  predicted activation memory  {_gib(plan.activation_bytes)} ({plan.activation_bytes} bytes; "
         f"transient {_gib(plan.peak_bytes)}; keeping everything: {_gib(keep_all)})",
@@ -188,7 +194,8 @@ def _report(shape, name, budget, zero_stage, dp, device, variance, results) -> d
             entry["min_budget_bytes"] = res.min_budget_bytes
         else:
             p = res.plan
-            entry.update(choice=p.choice[0], activation_bytes=p.activation_bytes,
+            entry.update(choice=p.choice[0], whole_blocks=p.full[0] if p.full else {},
+                         activation_bytes=p.activation_bytes,
                          peak_bytes=p.peak_bytes, overhead_ms=p.overhead_ms, variance=p.variance,
                          solve_seconds=p.solve_seconds,
                          total_bytes=p.activation_bytes + res.static_bytes + res.outer_bytes)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -42,7 +43,8 @@ from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, che
 from llm_act.ledger import SavedTensorLedger
 from llm_act.measurement import probing
 from llm_act.measurement.controlled import ControlledModel
-from llm_act.measurement.measured_profile import RECOMPUTABLE, MeasuredProfile, OptionStats, SiteStats
+from llm_act.measurement.measured_profile import (
+    BLOCK_TIME, RECOMPUTABLE, MeasuredProfile, OptionStats, SiteStats)
 from llm_act.sites import MASK_SITES, QKV_SITES, SITES
 
 _MEASURE_SEED = 20240611
@@ -198,6 +200,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
     captured: dict[tuple[int, str], torch.Tensor] = {}
     attn_call: dict[int, tuple] = {}
     groups_first = set()
+    block_ms: dict[int, float] = {}
     with probing.isolated(controller) as snap, torch.enable_grad():
         probing.install(controller, {})
         # the profile describes the attention every non-keep plan runs (memory-efficient
@@ -218,6 +221,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
                   if not _qkv_by_hook(controller, layer, site)}
         probing.install(controller, probes)
         handles = _attention_hooks(controller, attn_call) if times_from is None else []
+        handles += _block_timer(controller, block_ms) if times_from is None else []
         handles += _qkv_hooks(controller, captured)
         try:
             with SavedTensorLedger() as probe_ledger:
@@ -247,6 +251,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
         sites[key] = SiteStats(layer, site, tuple(x.shape), x.dtype, keep.get(key, 0), side)
     profile = MeasuredProfile(sites, other, str(probing.device_of(controller)),
                               {layer: _no_recompute(controller, layer) for layer in controller.layers})
+    profile.block_ms = {layer: ms for layer, ms in block_ms.items() if _whole(profile, layer)}
     for group in profile.groups():
         groups_first.add(group[0])
     activation = {layer: _activation_name(controller, layer) for layer in profile.layers}
@@ -286,6 +291,9 @@ def _same_shapes(old: Optional[MeasuredProfile], captured: dict) -> bool:
 def _copy_times(profile: MeasuredProfile, old: Any) -> None:
     """Times of `old` (a profile or its `times()`), by site type."""
     ref = old.times() if isinstance(old, MeasuredProfile) else old
+    block = (ref.get(BLOCK_TIME) or {}).get("forward_ms")
+    if block is not None:
+        profile.block_ms = {layer: float(block) for layer in profile.layers if _whole(profile, layer)}
     for (_, site), st in profile.sites.items():
         src = ref.get(site)
         if src is None:
@@ -328,6 +336,36 @@ def _qkv_hooks(controller: ControlledModel, sink: dict) -> list:
 
         handles.append(core.register_forward_pre_hook(pre, with_kwargs=True))
     return handles
+
+
+def _whole(profile: MeasuredProfile, layer: int) -> bool:
+    """Whether `layer` can be recomputed whole (it has a recompute binder)."""
+    return set(profile.no_recompute.get(layer, ())) != RECOMPUTABLE
+
+
+def _block_timer(controller: ControlledModel, sink: dict[int, float]) -> list:
+    """Forward hooks timing each layer's forward (synchronised on a GPU): the cost of
+    recomputing it whole."""
+    handles = []
+    for layer, tl in controller.layer_modules.items():
+        start: list[float] = []
+
+        def pre(module, args, start=start):
+            _sync(module)
+            start.append(time.perf_counter())
+
+        def post(module, args, out, start=start, layer=layer):
+            _sync(module)
+            sink.setdefault(layer, 1e3 * (time.perf_counter() - start.pop()))
+
+        handles += [tl.register_forward_pre_hook(pre), tl.register_forward_hook(post)]
+    return handles
+
+
+def _sync(module: torch.nn.Module) -> None:
+    p = next(module.parameters(), None)
+    if p is not None and p.is_cuda:
+        torch.cuda.synchronize(p.device)
 
 
 def _no_recompute(controller: ControlledModel, layer: int) -> tuple[str, ...]:

@@ -1,19 +1,22 @@
 """`MeasuredProfile`: what each site of the model stores and costs, as measured (per-site and
 per-codec statistics), and its conversion into the planner's `BlockProfile`s (`blocks()`:
-identical layers share one block) and back (`plan_from_choice`). `llm_act.measurement.measure`
+identical layers share one block) and back (`plan_from`). `llm_act.measurement.measure`
 fills it from probe passes over the real model; the planner reads only the blocks.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
 
 from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
-from llm_act.sites import MASK_SITES, SITES
+from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, SITES
+
+if TYPE_CHECKING:
+    from llm_act.plan import Plan
 
 #: site -> the sites its producer reads, as the planner's `SiteProfile.inputs` states it (what a
 #: recomputation needs available; the binder's own table is `patches.megatron.recompute_producers`)
@@ -32,6 +35,8 @@ PROFILE_INPUTS: dict[str, tuple[str, ...]] = {
 #: dropout masks ("recompute" there is the `regen` codec, which is offered).
 RECOMPUTABLE: frozenset[str] = frozenset(
     {"attn.qkv_input", "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input"})
+#: the key of the whole block's forward time in `MeasuredProfile.times()` (not a site)
+BLOCK_TIME = "block"
 
 
 @dataclass
@@ -86,6 +91,9 @@ class MeasuredProfile:
     device: str = "cpu"
     no_recompute: dict[int, tuple[str, ...]] = field(default_factory=dict)
     """layer -> sites of `RECOMPUTABLE` that its configuration cannot recompute alone"""
+    block_ms: dict[int, float] = field(default_factory=dict)
+    """layer -> the forward time of the whole block, for the layers that can be recomputed
+    whole from their input (the planner's whole-block option; absent: not offered)"""
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -161,6 +169,8 @@ class MeasuredProfile:
             if site not in out:
                 out[site] = {"forward_ms": st.forward_ms,
                              "codecs": {n: (o.encode_ms, o.decode_ms) for n, o in st.options.items()}}
+        if self.block_ms:
+            out[BLOCK_TIME] = {"forward_ms": self.block_ms[min(self.block_ms)]}
         return out
 
     # ---- for the planner ---------------------------------------------------------------
@@ -204,20 +214,23 @@ class MeasuredProfile:
                 default_c = 0.0 if site in MASK_SITES else 1.0
                 profiles.append(SiteProfile(site, _mean_up([s.keep_bytes for s in stats]), fwd,
                                             inputs, options, float(sens.get(site, default_c))))
-            out.append(BlockProfile(tuple(profiles), count=len(group), inflight=inflight))
+            whole = (recompute and not exclude and CHECKPOINT_SITE in sites
+                     and all(layer in self.block_ms for layer in group))
+            out.append(BlockProfile(tuple(profiles), count=len(group), inflight=inflight,
+                                    full_ms=self.block_ms[group[0]] if whole else None))
         return out
 
     def block_layers(self, per_layer: bool = False) -> list[list[int]]:
         """The layers behind each entry of `blocks(per_layer=...)`, in the same order."""
         return [[layer] for layer in self.layers] if per_layer else self.groups()
 
-    def plan_from_choice(self, choice: Sequence[Mapping[str, str]], per_layer: bool = False
-                         ) -> dict[int, dict[str, str]]:
-        """{layer: {site: choice}} from a `solve_plan` answer over `blocks(per_layer)`."""
+    def plan_from(self, plan: "Plan", per_layer: bool = False) -> dict[int, dict[str, str]]:
+        """{layer: {site: choice}} from a `solve_plan` answer over `blocks(per_layer)`: a
+        group whose layers the plan splits (some recomputed whole) gives them in layer order."""
         out: dict[int, dict[str, str]] = {}
-        for layers, ch in zip(self.block_layers(per_layer), choice):
-            for layer in layers:
-                out[layer] = dict(ch)
+        for i, layers in enumerate(self.block_layers(per_layer)):
+            for layer, ch in zip(layers, plan.layer_choices(i)):
+                out[layer] = ch
         return out
 
     def choice_for(self, plan: Mapping[int, Mapping[str, str]], per_layer: bool = False,

@@ -547,7 +547,8 @@ def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
     if sens:
         raise ValueError(f"sensitivity: sites {sorted(sens)} are not in this block "
                          f"({', '.join(p.name for p in profiles)})")
-    return BlockProfile(tuple(profiles), count=count, inflight=inflight)
+    return BlockProfile(tuple(profiles), count=count, inflight=inflight,
+                        full_ms=layer_forward_ms(shape, device))
 
 
 def stage_blocks(shape: ModelShape, stage: int, device: Optional[DeviceModel] = None,

@@ -67,7 +67,8 @@ def _variants(cls) -> Optional[list[np.ndarray]]:
 class LagrangeProblem:
     """Arrays of `classes` (equal structure, noise differing) for the priced choice."""
 
-    def __init__(self, classes, mem_limit: int, var_limit: float, reference: list[list[int]]):
+    def __init__(self, classes, mem_limit: int, var_limit: float, reference: list[list[int]],
+                 peak_floor: int = 0):
         first = classes[0]
         self.classes = classes
         self.mem_limit, self.var_limit = mem_limit, var_limit
@@ -100,8 +101,8 @@ class LagrangeProblem:
         recomputed = [any(classes[k].options[i][p[i]].name == RECOMPUTE for k, p in enumerate(reference))
                       for i in range(nsite)]
         groups = decode_groups([s.name for s in first.sites])
-        self.peak = (sum(n for n, r in zip(self.nbytes, recomputed) if r)
-                     + max((sum(self.nbytes[i] for i in g if not kept[i]) for g in groups), default=0))
+        self.peak = max(peak_floor, sum(n for n, r in zip(self.nbytes, recomputed) if r)
+                        + max((sum(self.nbytes[i] for i in g if not kept[i]) for g in groups), default=0))
         masks = _variants(first)
         if masks is None:
             raise ValueError("too many few-bit sites for the fast path")
@@ -164,12 +165,13 @@ def _min_mu(prob: LagrangeProblem, lam: float, lo: float, hi: float) -> Optional
     return hi, top
 
 
-def lagrange_plan(classes, mem_limit: int, var_limit: float, reference: list[list[int]]
-                  ) -> Optional[list[list[int]]]:
+def lagrange_plan(classes, mem_limit: int, var_limit: float, reference: list[list[int]],
+                  peak_floor: int = 0) -> Optional[list[list[int]]]:
     """Picks per class that fit both budgets, or None when the fast path finds none (the
-    caller keeps `reference`)."""
+    caller keeps `reference`). `peak_floor`: a transient held elsewhere (blocks the caller
+    recomputes whole), below which this one's bound never goes."""
     try:
-        prob = LagrangeProblem(classes, mem_limit, var_limit, reference)
+        prob = LagrangeProblem(classes, mem_limit, var_limit, reference, peak_floor)
     except ValueError:
         return None
     finite = np.isfinite(prob.cost) & (prob.cost > 0)

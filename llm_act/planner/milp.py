@@ -52,10 +52,11 @@ from typing import Any, Optional, Sequence
 
 from llm_act._imports import require
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE
-from llm_act.plan import Plan
+from llm_act.plan import Plan, is_whole, whole_layer
 from llm_act.planner.lagrange import blind_input, lagrange_plan
 from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
 from llm_act.planner.transient import decode_groups, transient_bytes
+from llm_act.sites import CHECKPOINT_SITE
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class _Option:
     stored: int
     cost_ms: float
     noise: float  # sensitivity * S(option)
+    transient: int = 0  # a whole-block option: what the rebuilt block holds while it backpropagates
 
     @property
     def gives_value(self) -> bool:
@@ -120,12 +122,15 @@ class _Option:
 
 @dataclass
 class _Class:
-    """Blocks with equal (sites, inflight): one set of variables."""
+    """Blocks with equal (sites, inflight, full_ms): one set of variables. `full`: the
+    whole-block options (recompute everything from the checkpoint, kept or encoded), of
+    which a plan takes an integer count of the class's blocks."""
 
     sites: tuple[SiteProfile, ...]
     inflight: int
     count: int = 0
     options: list[list[_Option]] = field(default_factory=list)
+    full: list[_Option] = field(default_factory=list)
 
 
 def _site_options(site: SiteProfile) -> list[_Option]:
@@ -136,31 +141,77 @@ def _site_options(site: SiteProfile) -> list[_Option]:
     return opts
 
 
+#: the codec a whole-block checkpoint may be stored with besides keep: 8 bits with stochastic
+#: rounding (GACT's compressed checkpoint, 1 byte per element instead of 2, unbiased); fewer
+#: bits would put their error into every tensor the block recomputes from it, which the
+#: checkpoint site's own sensitivity does not see
+CHECKPOINT_CODECS = ("int8",)
+
+
+def full_name(checkpoint: str) -> str:
+    """The name of a whole-block option: "full" with the block input kept, "full:<codec>"
+    with it encoded."""
+    return "full" if checkpoint == KEEP else f"full:{checkpoint}"
+
+
+def checkpoint_of(name: str) -> str:
+    """The block input's choice in the whole-block option `name` (`full_name`'s inverse)."""
+    return KEEP if name == "full" else name.split(":", 1)[1]
+
+
+def _full_options(block: BlockProfile, options: list[list[_Option]]) -> list[_Option]:
+    """Whole-block recompute with the checkpoint kept or stored by each of its value codecs:
+    stored the checkpoint's option, time the block's forward (+ the codec's), noise the
+    codec's; while the block backpropagates, every other site is live at full precision
+    (and the decoded checkpoint, when encoded)."""
+    if block.full_ms is None:
+        return []
+    names = [s.name for s in block.sites]
+    ci = names.index(CHECKPOINT_SITE)
+    rest = sum(s.nbytes for s in block.sites if s.name != CHECKPOINT_SITE)
+    return [_Option(full_name(o.name), o.stored, block.full_ms + o.cost_ms, o.noise,
+                    rest + (block.sites[ci].nbytes if o.name != KEEP else 0))
+            for o in options[ci] if o.name == KEEP or o.name in CHECKPOINT_CODECS]
+
+
 def _classes(blocks: Sequence[BlockProfile]) -> tuple[list[_Class], list[int]]:
     index: dict[tuple, int] = {}
     classes: list[_Class] = []
     owner: list[int] = []
     for block in blocks:
-        key = (block.sites, block.inflight)
+        key = (block.sites, block.inflight, block.full_ms)
         if key not in index:
             index[key] = len(classes)
-            classes.append(_Class(block.sites, block.inflight,
-                                  options=[_site_options(s) for s in block.sites]))
+            options = [_site_options(s) for s in block.sites]
+            classes.append(_Class(block.sites, block.inflight, options=options,
+                                  full=_full_options(block, options)))
         classes[index[key]].count += block.count
         owner.append(index[key])
     return classes, owner
 
 
-def _evaluate(classes: list[_Class], picks: list[list[int]]) -> tuple[int, int, float, float]:
-    """Exact figures of a choice: (stored bytes, peak bytes, time ms, noise)."""
+def _no_full(classes: Sequence[_Class]) -> list[list[int]]:
+    return [[0] * len(c.full) for c in classes]
+
+
+def _evaluate(classes: list[_Class], picks: list[list[int]],
+              fulls: Optional[list[list[int]]] = None) -> tuple[int, int, float, float]:
+    """Exact figures of a choice: (stored bytes, peak bytes, time ms, noise). `fulls[k]`:
+    how many of class k's blocks take each whole-block option (the rest take `picks[k]`)."""
     stored, peak, ms, noise = 0, 0, 0.0, 0.0
-    for cls, pick in zip(classes, picks):
+    for cls, pick, full in zip(classes, picks, fulls or _no_full(classes)):
+        rest = cls.count - sum(full)
+        if rest < 0:
+            raise ValueError(f"{sum(full)} whole-block choices in a class of {cls.count} blocks")
         opts = [cls.options[i][o] for i, o in enumerate(pick)]
-        stored += cls.count * cls.inflight * sum(o.stored for o in opts)
-        peak = max(peak, transient_bytes([s.nbytes for s in cls.sites], [o.name for o in opts],
-                                         [s.name for s in cls.sites]))
-        ms += cls.count * sum(o.cost_ms for o in opts)
-        noise += cls.count * sum(o.noise for o in opts)
+        stored += cls.inflight * (rest * sum(o.stored for o in opts)
+                                  + sum(n * f.stored for n, f in zip(full, cls.full)))
+        if rest:
+            peak = max(peak, transient_bytes([s.nbytes for s in cls.sites], [o.name for o in opts],
+                                             [s.name for s in cls.sites]))
+        peak = max([peak] + [f.transient for n, f in zip(full, cls.full) if n])
+        ms += rest * sum(o.cost_ms for o in opts) + sum(n * f.cost_ms for n, f in zip(full, cls.full))
+        noise += rest * sum(o.noise for o in opts) + sum(n * f.noise for n, f in zip(full, cls.full))
     return stored, peak, ms, noise
 
 
@@ -255,7 +306,14 @@ def _variable(prob, name: str, cat: str, low: float = 0):
 
 class _Model:
     """The MILP over `classes`, with an objective in {"time", "variance", "memory"} and
-    optional memory / variance rows."""
+    optional memory / variance rows.
+
+    Per class, binary x picks one option per site for all its blocks, or binary w one of its
+    whole-block options for all of them (sum_o x + sum w = 1 on every site's row). A class
+    with no sites is a given number of whole blocks (`_whole_part`): integer counts per
+    whole-block option summing to its count. Identical layers split between whole blocks and
+    per-site ones are searched around this model (`_mix`): inside it, the product of a
+    count and a choice made it 10-100x slower to solve."""
 
     def __init__(self, classes: list[_Class], objective: str,
                  mem_limit: Optional[int], var_limit: Optional[float]):
@@ -263,17 +321,27 @@ class _Model:
         self.classes = classes
         self.prob = pulp.LpProblem("llm_act_plan", pulp.LpMinimize)
         self.x: list[list[list[Any]]] = []
+        self.w: list[list[Any]] = []  # the variables of the whole-block options
+        self.n: list[list[Any]] = []  # blocks per whole-block option
         for k, cls in enumerate(classes):
+            forced = not cls.options
+            ws = [_variable(self.prob, f"w_{k}_{c}", "Integer" if forced else "Binary")
+                  for c in range(len(cls.full))]
+            if forced:
+                self.prob += pulp.lpSum(ws) == cls.count, f"whole_{k}"
             xs = []
             for i, opts in enumerate(cls.options):
                 row = [_variable(self.prob, f"x_{k}_{i}_{o}", "Binary") for o in range(len(opts))]
-                self.prob += pulp.lpSum(row) == 1, f"one_{k}_{i}"
-                if var_limit is not None and var_limit == 0:
+                self.prob += pulp.lpSum(row) + pulp.lpSum(ws) == 1, f"one_{k}_{i}"
+                xs.append(row)
+            if var_limit is not None and var_limit == 0:
+                for row, opts in zip(xs + [ws], cls.options + [cls.full]):
                     for v, opt in zip(row, opts):
                         if opt.noise > 0:
                             v.upBound = 0
-                xs.append(row)
             self.x.append(xs)
+            self.w.append(ws)
+            self.n.append(ws if forced else [cls.count * v for v in ws])
         for k, cls in enumerate(classes):
             where = {s.name: i for i, s in enumerate(cls.sites)}
             for i, (site, opts) in enumerate(zip(cls.sites, cls.options)):
@@ -292,53 +360,62 @@ class _Model:
                 dec = [(cls.sites[i].nbytes / _MIB) * v for i in group
                        for v, opt in zip(self.x[k][i], cls.options[i]) if opt.name not in (KEEP, RECOMPUTE)]
                 self.prob += self.peak >= pulp.lpSum(rec + dec), f"peak_{k}_{g}"
-        self.memory = self._sum(lambda c, o: c.count * c.inflight * o.stored / _MIB) + self.peak
+            for c, (w, opt) in enumerate(zip(self.w[k], cls.full)):
+                used = w
+                if not cls.options:  # some of the given whole blocks take option c
+                    used = _variable(self.prob, f"f_{k}_{c}", "Binary")
+                    self.prob += w <= cls.count * used, f"fused_{k}_{c}"
+                self.prob += self.peak >= (opt.transient / _MIB) * used, f"fpeak_{k}_{c}"
+        self.memory = self._sum(lambda c, o: c.inflight * o.stored / _MIB) + self.peak
         self.mem_row = self.var_row = None
         if mem_limit is not None:
             self.mem_row = "memory"
             self.prob += self.memory <= mem_limit / _MIB, self.mem_row
         if var_limit is not None and var_limit > 0:
             self.var_row = "variance"
-            self.prob += self._sum(lambda c, o: c.count * o.noise / var_limit) <= 1.0, self.var_row
+            self.prob += self._sum(lambda c, o: o.noise / var_limit) <= 1.0, self.var_row
         self._objective(objective)
 
     def _sum(self, coef):
+        """sum over classes of coef(class, option) per block, times the blocks taking it."""
         pulp = require("pulp", "the activation planner")
         return pulp.lpSum(
-            coef(cls, opt) * v
-            for cls, xs in zip(self.classes, self.x)
-            for row, opts in zip(xs, cls.options)
-            for v, opt in zip(row, opts)
-        )
+            [cls.count * coef(cls, o) * v for k, cls in enumerate(self.classes)
+             for row, opts in zip(self.x[k], cls.options) for v, o in zip(row, opts)]
+            + [coef(cls, o) * n for k, cls in enumerate(self.classes) for n, o in zip(self.n[k], cls.full)])
 
     def _objective(self, objective: str) -> None:
         """The primary objective plus a tie-break too small to outweigh any primary step:
         under "time" prefer keep, then less noise; under "variance" prefer keep, then less
-        time (so a zero-noise site is kept rather than recomputed when memory allows)."""
+        time (so a zero-noise site is kept rather than recomputed when memory allows). A
+        whole-block option counts as leaving every site unkept."""
         if objective == "memory":
             self.prob += self.memory
             return
-        every = [(c, o) for c in self.classes for site in c.options for o in site]
+        every = [(c, o) for c in self.classes for o in [o for site in c.options for o in site] + c.full]
         noise_max = max(o.noise for _, o in every) or 1.0
         cost_max = max(o.cost_ms for _, o in every) or 1.0
 
         def primary(c: _Class, o: _Option) -> float:
-            return c.count * (o.cost_ms if objective == "time" else o.noise / noise_max)
+            return o.cost_ms if objective == "time" else o.noise / noise_max
 
         def secondary(c: _Class, o: _Option) -> float:
             other = o.noise / noise_max if objective == "time" else o.cost_ms / cost_max
-            return c.count * ((o.name != KEEP) + other)
+            unkept = len(c.sites) if o in c.full else (o.name != KEEP)
+            return unkept + other
 
         steps = [primary(c, o) for c, o in every if primary(c, o) > 0]
-        total = sum(max(secondary(c, o) for o in site) for c in self.classes for site in c.options)
+        total = sum(c.count * max(secondary(c, o) for o in site) for c in self.classes for site in c.options)
+        total += sum(c.count * secondary(c, o) for c in self.classes for o in c.full)
         eps = _TIE * (min(steps) if steps else 1.0) / (total + 1.0)
         self.prob += self._sum(lambda c, o: primary(c, o) + eps * secondary(c, o))
 
-    def picks(self) -> list[list[int]]:
-        return [
-            [max(range(len(row)), key=lambda o: row[o].varValue or 0.0) for row in xs]
-            for xs in self.x
-        ]
+    def picks(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(per-site option per class, blocks per whole-block option per class)."""
+        sites = [[max(range(len(row)), key=lambda o: row[o].varValue or 0.0) for row in xs]
+                 for xs in self.x]
+        pulp = require("pulp", "the activation planner")
+        return sites, [[int(round(pulp.value(n) or 0.0)) for n in ns] for ns in self.n]
 
     def set_rhs(self, row: str, rhs: float) -> None:
         get = getattr(self.prob, "get_constraint_by_name", None)
@@ -376,24 +453,28 @@ class _Limit:
         self.deadline = time.perf_counter() + self.seconds
 
 
+#: a solution: (per class, the option index per site; per class, the blocks per whole-block option)
+Solution = tuple[list[list[int]], list[list[int]]]
+
+
 def _run(classes, objective, mem_limit, var_limit, limit: _Limit
-         ) -> tuple[Optional[list[list[int]]], int, str]:
-    """(picks or None, variable count, `_solve`'s status). The answer is verified in exact
-    arithmetic (integer bytes; noise within a relative 1e-6): a plan that passed a row only
-    within the solver's tolerance is cut away once by moving that row's bound in by less
-    than one byte (resp. 1e-6)."""
+         ) -> tuple[Optional[Solution], int, str]:
+    """(solution or None, variable count, `_solve`'s status). The answer is verified in
+    exact arithmetic (integer bytes; noise within a relative 1e-6): a plan that passed a row
+    only within the solver's tolerance is cut away once by moving that row's bound in by
+    less than one byte (resp. 1e-6)."""
     model = _Model(classes, objective, mem_limit, var_limit)
     nvars = len(model.prob.variables())
     for _ in range(2):
         status = _solve(model.prob, limit.deadline)
         if status in ("infeasible", "timeout", "error"):
             return None, nvars, status
-        picks = model.picks()
-        stored, peak, _ms, noise = _evaluate(classes, picks)
+        sol = model.picks()
+        stored, peak, _ms, noise = _evaluate(classes, *sol)
         over_mem = mem_limit is not None and stored + peak > mem_limit
         over_var = var_limit is not None and noise > var_limit * (1 + _VAR_RTOL)
         if not over_mem and not over_var:
-            return picks, nvars, status
+            return sol, nvars, status
         if over_mem:
             model.set_rhs(model.mem_row, (mem_limit - 0.5) / _MIB)
         if over_var and model.var_row is not None:
@@ -401,87 +482,212 @@ def _run(classes, objective, mem_limit, var_limit, limit: _Limit
     return None, nvars, "infeasible"
 
 
+def _split(classes: list[_Class], k: int, whole: int) -> list[_Class]:
+    """`classes` with `whole` blocks of class k recomputed whole: class k keeps its other
+    blocks (per-site choices only) and a class without sites holds the whole ones, last."""
+    cls = classes[k]
+    rest = _Class(cls.sites, cls.inflight, cls.count - whole, cls.options)
+    part = _Class((), cls.inflight, whole, [], cls.full)
+    return classes[:k] + [rest] + classes[k + 1:] + [part]
+
+
+def _unsplit(classes: list[_Class], k: int, sol: Solution) -> Solution:
+    """A solution of `_split(classes, k, ...)` as one of `classes`."""
+    picks, fulls = [list(p) for p in sol[0][:len(classes)]], [list(f) for f in sol[1][:len(classes)]]
+    fulls[k] = list(sol[1][-1])
+    return picks, fulls
+
+
+_GOLDEN = (5 ** 0.5 - 1) / 2
+
+
+def _mix(classes, objective, mem_limit, var_limit, limit: _Limit, best: Solution) -> Solution:
+    """`best` improved by splitting identical layers between whole-block recompute and
+    per-site choices: per class of several blocks with whole-block options, the number W of
+    whole blocks is searched over [1, count - 1] (the model itself decides 0 or all): the
+    least W that fits (bisection: more whole blocks never need more memory), then a golden-
+    section search above it, each W an exact solve of `_split`. The best plan by exact
+    figures wins, `best` on ties. Relaxed, the best figure is convex in W, so one solve
+    beside the model's own W (0 or count) usually settles it; a plan found fits exactly."""
+    if objective == "memory":
+        return best
+    for k, cls in enumerate(classes):
+        if cls.count < 2 or not cls.full or not cls.options:
+            continue
+        found: dict[int, Optional[Solution]] = {}
+
+        def at(whole: int) -> float:
+            if whole not in found:
+                sol = None
+                if time.perf_counter() < limit.deadline:
+                    sol, _, _ = _run(_split(classes, k, whole), objective, mem_limit, var_limit, limit)
+                found[whole] = None if sol is None else _unsplit(classes, k, sol)
+            sol = found[whole]
+            return math.inf if sol is None else _score(classes, objective, sol)
+
+        lo, hi = 1, cls.count - 1
+        if objective == "time":
+            # W whole blocks cost at least W times the cheapest whole-block option
+            cheapest = min(o.cost_ms for o in cls.full)
+            if cheapest > 0:
+                hi = min(hi, math.floor(_score(classes, objective, best) / cheapest))
+        if hi < lo:
+            continue
+        # f(W), the best time with W whole blocks, is convex in W when relaxed: when the
+        # model's own answer (W = 0 or count) is no worse than its neighbour, it stands
+        taken = sum(best[1][k])
+        edge = {0: lo, cls.count: cls.count - 1}.get(taken)
+        if edge is not None and edge <= hi and at(edge) >= _score(classes, objective, best):
+            continue
+        if math.isinf(at(hi)):
+            continue
+        if math.isinf(at(lo)):
+            while hi - lo > 1:  # at(hi) fits, at(lo) does not
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if not math.isinf(at(mid)) else (mid, hi)
+            lo = hi
+        a, b = lo, hi
+        while b - a > 3:
+            c, d = b - round(_GOLDEN * (b - a)), a + round(_GOLDEN * (b - a))
+            if at(c) <= at(d):
+                b = d
+            else:
+                a = c
+        for whole in range(a, b + 1):
+            at(whole)
+        for whole in sorted(found):
+            sol = found[whole]
+            if sol is not None and _score(classes, objective, sol) < _score(classes, objective, best):
+                best = sol
+    return best
+
+
 def _merged(classes: list[_Class]) -> tuple[list[_Class], list[int]]:
     """Classes that differ only in noise (per-layer sensitivities) merged into one with the
     count-weighted mean noise, and the merged index of every class. A plan of the merged
-    problem, given to all its members, has exactly the same bytes, time and summed noise in
-    the original one: a feasible answer found in a fraction of the time."""
+    problem, given to all its members (`_spread`), has exactly the same bytes and time in
+    the original one, and its summed noise at most: a feasible answer found in a fraction of
+    the time."""
     index: dict[tuple, int] = {}
     merged: list[_Class] = []
     member: list[int] = []
+
+    def bare(opts):
+        return [_Option(o.name, o.stored, o.cost_ms, 0.0, o.transient) for o in opts]
+
     for cls in classes:
         key = (cls.inflight, tuple((s.name, s.inputs, tuple((o.name, o.stored, o.cost_ms) for o in opts))
-                                   for s, opts in zip(cls.sites, cls.options)))
+                                   for s, opts in zip(cls.sites, cls.options)),
+               tuple((o.name, o.stored, o.cost_ms, o.transient) for o in cls.full))
         if key not in index:
             index[key] = len(merged)
-            merged.append(_Class(cls.sites, cls.inflight, 0,
-                                 [[_Option(o.name, o.stored, o.cost_ms, 0.0) for o in opts] for opts in cls.options]))
+            merged.append(_Class(cls.sites, cls.inflight, 0, [bare(opts) for opts in cls.options],
+                                 bare(cls.full)))
         m = merged[index[key]]
-        for mine, theirs in zip(m.options, cls.options):
+        for mine, theirs in zip(m.options + [m.full], cls.options + [cls.full]):
             for o, t in zip(mine, theirs):
                 o.noise += cls.count * t.noise
         m.count += cls.count
         member.append(index[key])
     for m in merged:
-        for opts in m.options:
+        for opts in m.options + [m.full]:
             for o in opts:
                 o.noise /= m.count
     return merged, member
 
 
+def _spread(classes: list[_Class], member: list[int], sol: Solution) -> Solution:
+    """A merged problem's solution given to its member classes: each takes its merged
+    class's per-site choice, and the merged class's whole-block counts go to the members
+    whose per-site choice adds the most noise (moving those blocks saves the most), ties to
+    the lower class index."""
+    picks = [list(sol[0][m]) for m in member]
+    fulls = _no_full(classes)
+    for m, counts in enumerate(sol[1]):
+        mine = [k for k, owner in enumerate(member) if owner == m]
+        mine.sort(key=lambda k: (-sum(classes[k].options[i][o].noise for i, o in enumerate(picks[k])), k))
+        for c, n in enumerate(counts):
+            for k in mine:
+                take = min(n, classes[k].count - sum(fulls[k]))
+                fulls[k][c] += take
+                n -= take
+    return picks, fulls
+
+
+def _score(classes, objective: str, sol: Solution) -> float:
+    """The objective's own figure of a solution, exact."""
+    stored, peak, ms, noise = _evaluate(classes, *sol)
+    return {"time": ms, "variance": noise}.get(objective, stored + peak)
+
+
 def _search(classes, objective, mem_limit, var_limit, limit: _Limit
-            ) -> tuple[Optional[list[list[int]]], int, bool]:
-    """(picks or None when infeasible, variable count, proven optimal): the full MILP
+            ) -> tuple[Optional[Solution], int, bool]:
+    """(solution or None when infeasible, variable count, proven optimal): the full MILP
     within the time limit, and, when classes differ only in noise, the merged MILP first
     as a fallback (taken when the full search found nothing better in time)."""
     merged, member = _merged(classes)
     fallback = None
     if len(merged) < len(classes):
-        picks, _, status = _run(merged, objective, mem_limit, var_limit, limit)
-        if picks is not None:
-            fallback = [picks[m] for m in member]
-    picks, nvars, status = _run(classes, objective, mem_limit, var_limit, limit)
-    if status in ("optimal", "infeasible"):
-        return picks, nvars, status == "optimal"
-    if fallback is not None:
-        def score(p):  # the objective's own figure, exact
-            stored, peak, ms, noise = _evaluate(classes, p)
-            return {"time": ms, "variance": noise}.get(objective, stored + peak)
-
-        if picks is None or score(fallback) < score(picks):
-            picks = fallback
-    if picks is None and status == "timeout":
+        sol, _, status = _run(merged, objective, mem_limit, var_limit, limit)
+        if sol is not None:
+            fallback = _spread(classes, member, sol)
+            stored, peak, _ms, noise = _evaluate(classes, *fallback)
+            if var_limit is not None and noise > var_limit * (1 + _VAR_RTOL):
+                fallback = None
+    sol, nvars, status = _run(classes, objective, mem_limit, var_limit, limit)
+    if sol is not None:
+        sol = _mix(classes, objective, mem_limit, var_limit, limit, sol)
+    if status in ("optimal", "infeasible"):  # optimal: over whole classes; the split is searched
+        return sol, nvars, status == "optimal"
+    if fallback is not None and (sol is None or _score(classes, objective, fallback)
+                                 < _score(classes, objective, sol)):
+        sol = fallback
+    if sol is None and status == "timeout":
         raise SolverError(f"the MILP solver found no plan within time_limit={limit.seconds:g} s "
                           f"({len(classes)} distinct blocks); give solve_plan a larger time_limit")
-    if picks is None:
+    if sol is None:
         raise SolverError(f"the MILP solvers ({', '.join(_solver_names())}) ended without deciding "
                           f"the problem ({len(classes)} distinct blocks), also without presolve")
-    return picks, nvars, False
+    return sol, nvars, False
 
 
-def _fast_search(classes, mem_limit, var_limit, limit: _Limit) -> Optional[list[list[int]]]:
+def _fast_search(classes, mem_limit, var_limit, limit: _Limit) -> Optional[Solution]:
     """The fast path for many distinct blocks differing only in noise: the merged (uniform)
     MILP solved exactly, then Lagrangian relaxation of both budget rows with exact per-block
-    choices (`llm_act.planner.lagrange`) from it; the better of the two by exact figures
-    (ties: the uniform plan). None when the uniform problem has no plan (the caller then
-    runs the full search, which decides feasibility)."""
-
+    choices (`llm_act.planner.lagrange`) from it, for the blocks the uniform plan does not
+    recompute whole (those stay, their bytes, noise and transient held fixed); the better of
+    the two by exact figures (ties: the uniform plan). None when the uniform problem has no
+    plan (the caller then runs the full search, which decides feasibility)."""
     merged, member = _merged(classes)
-    picks, _, status = _run(merged, "time", mem_limit, var_limit, limit)
-    if picks is None:
+    sol, _, status = _run(merged, "time", mem_limit, var_limit, limit)
+    if sol is None:
         return None
-    uniform = [list(picks[m]) for m in member]
+    sol = _mix(merged, "time", mem_limit, var_limit, limit, sol)
+    uniform = _spread(classes, member, sol)
     best = uniform
-    try:
-        lag = lagrange_plan(classes, mem_limit, var_limit, uniform)
-    except Exception as err:  # the fast path never fails a solve: the uniform plan stands
-        log.debug("llm_act: the Lagrangian fast path failed: %r", err)
-        lag = None
+    picks, fulls = uniform
+    part = [k for k, c in enumerate(classes) if c.count > sum(fulls[k])]
+    held = [_Class(c.sites, c.inflight, sum(n), c.options, c.full) for c, n in zip(classes, fulls)]
+    held_fulls = [list(n) for n in fulls]
+    stored, peak, _ms, noise = _evaluate(held, [picks[k] for k in range(len(classes))], held_fulls)
+    sub = [_Class(classes[k].sites, classes[k].inflight, classes[k].count - sum(fulls[k]),
+                  classes[k].options) for k in part]
+    lag = None
+    if sub:
+        try:
+            lag = lagrange_plan(sub, mem_limit - stored, var_limit - noise if var_limit else var_limit,
+                                [picks[k] for k in part], peak_floor=peak)
+        except Exception as err:  # the fast path never fails a solve: the uniform plan stands
+            log.debug("llm_act: the Lagrangian fast path failed: %r", err)
     if lag is not None:
-        stored, peak, ms, noise = _evaluate(classes, lag)
+        trial = [list(p) for p in picks]
+        for k, row in zip(part, lag):
+            trial[k] = list(row)
+        cand = (trial, fulls)
+        stored, peak, ms, noise = _evaluate(classes, *cand)
         if (stored + peak <= mem_limit and noise <= var_limit * (1 + _VAR_RTOL)
-                and ms < _evaluate(classes, uniform)[2]):
-            best = lag
+                and ms < _evaluate(classes, *uniform)[2]):
+            best = cand
     return best
 
 
@@ -552,12 +758,12 @@ def solve_plan(
     if picks is None:
         # the smallest footprint and the least noise are easy problems: their own limit
         least = _search(classes, "memory", None, None, _Limit(limit.seconds))[0]
-        min_act = sum(_evaluate(classes, least)[:2])
+        min_act = sum(_evaluate(classes, *least)[:2])
         if mem_limit < min_act:
             raise InfeasibleBudget(budget, static, min_act + static)
         if variance_budget is not None:  # the least noise within the memory budget decides
             quiet = _search(classes, "variance", mem_limit, None, _Limit(limit.seconds))[0]
-            least_noise = _evaluate(classes, quiet)[3]
+            least_noise = _evaluate(classes, *quiet)[3]
             if least_noise > variance_budget * (1 + _VAR_RTOL):
                 raise InfeasibleVariance(variance_budget, least_noise)
         if undecided is not None:
@@ -577,26 +783,55 @@ def solve_plan(
     return plan
 
 
-def _plan(blocks, classes, owner, picks) -> Plan:
-    stored, peak, ms, noise = _evaluate(classes, picks)
-    per_class = [
-        {s.name: cls.options[i][o].name for i, (s, o) in enumerate(zip(cls.sites, pick))}
-        for cls, pick in zip(classes, picks)
-    ]
-    return Plan(blocks=tuple(blocks), choice=[dict(per_class[k]) for k in owner],
-                activation_bytes=stored + peak, overhead_ms=ms, variance=noise, peak_bytes=peak)
+def _plan(blocks, classes, owner, sol: Solution) -> Plan:
+    """The Plan of a solution; a class's whole-block counts go to its blocks in order."""
+    picks, fulls = sol
+    stored, peak, ms, noise = _evaluate(classes, picks, fulls)
+    left = [list(f) for f in fulls]
+    choice, full = [], []
+    for block, k in zip(blocks, owner):
+        cls = classes[k]
+        mine: dict[str, int] = {}
+        room = block.count
+        for c, opt in enumerate(cls.full):
+            take = min(left[k][c], room)
+            if take:
+                mine[checkpoint_of(opt.name)] = take
+                left[k][c] -= take
+                room -= take
+        per_site = {s.name: cls.options[i][o].name for i, (s, o) in enumerate(zip(cls.sites, picks[k]))}
+        if room == 0 and mine:
+            per_site = whole_layer(block, min(mine))
+        choice.append(per_site)
+        full.append(mine)
+    return Plan(blocks=tuple(blocks), choice=choice, activation_bytes=stored + peak, overhead_ms=ms,
+                variance=noise, peak_bytes=peak, full=full)
 
 
 def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str]]) -> Plan:
     """The figures of a given choice (e.g. the fixed "keep"/"compress"/"recompute" plans)
-    under the same cost model; a site missing from a choice is kept."""
+    under the same cost model; a site missing from a choice is kept. A choice that
+    recomputes every site but the checkpoint is whole-block recompute where the block
+    offers it (`BlockProfile.full_ms`), as the layers run it."""
     blocks = _check_blocks(blocks)
     choice = list(choice)
     if len(choice) != len(blocks):
         raise ValueError(f"choice: expected {len(blocks)} entries (one per block), got {len(choice)}")
-    classes = [_Class(b.sites, b.inflight, b.count, [_site_options(s) for s in b.sites]) for b in blocks]
-    picks = []
-    for n, (cls, ch) in enumerate(zip(classes, choice)):
+    classes = []
+    for b in blocks:
+        options = [_site_options(s) for s in b.sites]
+        classes.append(_Class(b.sites, b.inflight, b.count, options, _full_options(b, options)))
+    picks, fulls = [], _no_full(classes)
+    for n, (cls, block, ch) in enumerate(zip(classes, blocks, choice)):
+        if cls.full and is_whole(ch, block):
+            name = full_name(ch.get(CHECKPOINT_SITE, KEEP))
+            names = [o.name for o in cls.full]
+            if name not in names:
+                raise ValueError(f"choice[{n}][{CHECKPOINT_SITE!r}]: {ch.get(CHECKPOINT_SITE)!r} is not "
+                                 f"an option for the block input here ({', '.join(names)})")
+            fulls[n][names.index(name)] = cls.count
+            picks.append([0] * len(cls.sites))
+            continue
         unknown = set(ch) - {s.name for s in cls.sites}
         if unknown:
             raise ValueError(f"choice[{n}]: sites {sorted(unknown)} are not in the block")
@@ -617,4 +852,4 @@ def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str
                 f"codec {cls.options[j][pick[j]].name!r} does not keep the value"
             )
         picks.append(pick)
-    return _plan(blocks, classes, list(range(len(blocks))), picks)
+    return _plan(blocks, classes, list(range(len(blocks))), (picks, fulls))

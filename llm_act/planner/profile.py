@@ -14,6 +14,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Optional
 
+from llm_act.sites import CHECKPOINT_SITE
+
 
 def _byte_count(value, what: str) -> int:
     """An exact non-negative byte count (ints, or floats that hold an integer)."""
@@ -115,18 +117,24 @@ class SiteProfile:
         return (
             self.forward_ms is not None
             and math.isfinite(self.forward_ms)
-            and self.name != "ln1.input"
+            and self.name != CHECKPOINT_SITE
         )
 
 
 @dataclass(frozen=True)
 class BlockProfile:
     """The saved tensors of one block, repeated `count` times (layers) with `inflight`
-    micro-batches alive at once (pipeline stage k of p under 1F1B holds p - k)."""
+    micro-batches alive at once (pipeline stage k of p under 1F1B holds p - k).
+
+    `full_ms`: the forward time of the whole block, what recomputing all of it from its
+    input (`ln1.input`, kept or encoded) costs; None when the whole-block choice is not
+    offered. Whole-block recompute reaches what no per-site choice can: it also drops what a
+    site's own recompute leaves behind (RoPE tables, the MoE dispatcher's outputs)."""
 
     sites: tuple[SiteProfile, ...]
     count: int = 1
     inflight: int = 1
+    full_ms: Optional[float] = None
 
     def __post_init__(self) -> None:
         sites = tuple(self.sites)
@@ -153,6 +161,11 @@ class BlockProfile:
             if v < 1:
                 raise ValueError(f"BlockProfile.{f}: must be >= 1, got {v}")
             object.__setattr__(self, f, int(v))
+        if self.full_ms is not None:
+            if CHECKPOINT_SITE not in seen:
+                raise ValueError(f"BlockProfile.full_ms: whole-block recompute starts from "
+                                 f"{CHECKPOINT_SITE!r}, which is not a site of the block")
+            object.__setattr__(self, "full_ms", _non_negative(self.full_ms, "BlockProfile.full_ms"))
 
     def scaled(self, factor: float) -> "BlockProfile":
         """This block with every site's sensitivity times `factor`: a layer whose

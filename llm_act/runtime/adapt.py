@@ -603,7 +603,7 @@ class Adapter:
         answer over `problem(profile)`, for diagnostics and tests."""
         blocks, static = self.problem(profile)
         sol = solve_plan(blocks, budget, static_bytes=static, variance_budget=self.noise_budget())
-        return profile.plan_from_choice(sol.choice)
+        return profile.plan_from(sol)
 
     def _budget(self, profile: Any, static: int) -> int:
         if self.config.budget is not None:
@@ -671,7 +671,7 @@ class Adapter:
             out["failure"] = f"{type(err).__name__}: {err}"
             return out
         self.solution = sol
-        out.update(plan=profile.plan_from_choice(sol.choice), predicted_bytes=sol.activation_bytes + static,
+        out.update(plan=profile.plan_from(sol), predicted_bytes=sol.activation_bytes + static,
                    noise=float(sol.variance) if self.sensitivity else None, noise_budget=noise,
                    activation_bytes=sol.activation_bytes, overhead_ms=sol.overhead_ms)
         return out

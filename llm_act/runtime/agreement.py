@@ -284,6 +284,8 @@ def agree_profile(profile: Any, g: Optional[Groups]) -> Any:
             means[(layer, site, name, "enc")] = opt.encode_ms
             means[(layer, site, name, "dec")] = opt.decode_ms
     ints[("other",)] = profile.other_bytes
+    for layer, ms in profile.block_ms.items():
+        means[(layer, "block")] = ms
     ints = reduce_dict(ints, "max", g.stage)
     means = reduce_dict(means, "mean", g.stage)
     profile.other_bytes = int(ints[("other",)])
@@ -298,6 +300,8 @@ def agree_profile(profile: Any, g: Optional[Groups]) -> Any:
             opt.error = means[(layer, site, name, "err")]
             opt.encode_ms = means[(layer, site, name, "enc")]
             opt.decode_ms = means[(layer, site, name, "dec")]
+    for layer in profile.block_ms:
+        profile.block_ms[layer] = means[(layer, "block")]
     return profile
 
 

@@ -2,6 +2,7 @@
 variance), its speed on GPT-sized problems, and the JSON plan format."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -306,7 +307,7 @@ def test_single_stage_solves_fast(layers):
     blk = gpt_block()
     full = layers * sum(s.nbytes for s in blk.sites)
     separate = solve_plan([blk] * layers, full // 3)  # one entry per layer, shared variables
-    merged = solve_plan([BlockProfile(blk.sites, count=layers)], full // 3)
+    merged = solve_plan([dataclasses.replace(blk, count=layers)], full // 3)
     print(f"\n{layers} layers: {separate.solve_seconds * 1e3:.1f} ms ({layers} entries), "
           f"{merged.solve_seconds * 1e3:.1f} ms (one entry), {merged.num_variables} variables")
     assert separate.num_variables == merged.num_variables

@@ -298,3 +298,30 @@ def test_a_budget_above_the_gpu_memory_is_warned(caplog):
         controller.adapter.after_iteration(None)  # ... are made once
     warned = [r.getMessage() for r in caplog.records if "this GPU has" in r.getMessage()]
     assert len(warned) == 1 and f"{2 * total / 1e9:.3f} GB" in warned[0]
+
+
+def test_auto_at_full_recompute_memory_recomputes_layers_whole(monkeypatch):
+    """With no noise allowed and a budget at full recompute's memory, "auto" recomputes every
+    layer whole (issue 27: per-site recomputation cannot reach that memory, q/k/v and the
+    attention output are rebuilt only with the whole block). The plan runs and adds no noise."""
+    from llm_act.plan import recompute_layer
+    from llm_act.runtime.adapt import Adapter
+
+    def budget(self, profile, static):
+        blocks, static = self.problem(profile)
+        full = evaluate_plan(blocks, profile.choice_for({i: recompute_layer() for i in profile.layers}))
+        return static + full.activation_bytes
+
+    monkeypatch.setattr(Adapter, "_budget", budget)
+    model, controller, opt, gen = _setup(sensitivity=False, variance_budget=0.0)
+    steps = _train(model, controller, opt, gen, 3)
+    assert controller.plan == {0: recompute_layer(), 1: recompute_layer()}
+    assert all(torch.isfinite(torch.tensor(loss)) for _, _, loss in steps)
+    assert controller.adapter.solution.variance == 0.0
+    # without the whole-block option no lossless plan fits that budget
+    from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
+
+    blocks, static = controller.adapter.problem(controller.adapter.profile)
+    bare = [b.__class__(b.sites, b.count, b.inflight) for b in blocks]
+    with pytest.raises((InfeasibleBudget, InfeasibleVariance)):
+        solve_plan(bare, controller.adapter.budget, static_bytes=static, variance_budget=0.0)

@@ -7,16 +7,89 @@ builders the tests share live in `llm_act.train.small_gpt` and `llm_act.train.pa
 """
 from __future__ import annotations
 
+import functools
 import os
 import traceback
 from typing import Any, Callable
 
 import torch
 
-from llm_act.train.parallel import destroy_parallel, free_port, init_parallel
-from llm_act.train.small_gpt import gpt_batch, gpt_model, local_layer_spec, small_config, transformer_layer
 
-__all__ = ["WorkerError", "destroy_parallel", "free_port", "gpt_batch", "gpt_model", "init_parallel",
+def defer_torch_compile() -> None:
+    """Make `torch.compile` of a plain function build nothing until the function is first
+    called. megatron-core decorates its fusions with `torch.compile` at import, which imports
+    torch._inductor: about 7 s in every process that imports megatron-core (each spawned
+    rank), for functions the CPU tests never call. Modules are compiled as before (tests
+    compile models on purpose), and a function compiles on its first call, as it would."""
+    real = torch.compile
+    if getattr(real, "_llm_act_deferred", False):
+        return
+
+    def compile(model=None, **kwargs):
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: compile(fn, **kwargs)
+        if isinstance(model, torch.nn.Module) or not callable(model):
+            return real(model, **kwargs)
+        built = []
+
+        @functools.wraps(model)
+        def run(*args, **kw):
+            if not built:
+                built.append(real(model, **kwargs))
+            return built[0](*args, **kw)
+
+        return run
+
+    compile._llm_act_deferred = True
+    torch.compile = compile
+
+
+def _after_import(name: str, patch: Callable[[Any], None]) -> None:
+    """Run `patch(module)` right after module `name` is first imported (no import now)."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def skip_deepspeed_shm_build() -> None:
+    """DeepSpeed builds its shared-memory all-reduce op (C++, about a minute) in every CPU
+    process that starts its comm, and the tests start many; gloo's all-reduce, which it
+    falls back to, does the same job here. Takes effect when deepspeed.comm is imported."""
+    if torch.cuda.is_available():
+        return
+    _after_import("deepspeed.comm.torch", lambda module: setattr(module, "build_shm_op", lambda: None))
+
+
+defer_torch_compile()
+skip_deepspeed_shm_build()
+
+from llm_act.train.parallel import destroy_parallel, free_port, init_parallel  # noqa: E402
+from llm_act.train.small_gpt import gpt_batch, gpt_model, local_layer_spec, small_config, transformer_layer  # noqa: E402
+
+__all__ = ["WorkerError", "defer_torch_compile", "destroy_parallel", "skip_deepspeed_shm_build", "free_port", "gpt_batch", "gpt_model", "init_parallel",
            "local_layer_spec", "small_config", "spawn", "transformer_layer"]
 
 

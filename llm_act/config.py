@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from llm_act.codecs.registry import check_choice
+from llm_act.output.chunked_loss import DEFAULT_CHUNK_TOKENS
 
-PLAN_MODES = ("auto", "keep", "compress", "recompute")
+PLAN_MODES = ("auto", "keep", "compress", "recompute", "selective")
 ATTENTION_MODES = ("auto", "stock", "sdpa", "chunked")
 #: plan "auto"'s default noise budget, as a fraction of the measured sampling noise
 #: (`llm-act bench convergence`, docs/benchmarks.md, is the evidence behind it)
@@ -23,6 +24,9 @@ NOISE_FRACTION = 0.25
 #: how plan "auto" treats a biased codec under a noise budget: "charge" its noise at the
 #: coherent error measured on the real gradient, or "exclude" it
 BIASED_MODES = ("charge", "exclude")
+#: the output layer and its loss: megatron's own ("stock"), the chunked linear + cross-entropy
+#: that never holds the [tokens, vocab] logits ("chunked"), or the planner's choice ("auto")
+OUTPUT_LOSS_MODES = ("auto", "stock", "chunked")
 
 _UNITS = {
     "": 1,
@@ -115,6 +119,18 @@ class ActConfig:
     """Report the gradient fidelity (compressed against exact gradient on one
     micro-batch, `llm_act.measurement.fidelity`) every this many iterations; 0: only on request."""
 
+    output_loss: str = "auto"
+    """The output layer and its loss (megatron-core GPTModel): "stock" (megatron's own output
+    layer and `vocab_parallel_cross_entropy`, which keeps the fp32 [tokens, vocab/tp] logits
+    for backward), "chunked" (`llm_act.output.chunked_linear_cross_entropy`: the same loss,
+    `output_chunk_tokens` tokens at a time, never the whole logits; one more logits GEMM in
+    backward), or "auto": under plan "auto" the planner chooses between the two at each
+    tracking point, under every fixed plan ("keep", "compress", "recompute", a JSON plan) it
+    means "stock"."""
+
+    output_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Tokens per chunk of the chunked output loss (its transient is one chunk's logits)."""
+
     def __post_init__(self) -> None:
         self._check_bool("enabled")
         self._check_bool("adapt")
@@ -168,6 +184,25 @@ class ActConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed: expected an integer, got {self.seed!r}")
+        if not isinstance(self.output_loss, str) or self.output_loss not in OUTPUT_LOSS_MODES:
+            raise ValueError(
+                f"output_loss: expected one of {', '.join(OUTPUT_LOSS_MODES)} (stock: megatron's output "
+                f"layer and loss; chunked: never the full logits; auto: the planner's choice under plan "
+                f"'auto', stock under a fixed plan), got {self.output_loss!r}"
+            )
+        if isinstance(self.output_chunk_tokens, bool) or not isinstance(self.output_chunk_tokens, int) \
+                or self.output_chunk_tokens < 1:
+            raise ValueError(
+                f"output_chunk_tokens: expected an integer >= 1 (tokens per chunk of the chunked output "
+                f"loss), got {self.output_chunk_tokens!r}"
+            )
+
+    def output_loss_mode(self) -> str:
+        """`output_loss` resolved against the plan: "stock" or "chunked" where fixed; "auto"
+        only under plan "auto" (the planner decides); "auto" under a fixed plan is "stock"."""
+        if self.output_loss == "auto" and self.plan != "auto":
+            return "stock"
+        return self.output_loss
 
     def _check_bool(self, key: str) -> None:
         if not isinstance(getattr(self, key), bool):

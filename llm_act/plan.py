@@ -11,6 +11,8 @@ one form the Controller applies to the modules, whatever the user wrote:
   `ActConfig.codecs` overrides staying pinned;
 - "recompute": Megatron-style full block recompute (`recompute_layer()`): `ln1.input`
   kept, every other site recomputed in backward from it;
+- "selective": Megatron's selective recompute (`selective_layer()`): the core attention
+  (`attn.softmax`, `attn.dropout_mask`) re-run in backward from its kept q, k, v;
 - a JSON plan path (or its dict) read by `load_plan_json`;
 - then `ActConfig.codecs` (site -> choice) overrides on top, for every layer.
 
@@ -109,6 +111,8 @@ def plan_from(source: PlanLike, num_layers: int, layers: Optional[Iterable[int]]
         return {i: compress_layer(fewbit=i not in no_fewbit) for i in wanted}
     if isinstance(source, str) and source == RECOMPUTE:
         return {i: recompute_layer() for i in wanted}
+    if isinstance(source, str) and source == "selective":
+        return {i: selective_layer() for i in wanted}
     if isinstance(source, Mapping) and "blocks" in source or isinstance(source, (str, os.PathLike)):
         per_layer = load_plan_json(source, num_layers)
         return {i: _full(per_layer[i], f"plan layer {i}") for i in wanted}
@@ -202,6 +206,9 @@ class Plan:
     optimal: bool = True
     """False when the solver stopped at `time_limit` with a feasible plan not proven optimal."""
     full: list[dict[str, int]] = field(default_factory=list)
+    bound_ms: Optional[float] = None
+    """a lower bound on `overhead_ms` the MILP solver proved (full search, time objective;
+    None when it reports none): how far from optimal a plan stopped at the time limit can be"""
 
     def layer_choices(self, i: int) -> list[dict[str, str]]:
         """The choice of each of block i's `count` layers: those recomputed whole first."""

@@ -13,6 +13,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import llm_act._testing  # noqa: E402,F401 -- defers torch.compile before megatron-core is imported
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

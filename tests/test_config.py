@@ -20,6 +20,8 @@ BRIEF_FIELDS = {
     "noise_fraction": 0.25,
     "biased_codecs": "charge",
     "fidelity_every": 250,
+    "output_loss": "auto",
+    "output_chunk_tokens": 1024,
 }
 
 

@@ -6,20 +6,33 @@ scheme of `SCHEMES`:
 
 - "stock": megatron-core as built (local spec), its core attention in SDPA mode;
 - "megatron selective" / "megatron full": Megatron's recompute modes (core attention /
-  whole block recomputed) written as plans on our sites and run by our recompute machinery;
+  whole block recomputed) written as plans on our sites and run by our recompute machinery
+  (our emulations);
+- "megatron-core full" / "megatron-core selective" / "megatron-core offload": megatron-core's
+  OWN options on a pure megatron-core model (local spec, no Transformer Engine, no llm_act
+  binding, so its own unfused core attention): `recompute_granularity="full"`,
+  `recompute_method="uniform"`, `recompute_num_layers=1`; `recompute_granularity="selective"`
+  with `recompute_modules=["core_attn"]`; fine-grained activation offloading of
+  `NATIVE_OFFLOAD_MODULES` (CUDA streams and Transformer Engine's `cpu_offload`: on CPU a row
+  saying so, on CUDA without Transformer Engine a row with megatron-core's refusal; where it
+  runs, what it moved to the host is not in the cuda peak). What megatron-core 0.16.1 cannot
+  run on the local spec is listed in `NATIVE_NOT_RUN`;
 - "ours keep": our converted layers, every site kept (what plan "keep" costs);
 - "ours compress": the default compress plan (design brief: every site at its codec);
 - "ours auto @ full memory": the MILP solved per micro-batch size with the budget = the
   memory full recompute *measured* at that size (cuda peak; on CPU the ledger's bytes);
+- "ours auto @ megatron-core full memory": the same, with the budget = the memory
+  megatron-core's own full recompute measured at that size (`AUTOS`);
 - "ours": the MILP per micro-batch size at the card's memory (what plan "auto" does), the
   scheme whose largest micro-batch the target compares.
 
-Every scheme uses the same attention kernel (SDPA through `ActCoreAttention`, mode "sdpa"),
-so the comparison isolates what is stored. The memory the MILP plans is the blocks'
-activations; what else a step holds (weights, gradients, embedding, logits and loss) is
-"static" and is measured, not guessed: static(m) = full recompute's measured memory at
-micro-batch m minus the analytic bytes of the full plan (24 kept block inputs + one block
-rebuilt in backward), fitted as a + b*m over the measured sizes.
+Every scheme but megatron-core's own uses the same attention kernel (SDPA through
+`ActCoreAttention`, mode "sdpa"), so the comparison isolates what is stored. The memory the
+MILP plans is the blocks' activations; what else a step holds (weights, gradients,
+embedding, logits and loss) is "static" and is measured, not guessed: static(m) = full
+recompute's measured memory at micro-batch m minus the analytic bytes of the full plan (24
+kept block inputs + one block rebuilt in backward), fitted as a + b*m over the measured
+sizes.
 
 Per scheme and micro-batch size: tokens/s (CUDA events, median of `repeat` steps after a
 warm-up; ratios only within one run) and the memory of a step (`torch.cuda.max_memory_allocated`
@@ -74,11 +87,44 @@ class GpuShape:
 
 STOCK, SELECTIVE, FULL = "stock", "megatron selective", "megatron full"
 KEEP, COMPRESS, AUTO_AT_FULL, OURS = "ours keep", "ours compress", "ours auto @ full memory", "ours"
+#: megatron-core's own options (pure megatron-core models, local spec, no llm_act binding)
+NATIVE_FULL, NATIVE_SELECTIVE, NATIVE_OFFLOAD = ("megatron-core full", "megatron-core selective",
+                                                 "megatron-core offload")
+AUTO_AT_NATIVE_FULL = "ours auto @ megatron-core full memory"
+#: what fine-grained activation offloading moves to the host: every `offload_modules` choice a
+#: dense local-spec GPT has ("expert_fc1" and "moe_act" are MoE's)
+NATIVE_OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+#: each native scheme's TransformerConfig fields
+NATIVE = {
+    NATIVE_FULL: dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    NATIVE_SELECTIVE: dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    NATIVE_OFFLOAD: dict(fine_grained_activation_offloading=True,
+                         offload_modules=list(NATIVE_OFFLOAD_MODULES)),
+}
+#: megatron-core options not run here, and why (found on CPU with megatron-core 0.16.1, local spec)
+NATIVE_NOT_RUN = (
+    'recompute_modules "layernorm": needs Transformer Engine (megatron-core\'s '
+    "CheckpointWithoutOutput takes its FP8 path whatever fp8 is; without Transformer Engine: "
+    "`NameError: name 'FP8GlobalStateManager' is not defined`, tensor_parallel/random.py)",
+    'recompute_modules "mlp": does not train on the local spec with its biased linears '
+    "(add_bias_linear, megatron-core's default): the checkpointed MLP returns linear_fc2's bias "
+    "Parameter through CheckpointFunction, which becomes its grad_fn, so backward re-enters the "
+    "checkpoint without end (memory grows until the process dies); with add_bias_linear=False "
+    "(another model) it runs",
+    "fine-grained activation offloading: needs CUDA (its copies run on `torch.cuda.Stream`s) and "
+    "Transformer Engine (its `cpu_offload`; without it megatron-core raises `RuntimeError: TE CPU "
+    "offload is not available` at the first offloaded module)",
+)
+#: each "auto at X's memory" scheme -> X, the scheme whose measured memory is its MILP budget
+AUTOS = {AUTO_AT_FULL: FULL, AUTO_AT_NATIVE_FULL: NATIVE_FULL}
 #: the table's rows, in this order
-SCHEMES = (STOCK, SELECTIVE, FULL, KEEP, COMPRESS, AUTO_AT_FULL, OURS)
-#: the order they are measured in: the schemes the targets compare first (AUTO_AT_FULL and
-#: OURS need FULL's measured memory)
-ORDER = (STOCK, KEEP, FULL, AUTO_AT_FULL, OURS, COMPRESS, SELECTIVE)
+SCHEMES = (STOCK, SELECTIVE, FULL, NATIVE_SELECTIVE, NATIVE_FULL, NATIVE_OFFLOAD, KEEP, COMPRESS,
+           AUTO_AT_FULL, AUTO_AT_NATIVE_FULL, OURS)
+#: the order they are measured in: the schemes the targets compare first (each auto scheme
+#: after the scheme whose memory is its budget; AUTO_AT_FULL and OURS's static memory need
+#: FULL's measured memory)
+ORDER = (STOCK, KEEP, FULL, NATIVE_FULL, AUTO_AT_NATIVE_FULL, NATIVE_SELECTIVE, NATIVE_OFFLOAD,
+         AUTO_AT_FULL, OURS, COMPRESS, SELECTIVE)
 MARGIN = 0.08  # share of the card kept free for the allocator and workspace
 GPU_SIZES = (1, 2, 4, 8)
 #: the issue's targets
@@ -150,10 +196,11 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
     return (layers[0] if all(c == layers[0] for c in layers) else layers), note
 
 
-def _model(shape: GpuShape, device: torch.device, seed: int = 1234):
+def _model(shape: GpuShape, device: torch.device, seed: int = 1234, **config):
+    """The bench's GPT; `config`: more TransformerConfig fields (a native scheme's `NATIVE`)."""
     cfg = small_gpt.small_config(hidden_size=shape.hidden, num_attention_heads=shape.heads,
                                  num_layers=shape.layers, dtype=torch.bfloat16, dropout=0.0,
-                                 use_cpu_initialization=device.type == "cpu")
+                                 use_cpu_initialization=device.type == "cpu", **config)
     torch.manual_seed(seed)
     model = small_gpt.gpt_model(cfg, vocab_size=shape.vocab, max_sequence_length=shape.seq).to(device)
     # as Megatron-LM under --bf16: every parameter in bf16 (on CUDA megatron-core's torch
@@ -216,9 +263,10 @@ def _free(device: torch.device) -> None:
 
 
 def _measure(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int,
-             capacity: Optional[int]) -> dict:
+             capacity: Optional[int], after_step: Optional[Callable[[], None]] = None) -> dict:
     """One cell: {"ms", "tokens_per_s", "mem_bytes"}; repeat=0: one step for memory only.
-    Raises `_Failed` when it does not fit (memory freed first)."""
+    Raises `_Failed` when it does not fit (memory freed first). `after_step`: called after
+    every forward-backward (what megatron-core's schedules do after one)."""
     cuda = device.type == "cuda"
     ids = torch.randint(0, shape.vocab, (mbs, shape.seq), device=device)
     pos = torch.arange(shape.seq, device=device).unsqueeze(0).expand(mbs, -1)
@@ -231,6 +279,8 @@ def _measure(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int
                 loss = model(ids, pos, None, labels=ids).float().mean()
         loss.backward()
         model.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
 
     oom = False
     why = ""
@@ -287,9 +337,11 @@ def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, 
         schemes=ORDER, log: Callable[[str], None] = lambda m: None,
         isolate: Optional[bool] = None) -> dict:
     """Measure every scheme. Returns {"rows": [...], "largest": {scheme: {...}}, "machine",
-    "shape", "memory_kind", "capacity", "static", "skipped"}; a row is {scheme, mbs, fits,
-    ms, tokens_per_s, mem_bytes, plan, budget, note} (`fits` False: out of memory or no plan;
-    rows not measured for time are absent and listed in "skipped").
+    "shape", "memory_kind", "capacity", "static", "measured", "skipped"}; a row is {scheme,
+    mbs, fits, ms, tokens_per_s, mem_bytes, plan, budget, note} (`fits` False: out of memory,
+    no plan, or a native option megatron-core refuses or that needs CUDA: its note says which;
+    rows not measured for time are absent and listed in "skipped"). "measured": {scheme: {mbs:
+    memory}} of the schemes whose memory is an auto scheme's budget (`AUTOS`).
 
     `search`: find the largest micro-batch per scheme (default: on CUDA, or when
     `capacity_bytes` emulates a card); the bisection stops within `resolution` of the edge
@@ -321,28 +373,31 @@ def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, 
     rows: list[dict] = []
     largest_found: dict = {}
     skipped: list[str] = []
-    full_mem: dict[int, int] = {}  # mbs -> full recompute's measured memory
+    # scheme -> {mbs: its measured memory}, for the schemes whose memory is an auto scheme's
+    # budget (`AUTOS`); FULL's also gives the static memory
+    measured: dict[str, dict[int, int]] = {}
     for name in schemes:
         left = None if deadline is None else deadline - time.perf_counter()
         if left is not None and left <= 0:
             skipped.append(f"{name}: every size")
             continue
         if isolate:
-            got = _in_child(sweep, name, full_mem, left)
+            got = _in_child(sweep, name, measured, left)
         else:
-            got = sweep.scheme(name, full_mem, left, log)
+            got = sweep.scheme(name, measured, left, log)
         rows += got["rows"]
         skipped += got["skipped"]
-        full_mem.update(got["full_mem"])
+        for src, mem in got["measured"].items():
+            measured.setdefault(src, {}).update(mem)
         if got.get("largest") is not None:
             largest_found[name] = got["largest"]
     return {"rows": rows, "largest": largest_found, "machine": machine_line(dev), "shape": shape,
             "memory_kind": "cuda peak" if cuda else "ledger", "capacity": capacity_bytes or card,
-            "card": card, "skipped": skipped, "sizes": sizes,
-            "static": {m: sweep.static_at(full_mem, m) for m in sizes} if full_mem else {}}
+            "card": card, "skipped": skipped, "sizes": sizes, "measured": measured,
+            "static": {m: sweep.static_at(measured, m) for m in sizes} if measured.get(FULL) else {}}
 
 
-def _in_child(sweep: "_Sweep", name: str, full_mem: dict, left: Optional[float]) -> dict:
+def _in_child(sweep: "_Sweep", name: str, measured: dict, left: Optional[float]) -> dict:
     """`sweep.scheme(name, ...)` in a fresh spawned process (its log lines go to stdout)."""
     import concurrent.futures
     import multiprocessing
@@ -350,18 +405,18 @@ def _in_child(sweep: "_Sweep", name: str, full_mem: dict, left: Optional[float])
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
         try:
-            return pool.submit(_child_scheme, sweep, name, dict(full_mem), left).result()
+            return pool.submit(_child_scheme, sweep, name, dict(measured), left).result()
         except Exception as err:  # the child died (or its result could not come back)
             print(f"  {name}: the process measuring it failed: {_first_line(err)}", flush=True)
             return _error(sweep, name, _first_line(err))
 
 
-def _child_scheme(sweep: "_Sweep", name: str, full_mem: dict, left: Optional[float]) -> dict:
+def _child_scheme(sweep: "_Sweep", name: str, measured: dict, left: Optional[float]) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|CUDA_DEVICE_MAX).*")
     try:
-        return sweep.scheme(name, full_mem, left, lambda m: print(m, flush=True))
+        return sweep.scheme(name, measured, left, lambda m: print(m, flush=True))
     except Exception as err:
         import traceback
 
@@ -371,8 +426,32 @@ def _child_scheme(sweep: "_Sweep", name: str, full_mem: dict, left: Optional[flo
 
 def _error(sweep: "_Sweep", name: str, why: str) -> dict:
     """`_Sweep.scheme`'s result for a scheme whose measurement crashed: one row saying why."""
-    return {"rows": [{"scheme": name, "mbs": sweep.sizes[0], "fits": False, "note": f"error: {why}"}],
-            "skipped": [], "full_mem": {}, "largest": None}
+    return _one_row(sweep, name, f"error: {why}")
+
+
+def _one_row(sweep: "_Sweep", name: str, note: str) -> dict:
+    """`_Sweep.scheme`'s result for a scheme not measured: one row saying why."""
+    return {"rows": [{"scheme": name, "mbs": sweep.sizes[0], "fits": False, "note": note}],
+            "skipped": [], "measured": {}, "largest": None}
+
+
+#: the note of the native offload row where there is no CUDA
+OFFLOAD_NEEDS_CUDA = ("not run: needs CUDA (megatron-core's fine-grained activation offloading "
+                      "copies on torch.cuda.Stream) and Transformer Engine (its cpu_offload)")
+
+
+def _native_step_hooks(name: str) -> tuple[Optional[Callable[[], None]], Optional[Callable[[], None]]]:
+    """(before a cell, after every step) for a native scheme. Fine-grained offloading keeps its
+    state in a process-wide manager that megatron-core's schedules reset after every
+    forward-backward; each cell starts from a fresh one (its first step is the warm-up that
+    sizes the offload groups, as a training run's first iteration)."""
+    if name != NATIVE_OFFLOAD:
+        return None, None
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        FineGrainedActivationOffloadingInterface as off,
+    )
+
+    return off.reset_instance, off.reset
 
 
 @dataclass(frozen=True)
@@ -388,8 +467,10 @@ class _Sweep:
     max_mbs: int
     resolution: float
 
-    def static_at(self, full_mem: dict, mbs: int) -> int:
-        """Non-activation memory at `mbs`: a + b*m fitted to full recompute's residuals."""
+    def static_at(self, measured: dict, mbs: int) -> int:
+        """Non-activation memory at `mbs`: a + b*m fitted to full recompute's residuals
+        (`measured`: scheme -> {mbs: measured memory}; FULL's is used)."""
+        full_mem = measured.get(FULL, {})
         pts = sorted((m, mem - full_activation_bytes(self.shape, m)) for m, mem in full_mem.items())
         if not pts:
             return 0
@@ -399,29 +480,39 @@ class _Sweep:
         slope = (r1 - r0) / (m1 - m0)
         return max(0, int(r0 + slope * (mbs - m0)))
 
-    def plan_for(self, name: str, mbs: int, full_mem: dict):
-        """(scheme, budget, static, reason-if-none)"""
-        if name == AUTO_AT_FULL:
-            if mbs not in full_mem:
-                return None, None, None, "full recompute did not fit/measure here"
-            budget = full_mem[mbs]
-            static = min(budget, self.static_at(full_mem, mbs))
+    def plan_for(self, name: str, mbs: int, measured: dict):
+        """(scheme, budget, static, reason-if-none); an auto scheme's budget is the memory its
+        source scheme (`AUTOS`) measured at `mbs`, its static memory estimated from FULL's."""
+        if name in AUTOS:
+            src = AUTOS[name]
+            mem = measured.get(src, {})
+            if mbs not in mem:
+                return None, None, None, f"{src} did not fit or was not measured at this size"
+            budget = mem[mbs]
+            static = min(budget, self.static_at(measured, mbs))
         elif name == OURS:
             budget = self.ours_total if self.ours_total is not None else 2**62
-            static = self.static_at(full_mem, mbs) if self.ours_total is not None else 0
+            static = self.static_at(measured, mbs) if self.ours_total is not None else 0
         else:
             return _scheme(name), None, None, None
-        choice, note = _solve(self.shape, mbs, budget, static, least=name == AUTO_AT_FULL)
+        choice, note = _solve(self.shape, mbs, budget, static, least=name in AUTOS)
         if choice is None:
             return None, budget, static, note
         return _scheme(name, choice), budget, static, note
 
-    def scheme(self, name: str, full_mem: dict, left: Optional[float], log: Callable[[str], None]) -> dict:
+    def scheme(self, name: str, measured: dict, left: Optional[float], log: Callable[[str], None]) -> dict:
         """One scheme over the sizes, then its largest micro-batch: {"rows", "skipped",
-        "full_mem" (FULL's measured memory per size), "largest"}."""
+        "measured" ({name: its measured memory per size} when it is a budget of `AUTOS`),
+        "largest"}. A native scheme (`NATIVE`) is a pure megatron-core model built with its
+        TransformerConfig fields, never bound; what megatron-core refuses is its row's note."""
         dev = torch.device(self.device)
+        if name == NATIVE_OFFLOAD and dev.type != "cuda":
+            log(f"  {name}: {OFFLOAD_NEEDS_CUDA}")
+            return _one_row(self, name, OFFLOAD_NEEDS_CUDA)
+        native = name in NATIVE
         deadline = None if left is None else time.perf_counter() + left
-        full_mem = dict(full_mem)
+        measured = {k: dict(v) for k, v in measured.items()}
+        mine: dict[int, int] = {}
         rows: list[dict] = []
         skipped: list[str] = []
         found = None
@@ -429,39 +520,60 @@ class _Sweep:
         def over() -> bool:
             return deadline is not None and time.perf_counter() > deadline
 
+        def refused(err: Exception) -> str:
+            return f"error: megatron-core refused it: {type(err).__name__}: {_first_line(err)}"
+
         parallel.init_parallel(seed=1234)
         try:
             t0 = time.perf_counter()
-            model = _model(self.shape, dev)
+            try:
+                model = _model(self.shape, dev, **NATIVE.get(name, {}))
+            except Exception as err:  # a native config megatron-core refuses
+                if not native:
+                    raise
+                log(f"  {name}: {refused(err)}")
+                return _one_row(self, name, refused(err))
+            before_cell, after_step = _native_step_hooks(name)
             bound = None
 
             def cell(mbs: int, reps: int) -> dict:
                 nonlocal bound, model
-                scheme, budget, static, why = self.plan_for(name, mbs, full_mem)
-                row = {"scheme": name, "mbs": mbs, "budget": budget, "static": static}
-                if why:
-                    row["note"] = why
-                if scheme is None:
-                    return {**row, "fits": False}
-                key = json.dumps([scheme.choice, scheme.layers], sort_keys=True)
-                if key != bound:
-                    bind(model, scheme)
-                    bound = key
+                if native:
+                    scheme, row = None, {"scheme": name, "mbs": mbs, "budget": None, "static": None}
+                else:
+                    scheme, budget, static, why = self.plan_for(name, mbs, measured)
+                    row = {"scheme": name, "mbs": mbs, "budget": budget, "static": static}
+                    if why:
+                        row["note"] = why
+                    if scheme is None:
+                        return {**row, "fits": False}
+                    key = json.dumps([scheme.choice, scheme.layers], sort_keys=True)
+                    if key != bound:
+                        bind(model, scheme)
+                        bound = key
                 try:
-                    got = _measure(model, self.shape, mbs, dev, reps, self.capacity)
+                    if before_cell is not None:
+                        before_cell()
+                    got = _measure(model, self.shape, mbs, dev, reps, self.capacity, after_step)
                 except _Failed as failed:
                     bound = None  # rebind before the next step: drops whatever the failed one left
                     if failed.left > LEAK_BYTES:  # and a new model, if that is what holds it
                         del model
                         _free(dev)
-                        model = _model(self.shape, dev)
+                        model = _model(self.shape, dev, **NATIVE.get(name, {}))
                     return {**row, "fits": False, "note": OOM, "why": failed.why}
-                plan = (list(scheme.layers) or scheme.choice) if name in (AUTO_AT_FULL, OURS) else None
+                except Exception as err:  # megatron-core refusing its own option at run time
+                    if not native:
+                        raise
+                    model.zero_grad(set_to_none=True)
+                    _free(dev)
+                    return {**row, "fits": False, "note": refused(err), "refused": True}
+                plan = (list(scheme.layers) or scheme.choice) if name in AUTOS or name == OURS else None
                 return {**row, "fits": True, "plan": plan,
                         **got}
 
             try:
-                fitted, failed_at = [], None
+                fitted, failed_at, stop = [], None, False
                 for mbs in self.sizes:
                     if over():
                         skipped.append(f"{name}: mbs {mbs}")
@@ -470,16 +582,16 @@ class _Sweep:
                     rows.append(row)
                     if row["fits"]:
                         fitted.append(mbs)
-                        if name == FULL:
-                            full_mem[mbs] = row["mem_bytes"]
+                        if name in AUTOS.values():
+                            mine[mbs] = row["mem_bytes"]
                         speed = f"{row['tokens_per_s']:.0f} tokens/s, " if "tokens_per_s" in row else ""
                         log(f"  {name} mbs {mbs}: {speed}{_size(row['mem_bytes'])}")
                     else:
-                        failed_at = mbs
+                        failed_at, stop = mbs, bool(row.get("refused"))
                         log(f"  {name} mbs {mbs}: {row['note']}"
                             + (f" ({row['why']})" if row.get("why") else ""))
                         break
-                if self.search and name != AUTO_AT_FULL:
+                if self.search and name not in AUTOS and not stop:
                     found = _search(name, max(fitted, default=0), failed_at, cell, over,
                                     self.max_mbs, log, self.resolution)
             finally:
@@ -489,7 +601,7 @@ class _Sweep:
         finally:
             parallel.destroy_parallel()
         return {"rows": rows, "skipped": skipped, "largest": found,
-                "full_mem": full_mem if name == FULL else {}}
+                "measured": {name: mine} if name in AUTOS.values() else {}}
 
 
 def _search(name, lo, failed, cell, over, max_mbs, log, resolution: float = 0.0) -> dict:
@@ -563,8 +675,9 @@ def _ratio(result: dict, a: str, b: str, mbs: int) -> Optional[float]:
 
 
 def table(result: dict) -> str:
-    """Tokens/s (memory GiB) per scheme and micro-batch size, the largest micro-batch, and the
-    throughput ratios against stock and against full recompute."""
+    """Tokens/s (memory GiB) per scheme and micro-batch size, the largest micro-batch, the
+    throughput ratios against stock, full recompute (ours) and megatron-core's full recompute,
+    and each auto scheme's plans."""
     sizes = list(result.get("sizes") or sorted({r["mbs"] for r in result["rows"]}))
     by = _by(result)
     kind = result.get("memory_kind", "cuda peak")
@@ -572,6 +685,7 @@ def table(result: dict) -> str:
     lines = [f"Tokens/s per micro-batch size (memory of a step in {unit}: {kind}):", "",
              "| scheme | " + " | ".join(f"mbs {m}" for m in sizes) + " | largest mbs |",
              "|---|" + "---:|" * (len(sizes) + 1)]
+    notes: list[str] = []  # why a scheme did not run (too long for a cell)
     for name in SCHEMES:
         cells = []
         for m in sizes:
@@ -579,7 +693,14 @@ def table(result: dict) -> str:
             if r is None:
                 cells.append("-")
             elif not r["fits"]:
-                cells.append("OOM" if r.get("note") == OOM else (r.get("note") or "no fit"))
+                note = r.get("note") or ""
+                if note.startswith(("not run", "error")):
+                    cells.append(f"{note.split(':')[0]} (†)")
+                    notes.append(f"{name}: {note}")
+                else:
+                    cells.append("OOM" if note == OOM else (note or "no fit"))
+            elif "tokens_per_s" not in r:  # a memory-only step (repeat=0)
+                cells.append(f"({r['mem_bytes'] / div:.2f})")
             else:
                 star = "*" if r.get("note") else ""
                 cells.append(f"{r['tokens_per_s']:.0f} ({r['mem_bytes'] / div:.2f}){star}")
@@ -587,10 +708,14 @@ def table(result: dict) -> str:
         big = str(largest(result, name))
         if found is not None and not found.get("exact", True):
             big += f" (>=; {found.get('note', '')})"
+        elif found is None and not any(r["fits"] for r in result["rows"] if r["scheme"] == name):
+            big = "-"
         elif found is None and result.get("largest"):
             big += " (sweep only)"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {big} |")
-    for ref in (STOCK, FULL):
+    if notes:
+        lines += [""] + [f"(†) {n}" for n in notes]
+    for ref in (STOCK, FULL, NATIVE_FULL):
         lines += ["", f"Throughput against {ref} (same micro-batch size):", "",
                   "| scheme | " + " | ".join(f"mbs {m}" for m in sizes) + " |",
                   "|---|" + "---:|" * len(sizes)]
@@ -600,10 +725,13 @@ def table(result: dict) -> str:
                 x = _ratio(result, name, ref, m)
                 cells.append("" if x is None else f"{x:.3f}x")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    auto = [r for r in result["rows"] if r["scheme"] == AUTO_AT_FULL]
-    if auto:
-        lines += ["", f"{AUTO_AT_FULL}: MILP budget = full recompute's measured memory at the same "
-                  f"size ({kind}); static = measured non-activation memory:", "",
+    for scheme, src in AUTOS.items():
+        auto = [r for r in result["rows"] if r["scheme"] == scheme]
+        if not auto:
+            continue
+        lines += ["", f"{scheme}: MILP budget = {src}'s measured memory at the same "
+                  f"size ({kind}); static = non-activation memory estimated from {FULL}'s measured "
+                  "memory:", "",
                   f"| mbs | budget {unit} | static {unit} | measured {unit} | plan |", "|---:|---:|---:|---:|---|"]
         for r in auto:
             plan = r.get("plan")
@@ -613,7 +741,8 @@ def table(result: dict) -> str:
             lines.append(f"| {r['mbs']} | {'' if b is None else f'{b / div:.2f}'} | "
                          f"{'' if st is None else f'{st / div:.2f}'} | {mem} | {text} |")
     lines += ["", "`-`: not measured (a smaller size did not fit, or the time budget ran out); "
-              "`*`: see the note in the plan table below."]
+              "`*`: see the note in the plan table below.", "",
+              "megatron-core options not run here: " + "; ".join(NATIVE_NOT_RUN) + "."]
     if result.get("skipped"):
         lines += ["", "Not measured (time budget): " + "; ".join(result["skipped"])]
     return "\n".join(lines)
@@ -644,31 +773,29 @@ def _plan_text(choice) -> str:
 
 
 def targets(result: dict, kernel_rows: Optional[list[dict]] = None) -> list[str]:
-    """The issue's targets as "PASS"/"FAIL"/"n/a" lines (ratios within this run)."""
+    """The issue's targets as "PASS"/"FAIL"/"n/a" lines (ratios within this run): ours at full
+    recompute's memory >= TARGET_AUTO_VS_FULL x its throughput; the same at megatron-core's own
+    full recompute's memory; that auto scheme >= every native option's throughput; our largest
+    micro-batch >= both full recomputes'; keep and compress against stock; the kernels."""
     out = []
     sizes = list(result.get("sizes") or [])
     # 1. ours at full recompute's memory >= 1.15x full recompute's throughput
-    pairs = [(m, _ratio(result, AUTO_AT_FULL, FULL, m)) for m in sizes]
-    pairs = [(m, x) for m, x in pairs if x is not None]
-    if pairs:
-        m, x = pairs[-1]
-        per = ", ".join(f"mbs {a}: {b:.2f}x" for a, b in pairs)
-        above = _by(result)[(AUTO_AT_FULL, m)].get("note")
-        ok = x >= TARGET_AUTO_VS_FULL and not above
-        out.append(f"- {'PASS' if ok else 'FAIL'}: ours at full recompute's memory "
-                   f">= {TARGET_AUTO_VS_FULL}x its throughput: {x:.2f}x at mbs {m} ({per})"
-                   + (f"; NOT at equal memory at mbs {m}: {above}" if above else ""))
-    else:
-        out.append(f"- n/a: ours at full recompute's memory >= {TARGET_AUTO_VS_FULL}x its throughput: "
-                   "no size where both ran")
-    # 2. our largest micro-batch >= full recompute's
-    full = largest(result, FULL)
+    out.append(_auto_vs(result, AUTO_AT_FULL, "ours at full recompute's memory"))
+    # 1b. the same at megatron-core's own full recompute's memory, and >= every native option
+    out.append(_auto_vs(result, AUTO_AT_NATIVE_FULL, "ours auto at megatron-core full's memory"))
+    out.append(_auto_vs_natives(result))
+    # 2. our largest micro-batch >= full recompute's (ours emulated and megatron-core's own)
+    fulls = {s: largest(result, s) for s in (FULL, NATIVE_FULL)}
+    ref = max(fulls, key=lambda s: fulls[s])
+    full = fulls[ref]
     best = max((OURS, COMPRESS), key=lambda s: largest(result, s))
     ours = largest(result, best)
+    each = ", ".join(f"{s} {n}" for s, n in fulls.items())
     if full:
         x = ours / full
         out.append(f"- {'PASS' if x >= TARGET_LARGEST_VS_FULL else 'FAIL'}: our largest micro-batch >= "
-                   f"{TARGET_LARGEST_VS_FULL:g}x full recompute's: {ours} ({best}) / {full} = {x:.2f}x")
+                   f"{TARGET_LARGEST_VS_FULL:g}x full recompute's: {ours} ({best}) / {full} ({ref}) = "
+                   f"{x:.2f}x ({each})")
     else:
         out.append(f"- n/a: our largest micro-batch >= {TARGET_LARGEST_VS_FULL:g}x full recompute's: "
                    "full recompute fitted nothing")
@@ -695,6 +822,45 @@ def targets(result: dict, kernel_rows: Optional[list[dict]] = None) -> list[str]
     return out
 
 
+def _auto_vs(result: dict, auto: str, what: str) -> str:
+    """"auto at X's memory >= TARGET_AUTO_VS_FULL x X's throughput" (X = AUTOS[auto]) at the
+    largest size both ran; FAIL where the plan there is above the budget (its note)."""
+    src = AUTOS[auto]
+    sizes = list(result.get("sizes") or [])
+    pairs = [(m, _ratio(result, auto, src, m)) for m in sizes]
+    pairs = [(m, x) for m, x in pairs if x is not None]
+    if not pairs:
+        return (f"- n/a: {what} >= {TARGET_AUTO_VS_FULL}x its throughput: no size where both ran")
+    m, x = pairs[-1]
+    per = ", ".join(f"mbs {a}: {b:.2f}x" for a, b in pairs)
+    above = _by(result)[(auto, m)].get("note")
+    ok = x >= TARGET_AUTO_VS_FULL and not above
+    return (f"- {'PASS' if ok else 'FAIL'}: {what} >= {TARGET_AUTO_VS_FULL}x its throughput: "
+            f"{x:.2f}x at mbs {m} ({per})" + (f"; NOT at equal memory at mbs {m}: {above}" if above else ""))
+
+
+def _auto_vs_natives(result: dict) -> str:
+    """"auto at megatron-core full's memory >= every native option's throughput" at the
+    largest size where it and at least one native option ran."""
+    what = "ours auto at megatron-core full's memory >= every native option's throughput at that size"
+    by = _by(result)
+    sizes = list(result.get("sizes") or [])
+    ran = [m for m in sizes if any(_ratio(result, AUTO_AT_NATIVE_FULL, n, m) is not None for n in NATIVE)]
+    if not ran:
+        return f"- n/a: {what}: no size where it and a native option ran"
+    m = ran[-1]
+    ratios = {n: _ratio(result, AUTO_AT_NATIVE_FULL, n, m) for n in NATIVE}
+    done = {n: x for n, x in ratios.items() if x is not None}
+    worst = min(done, key=lambda n: done[n])
+    above = by[(AUTO_AT_NATIVE_FULL, m)].get("note")
+    ok = done[worst] >= 1.0 and not above
+    missing = [n for n in NATIVE if n not in done]
+    return (f"- {'PASS' if ok else 'FAIL'}: {what}: lowest {done[worst]:.2f}x ({worst}) at mbs {m} ("
+            + ", ".join(f"{n}: {x:.2f}x" for n, x in done.items()) + ")"
+            + (f"; not run at mbs {m}: {', '.join(missing)}" if missing else "")
+            + (f"; NOT at equal memory at mbs {m}: {above}" if above else ""))
+
+
 def headline(result: dict) -> str:
     """The target lines in one string (kept for callers of the earlier API)."""
     return "; ".join(line[2:] for line in targets(result))
@@ -703,9 +869,16 @@ def headline(result: dict) -> str:
 def markdown(result: dict, kernel_rows: Optional[list[dict]] = None, kernel_header: str = "") -> str:
     sh = result["shape"]
     cap = result.get("capacity")
-    lines = [f"{sh.describe()} on one device: {result['machine']}. Every scheme uses SDPA for the "
-             "core attention; Megatron's selective and full recompute are run as plans on our sites "
-             "by our recompute machinery. Memory of a step: "
+    lines = [f"{sh.describe()} on one device: {result['machine']}. Megatron's recompute is here in "
+             f"two kinds: \"{SELECTIVE}\" and \"{FULL}\" are our emulations (Megatron's plans on our "
+             "sites, run by our recompute machinery, with SDPA for the core attention as every scheme of "
+             f"ours and stock); \"{NATIVE_FULL}\" (recompute_granularity full, uniform, 1 layer per "
+             f"checkpoint), \"{NATIVE_SELECTIVE}\" (selective, recompute_modules "
+             f"{NATIVE[NATIVE_SELECTIVE]['recompute_modules']}) and \"{NATIVE_OFFLOAD}\" (fine-grained "
+             f"activation offloading of {list(NATIVE_OFFLOAD_MODULES)}) are megatron-core's own options on "
+             "pure megatron-core models (local spec, no Transformer Engine, no llm_act binding, so its own "
+             f"unfused core attention). \"{AUTO_AT_NATIVE_FULL}\" is planned as \"{AUTO_AT_FULL}\" with "
+             f"the budget = {NATIVE_FULL}'s measured memory. Memory of a step: "
              + ("`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats` (weights and "
                 "gradients included)" if result.get("memory_kind") == "cuda peak" else
                 "the SavedTensorLedger's bytes held at the end of forward (CPU has no peak counter)")

@@ -17,8 +17,9 @@ GPU_PENDING = ("pending: no GPU in this run. A session with an H100/H200 fills t
                "`bash tools/fetch_gpu_wheels.sh` here (cp312 wheels of megatron-core, pulp and "
                "highspy, which that machine lacks, into .whl/), then `bash tools/gpu_suite.sh` "
                "there carrying .whl: the gpu tests, `llm-act bench kernels --size-mib 256`, "
-               "`llm-act bench gpu` (GPT ~1.3B: stock, Megatron selective and full recompute, "
-               "ours keep / compress / auto at full recompute's memory; tokens/s, peak memory, "
+               "`llm-act bench gpu` (GPT ~1.3B: stock, Megatron selective and full recompute as our "
+               "plans and as megatron-core's own options, ours keep / compress / auto at each full "
+               "recompute's memory; tokens/s, peak memory, "
                "the largest micro-batch, the issue's targets as PASS/FAIL lines) and 10 "
                "iterations of `launch/pretrain_gpt.py` with and without `--act-compress`; "
                "$OUT/SUMMARY.md holds the device, versions, commands and tables.")
@@ -151,7 +152,8 @@ def convergence_section(results: list[dict], command: str, plot: Optional[str]) 
 
 def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: str, wall_s: float,
                     shape_desc: str, distinct_rows: Optional[list[dict]] = None,
-                    overhead: Optional[dict] = None) -> str:
+                    overhead: Optional[dict] = None, jittered_rows: Optional[list[dict]] = None,
+                    repeat: Optional[dict] = None) -> str:
     return "\n".join([
         "## 3. Planner", "",
         provenance(command, wall_s), "",
@@ -169,6 +171,15 @@ def planner_section(solve_rows: list[dict], compare_rows: list[dict], command: s
            f"solve time and its gap to the best plan the full MILP finds in {distinct_rows[0]['time_limit']:g} s:",
            "",
            P.distinct_table(distinct_rows), ""] if distinct_rows else []),
+        *([f"Measured profiles also differ per layer in their times: here every time (producer, "
+           f"codec encode and decode, whole block) and every site's noise is also off by up to "
+           f"{P.JITTER:.0%} per layer. The fast path merges layers of one structure (count-weighted "
+           "mean times and noise, exact for a uniform plan) and prices each layer's own figures; "
+           "the adapter rounds times to their measurement noise "
+           f"({P.TIME_RESOLUTION:.0%}) so that near-ties go to the lower noise. Against the full MILP's "
+           "best plan and the lower bound it proves:", "",
+           P.jittered_table(jittered_rows), ""] if jittered_rows else []),
+        *([P.reproducibility_line(repeat), ""] if repeat else []),
         f"Predicted (analytic profile, `evaluate_plan`, no transient peak) against measured "
         f"(ledger, the block's own sites) bytes per block, {shape_desc}:", "",
         P.compare_table(compare_rows), "",
@@ -302,14 +313,19 @@ def run_planner(quick: bool, command: str, memory_rows: Optional[list[dict]] = N
     t0 = time.perf_counter()
     solve = P.solve_times(P.DEPTHS[:2] if quick else P.DEPTHS)
     distinct = P.distinct_solve_times(P.DEPTHS[:1], time_limit=2.0) if quick else P.distinct_solve_times()
+    jittered = (P.jittered_solve_times(P.DEPTHS[:1], time_limit=2.0) if quick
+                else P.jittered_solve_times((24, 96, 192)))
+    repeat = P.reproducibility(24 if quick else 96, repeats=3 if quick else P.REPEATS)
     shape = (M.Shape(s=128, b=2, h=256, a=8, dropout=0.1) if quick else M.Shape(dropout=0.1))
     names = ("stock", "megatron full", "compress (Adacc)", "planner middle") if quick else P.COMPARED
     comp = P.compare(shape, memory_rows, names=names, log=log)
 
     over = O.run(steps=20 if quick else 300, quick=quick)
-    text = planner_section(solve, comp, command, time.perf_counter() - t0, shape.describe(), distinct, over)
+    text = planner_section(solve, comp, command, time.perf_counter() - t0, shape.describe(), distinct, over,
+                           jittered, repeat)
     log(text)
-    return {"solve": solve, "distinct": distinct, "compare": comp, "shape": shape, "overhead": over}, text
+    return {"solve": solve, "distinct": distinct, "compare": comp, "shape": shape, "overhead": over,
+            "jittered": jittered, "repeat": repeat}, text
 
 
 def run_gpu(command: str, log=print, output_dir: Optional[str] = None) -> tuple[Optional[dict], str]:

@@ -3,7 +3,12 @@ model from the analytic profile (no GPU) and prints, per stage, which sites are 
 compressed or recomputed, the predicted memory and the added time.
 
 The budget is the whole device: static memory (weights, gradients, optimizer state) and
-the activations outside the blocks (embedding mask, logits) are subtracted first. The
+the activations outside the blocks (embedding mask, final norm and output layer inputs, the
+loss) are subtracted first. The loss is counted under --output-loss: "stock" (megatron's,
+which keeps the fp32 [tokens, vocab/tp] logits), "chunked" (the chunked linear +
+cross-entropy: one fp32 log-sum-exp per token, one more logits GEMM in backward), or "auto"
+(default, as at run time: chunked when only it fits, or when the plan with it plus its
+extra GEMM adds less time). The
 noise budget defaults to that of the "compress" plan (each site at its default codec,
 Adacc sec. 3.2), so the planner never picks a codec noisier overall than those defaults;
 "none" lets it pick on time alone (it then favours 1- and 2-bit codes).
@@ -19,7 +24,7 @@ from typing import Optional, Union
 from llm_act.cli.parsing import POSITIVE_INT
 from llm_act.config import parse_bytes
 from llm_act.planner.analytic import ATTENTION_MODES, DeviceModel, ModelShape, layer_forward_ms
-from llm_act.planner.budget import StageResult, plan_stages
+from llm_act.planner.budget import OUTPUT_LOSS_CHOICES, StageResult, plan_stages
 from llm_act.planner.presets import MODELS, model_shape
 
 _GIB = float(2**30)
@@ -95,6 +100,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="'stock' is the unfused path that stores the softmax")
     p.add_argument("--variance-budget", type=_variance, default="compress",
                    help="noise budget: 'compress' (the default codecs' noise), 'none', or a number")
+    p.add_argument("--output-loss", choices=OUTPUT_LOSS_CHOICES, default="auto",
+                   help="the output layer's loss on the last stage: 'stock' (megatron's; keeps the fp32 "
+                        "[tokens, vocab/tp] logits), 'chunked' (never the full logits; one more logits GEMM "
+                        "in backward; not with --sequence-parallel), or 'auto' (default: chunked when only it "
+                        "fits or when it adds less time, as plan 'auto' chooses at run time)")
     p.add_argument("--device", choices=list(DEVICES), default="h100",
                    help="device model for times and the RNG state size")
     p.add_argument("--json", metavar="OUT", default=None,
@@ -114,7 +124,7 @@ def _gb_up(n: int) -> str:
 
 
 def header(shape: ModelShape, name: str, args_budget: int, zero_stage: int, dp: int,
-           device: DeviceModel, variance: Union[str, float, None]) -> str:
+           device: DeviceModel, variance: Union[str, float, None], output_loss: str = "stock") -> str:
     fields = {
         "model": name, "num_layers": shape.num_layers, "hidden_size": shape.hidden_size,
         "num_attention_heads": shape.num_attention_heads, "num_query_groups": shape.num_query_groups,
@@ -124,7 +134,8 @@ def header(shape: ModelShape, name: str, args_budget: int, zero_stage: int, dp: 
         "tp": shape.tp, "pp": shape.pp, "dp": dp, "sequence_parallel": shape.sequence_parallel,
         "zero_stage": zero_stage, "dtype": shape.dtype, "dropout": shape.dropout,
         "attention": "stock" if not shape.fused_attention else "memory-efficient",
-        "budget_bytes": args_budget, "variance_budget": variance, "profile": "analytic",
+        "budget_bytes": args_budget, "variance_budget": variance, "output_loss": output_loss,
+        "profile": "analytic",
         "device": device.describe(),
     }
     if shape.is_moe:
@@ -133,6 +144,16 @@ def header(shape: ModelShape, name: str, args_budget: int, zero_stage: int, dp: 
                       moe_capacity_factor=shape.moe_capacity_factor, ep=shape.ep,
                       tokens_per_expert=shape.tokens_per_expert)
     return "# llm-act plan " + " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items())
+
+
+def outside_blocks(res: StageResult) -> str:
+    """What the "outside the blocks" line says after its total: what it holds, and on the last
+    stage which output loss was chosen and the bytes of each choice."""
+    if res.output_loss is None:
+        return "embedding mask; not planned"
+    each = ", ".join(f"{name} {_gib(n)}" for name, n in res.output_bytes.items())
+    return (f"embedding mask, final norm, output layer input and loss; output loss: {res.output_loss} "
+            f"(output layer input + loss state: {each}); not planned")
 
 
 def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget: int) -> list[str]:
@@ -161,6 +182,9 @@ def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget
                  f"{ms_sum:>10.4f}")
     total = plan.activation_bytes + res.static_bytes + res.outer_bytes
     compute = 3 * layer_forward_ms(shape, device) * block.count
+    added = plan.overhead_ms + res.output_gemm_ms
+    gemm = (f"; incl. {res.output_gemm_ms:.3f} ms for the chunked loss's extra logits GEMM"
+            if res.output_gemm_ms else "")
     keep_all = res.inflight * block.count * keep_sum
     whole = plan.full[0] if plan.full else {}
     if whole:
@@ -171,11 +195,11 @@ def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget
     lines += [
         f"  predicted activation memory  {_gib(plan.activation_bytes)} ({plan.activation_bytes} bytes; "
         f"transient {_gib(plan.peak_bytes)}; keeping everything: {_gib(keep_all)})",
-        f"  outside the blocks           {_gib(res.outer_bytes)} (embedding mask, final norm, logits; not planned)",
+        f"  outside the blocks           {_gib(res.outer_bytes)} ({outside_blocks(res)})",
         f"  static memory                {_gib(res.static_bytes)} (weights, grads, fp32 master + Adam)",
         f"  total                        {_gib(total)} of the {_gib(budget)} budget",
-        f"  overhead                     {plan.overhead_ms:.3f} ms per iteration and micro-batch "
-        f"({100 * plan.overhead_ms / compute:.2f}% of the stage's estimated {compute:.1f} ms forward+backward)",
+        f"  overhead                     {added:.3f} ms per iteration and micro-batch "
+        f"({100 * added / compute:.2f}% of the stage's estimated {compute:.1f} ms forward+backward{gemm})",
         f"  noise                        {plan.variance:.4g}"
         + (f" of budget {res.variance_budget:.4g}" if res.variance_budget is not None else " (no budget)"),
         f"  solve time                   {plan.solve_seconds:.3f} s ({plan.num_variables} variables)",
@@ -189,14 +213,16 @@ def _report(shape, name, budget, zero_stage, dp, device, variance, results) -> d
     for res in results:
         entry = {"stage": res.stage, "layers": list(res.layers), "inflight": res.inflight,
                  "static_bytes": res.static_bytes, "outer_bytes": res.outer_bytes,
-                 "variance_budget": res.variance_budget}
+                 "variance_budget": res.variance_budget, "output_loss": res.output_loss,
+                 "output_bytes": dict(res.output_bytes), "output_gemm_ms": res.output_gemm_ms}
         if res.plan is None:
             entry["min_budget_bytes"] = res.min_budget_bytes
         else:
             p = res.plan
             entry.update(choice=p.choice[0], whole_blocks=p.full[0] if p.full else {},
                          activation_bytes=p.activation_bytes,
-                         peak_bytes=p.peak_bytes, overhead_ms=p.overhead_ms, variance=p.variance,
+                         peak_bytes=p.peak_bytes, overhead_ms=p.overhead_ms + res.output_gemm_ms,
+                         variance=p.variance,
                          solve_seconds=p.solve_seconds,
                          total_bytes=p.activation_bytes + res.static_bytes + res.outer_bytes)
             for run in p.to_dict(first_layer=res.layers[0])["blocks"]:
@@ -226,6 +252,10 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
     if args.dropout is not None:
         changes["dropout"] = args.dropout
     parser = getattr(args, "plan_parser", parser)
+    output_loss = getattr(args, "output_loss", "auto")
+    if output_loss == "chunked" and args.sequence_parallel:
+        parser.error("argument --output-loss: 'chunked' does not support --sequence-parallel yet "
+                     "(use 'stock', or 'auto', which stays stock there)")
     try:
         shape = model_shape(args.model, **changes)
     except ValueError as err:  # e.g. a --tp that does not divide the heads: name the flag
@@ -235,9 +265,9 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
         parser.error(f"{where}{text} (model {args.model})")
     device = DEVICES[args.device]()
     variance = args.variance_budget
-    print(header(shape, args.model, args.budget, args.zero_stage, args.dp, device, variance))
+    print(header(shape, args.model, args.budget, args.zero_stage, args.dp, device, variance, output_loss))
     results = plan_stages(shape, args.budget, zero_stage=args.zero_stage, dp=args.dp,
-                          device=device, variance_budget=variance)
+                          device=device, variance_budget=variance, output_loss=output_loss)
     if args.budget > device.memory_bytes:
         print(f"warning: --budget {args.budget / 1e9:.3f} GB is more than the {device.memory_bytes / 1e9:g} GB "
               f"of the {device.name} device model (--device {args.device}); a plan made for it will not fit "
@@ -252,7 +282,7 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
                   f"({args.budget / 1e9:.3f} GB, {_gib(args.budget)}); the smallest that works is "
                   f"{res.min_budget_bytes} bytes ({res.min_budget_bytes / 1e9:.3f} GB, "
                   f"{_gib(res.min_budget_bytes)}): static {_gib(res.static_bytes)}, outside the "
-                  f"blocks {_gib(res.outer_bytes)}, least activations "
+                  f"blocks {_gib(res.outer_bytes)} ({outside_blocks(res)}), least activations "
                   f"{_gib(res.min_budget_bytes - res.static_bytes - res.outer_bytes)}")
     print()
     if args.json:
@@ -268,9 +298,9 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
             print(f"that is more than the {device.memory_bytes / 1e9:g} GB device: raise --tp, "
                   f"--pp or --zero-stage (with --dp), or lower --micro-batch-size / --seq-length")
         return 2
-    worst = max(results, key=lambda r: r.plan.overhead_ms)
+    worst = max(results, key=lambda r: r.plan.overhead_ms + r.output_gemm_ms)
     peak = max(r.plan.activation_bytes + r.static_bytes + r.outer_bytes for r in results)
     print(f"all stages: largest total {_gib(peak)} of {_gib(args.budget)}; slowest stage {worst.stage} "
-          f"adds {worst.plan.overhead_ms:.3f} ms per micro-batch; solve "
+          f"adds {worst.plan.overhead_ms + worst.output_gemm_ms:.3f} ms per micro-batch; solve "
           f"{sum(r.plan.solve_seconds for r in results):.3f} s")
     return 0

@@ -82,7 +82,13 @@ class DeviceModel:
     fused_softmax: bool = True
     """megatron's fused scale-mask-softmax kernel (apex/TE on a GPU) stores the 16-bit
     probabilities once; without it the torch path stores its fp32 softmax and the 16-bit
-    copy the probs @ V product reads"""
+    copy the probs @ V product reads. In backward the fused kernel turns the probabilities'
+    16-bit gradient into the scores' in place; the torch path holds both in fp32"""
+    wgrad_temporaries: bool = False
+    """whether a linear's weight gradient is made whole before it is added to the parameter's
+    gradient (autograd's `.grad += new`, as on CPU), so that one weight-sized temporary is live
+    in backward; False: megatron's fused accumulation into `main_grad` (a GPU with
+    gradient_accumulation_fusion) writes it in place"""
 
     def __post_init__(self) -> None:
         for f in ("matmul_tflops", "hbm_gbs", "link_gbs"):
@@ -92,8 +98,9 @@ class DeviceModel:
         if isinstance(self.launch_ms, bool) or not isinstance(self.launch_ms, numbers.Real) \
                 or not self.launch_ms >= 0:
             raise ValueError(f"DeviceModel.launch_ms: expected a number >= 0, got {self.launch_ms!r}")
-        if not isinstance(self.fused_softmax, bool):
-            raise ValueError(f"DeviceModel.fused_softmax: expected True or False, got {self.fused_softmax!r}")
+        for f in ("fused_softmax", "wgrad_temporaries"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"DeviceModel.{f}: expected True or False, got {getattr(self, f)!r}")
         if self.rng_device not in ("cuda", "cpu"):
             raise ValueError(f"DeviceModel.rng_device: expected 'cuda' or 'cpu', got {self.rng_device!r}")
 
@@ -101,7 +108,8 @@ class DeviceModel:
     def cpu(cls) -> "DeviceModel":
         """A many-core server CPU: ~1 TFLOP/s bf16 matmul, 50 GB/s, gloo between ranks."""
         return cls(name="CPU-like", matmul_tflops=1.0, hbm_gbs=50.0, link_gbs=5.0,
-                   launch_ms=0.02, memory_bytes=256 * 10**9, rng_device="cpu", fused_softmax=False)
+                   launch_ms=0.02, memory_bytes=256 * 10**9, rng_device="cpu", fused_softmax=False,
+                   wgrad_temporaries=True)
 
     def describe(self) -> str:
         return (f"{self.name}: {self.matmul_tflops:g} TFLOP/s matmul, {self.hbm_gbs:g} GB/s memory, "
@@ -523,16 +531,25 @@ def _qk_norm_sites(shape: ModelShape, stats_per_row: int, proj) -> list[_Site]:
 
 def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
                   count: int = 1, inflight: int = 1, outlier_frac: float = 0.01,
-                  sensitivity: Optional[Mapping[str, float]] = None) -> BlockProfile:
+                  sensitivity: Optional[Mapping[str, float]] = None,
+                  gradients: bool = False) -> BlockProfile:
     """The saved tensors of one block of `shape` on one TP rank, with every codec the
     registry admits at each site. `outlier_frac`: the share of channels the data
     is expected to have as outliers (default 1%; checked, no longer priced: outlier_int4
     stores its fixed slots, 1/64 of the channels, whatever the data). `sensitivity`: per-site c_i (default 1.0 for
-    value sites, 0 for dropout masks), a prior until measured."""
+    value sites, 0 for dropout masks), a prior until measured.
+
+    `gradients`: set `BlockProfile.grad_bytes` to `grad_bytes(shape, device)`, the gradients
+    in flight of the block's heaviest backward stage (issue 27's peak: plan with
+    `loss_bytes` as well). False (default for now): 0, the stored-plus-transient figures the
+    existing callers and their tests assume; tests/planner/test_peak_vs_measured.py checks
+    the full model against a measurement."""
     device = device or DeviceModel()
     if isinstance(outlier_frac, bool) or not isinstance(outlier_frac, numbers.Real) \
             or not 0.0 <= outlier_frac <= 1.0:
         raise ValueError(f"outlier_frac: expected a fraction in [0, 1], got {outlier_frac!r}")
+    if not isinstance(gradients, bool):
+        raise ValueError(f"gradients: expected True or False, got {gradients!r}")
     sens = dict(sensitivity or {})
     profiles = []
     for st in _sites(shape, device):
@@ -548,7 +565,8 @@ def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
         raise ValueError(f"sensitivity: sites {sorted(sens)} are not in this block "
                          f"({', '.join(p.name for p in profiles)})")
     return BlockProfile(tuple(profiles), count=count, inflight=inflight,
-                        full_ms=layer_forward_ms(shape, device))
+                        full_ms=layer_forward_ms(shape, device),
+                        grad_bytes=grad_bytes(shape, device) if gradients else 0)
 
 
 def stage_blocks(shape: ModelShape, stage: int, device: Optional[DeviceModel] = None,
@@ -584,23 +602,189 @@ def layer_forward_ms(shape: ModelShape, device: Optional[DeviceModel] = None) ->
 
 
 # ---- outside the blocks, and static memory ---------------------------------------------------
-def outer_bytes(shape: ModelShape, stage: int) -> dict[str, int]:
+def outer_bytes(shape: ModelShape, stage: int, output_loss: str = "stock") -> dict[str, int]:
     """Activation bytes a stage holds outside its blocks (counted, not planned), all
-    micro-batches in flight included: the embedding's dropout mask on the first stage;
-    the final norm's and output layer's inputs and the fp32 softmax that the
-    vocab-parallel cross entropy saves on the last stage."""
+    micro-batches in flight included: the embedding's dropout mask on the first stage; on
+    the last stage the final norm's input, the output layer's input (with the final norm's
+    fp32 statistics per token), and the loss under `output_loss`:
+
+    - "stock": megatron's vocab-parallel cross entropy keeps the fp32 softmax [tokens,
+      vocab/tp] and per token a bool target mask and an int64 masked target
+      (`llm_act.output.stock_logits_bytes`), as `loss.logits`;
+    - "chunked": the chunked linear + cross-entropy keeps one fp32 log-sum-exp per token
+      (`loss.logsumexp`; with the output layer's input that is `llm_act.output.stored_bytes`).
+      Not under sequence parallelism (the op refuses it)."""
+    from llm_act.output.chunked_loss import stock_logits_bytes, stored_bytes
+
     if not 0 <= stage < shape.pp:
         raise ValueError(f"stage: expected an int in [0, {shape.pp}), got {stage!r}")
+    if output_loss not in ("stock", "chunked"):
+        raise ValueError(f"output_loss: expected 'stock' or 'chunked', got {output_loss!r}")
+    if output_loss == "chunked" and shape.sequence_parallel:
+        raise ValueError("output_loss: the chunked loss does not support sequence parallelism yet")
     b, e, inflight = shape.micro_batch_size, shape.elem_bytes, shape.pp - stage
     n_hid = shape.local_seq * b * shape.hidden_size
     out: dict[str, int] = {}
     if stage == 0 and shape.dropout > 0:
         out["embedding.dropout_mask"] = inflight * n_hid
     if stage == shape.pp - 1:
+        stats = (2 if shape.normalization == "LayerNorm" else 1) * 4 * shape.local_seq * b
+        tokens = shape.seq_length * b  # the loss sees the whole sequence
         out["final_norm.input"] = inflight * n_hid * e
-        out["output_layer.input"] = inflight * n_hid * e
-        out["loss.logits"] = inflight * shape.seq_length * b * (shape.padded_vocab_size // shape.tp) * 4
+        out["output_layer.input"] = inflight * (n_hid * e + stats)
+        if output_loss == "stock":
+            out["loss.logits"] = inflight * stock_logits_bytes(tokens, shape.padded_vocab_size // shape.tp)
+        else:
+            out["loss.logsumexp"] = inflight * (stored_bytes(tokens, shape.hidden_size, e) - n_hid * e)
     return out
+
+
+#: megatron-core 0.16.1's `vocab_parallel_cross_entropy` forward, per token, besides what it
+#: saves (`llm_act.output.stock_logits_bytes`): GPTModel's int64 copy of the labels [s, b] (8),
+#: the int64 row index (8), the fp32 max logit (4), the gathered target logit (4) and its
+#: clone (4), all live at its peak
+_CE_BOOKKEEPING = 8 + 8 + 4 + 4 + 4
+#: what the step holds through every block's backward besides the blocks: the fp32 per-token
+#: losses (4 bytes a token), the scalar loss and its gradient seed (4 + 4)
+_LOSS_PER_TOKEN, _LOSS_SCALARS = 4, 8
+
+
+def _mask_bytes(shape: ModelShape, device: DeviceModel) -> int:
+    """Bytes per element of a stored dropout mask: bool from CUDA's dropout, the model dtype
+    from torch's CPU dropout (as `_sites` prices the block's masks)."""
+    return 1 if device.rng_device == "cuda" else shape.elem_bytes
+
+
+def loss_bytes(shape: ModelShape, stage: Optional[int] = None, device: Optional[DeviceModel] = None,
+               output_loss: str = "stock", chunk_tokens: Optional[int] = None) -> int:
+    """`solve_plan`'s / `evaluate_plan`'s `loss_bytes` for pipeline stage `stage` (None: the
+    last): what the step holds outside the blocks while every block's stored tensors are live
+    and none has backpropagated yet (the loss, and the output layer's backward), all
+    micro-batches in flight included. The peak is at least the stored bytes plus this.
+
+    `outer_bytes` (the final norm's and the output layer's inputs, what the loss saves; the
+    embedding's dropout mask priced for `device`: bool on CUDA, the model dtype on CPU), and
+    on the last stage the larger of two events, T = s*b the tokens the loss sees, V the
+    padded vocabulary per rank, e bytes per element:
+
+    - "stock" loss, its forward: the logits in the model dtype T*V*e (the output layer's
+      result, held by GPTModel while the cross entropy turns its fp32 copy into the softmax)
+      and the cross entropy's per-token bookkeeping (`_CE_BOOKKEEPING`, 28 bytes);
+    - "stock", the output layer's backward, the loss's softmax freed: the logits' gradient
+      T*V*e, the weight's gradient V*h*e (when `DeviceModel.wgrad_temporaries`), the input's
+      gradient T*h*e and the per-token losses with the loss and its seed (4T + 8);
+    - "chunked" (`llm_act.output.chunked_linear_cross_entropy`, `chunk_tokens` tokens at a
+      time), its backward, the larger: the fp32 weight-gradient accumulator V*h*4 and, in
+      16 bits, each chunk's partial V*h*e; one chunk's softmax c*V*4 and its 16-bit copy c*V*e
+      and the chunk's indices (9 bytes a token); the input's gradient T*h*e; the labels'
+      int64 copy, the fp32 incoming gradient, its upcast and the per-token losses (20T), and
+      the loss with its seed (8).
+
+    Exact for megatron-core 0.16.1's GPTModel on CPU (tests/planner/test_peak_vs_measured.py).
+    Not counted: the stage's input (the embedding output, which GPTModel holds until its
+    forward returns): when the first layer keeps its input raw it is that stored `ln1.input`;
+    a plan that encodes it has both alive at the loss (under by s*b*h*e/tp there)."""
+    from llm_act.output.chunked_loss import DEFAULT_CHUNK_TOKENS
+
+    device = device or DeviceModel()
+    stage = shape.pp - 1 if stage is None else stage
+    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 0 <= stage < shape.pp:
+        raise ValueError(f"stage: expected an int in [0, {shape.pp}), got {stage!r}")
+    if output_loss not in ("stock", "chunked"):
+        raise ValueError(f"output_loss: expected 'stock' or 'chunked', got {output_loss!r}")
+    chunk = _positive_int(DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens, "chunk_tokens")
+    stage = int(stage)
+    outer = outer_bytes(shape, stage) if output_loss == "stock" else outer_bytes(shape, stage, output_loss)
+    b, e, h, inflight = shape.micro_batch_size, shape.elem_bytes, shape.hidden_size, shape.pp - stage
+    n_hid = shape.local_seq * b * h
+    total = sum(n for k, n in outer.items() if k != "embedding.dropout_mask")
+    if "embedding.dropout_mask" in outer:
+        total += inflight * n_hid * _mask_bytes(shape, device)
+    if stage != shape.pp - 1:
+        return total
+    tokens, vocab = shape.seq_length * b, shape.padded_vocab_size // shape.tp
+    losses = _LOSS_PER_TOKEN * tokens + _LOSS_SCALARS
+    if output_loss == "stock":
+        forward = tokens * (vocab * e + _CE_BOOKKEEPING)
+        wgrad = vocab * h * e if device.wgrad_temporaries else 0
+        backward = tokens * vocab * e + wgrad + tokens * h * e + losses - outer["loss.logits"]
+        return total + max(forward, backward)
+    c, half = min(chunk, tokens), (e if e != 4 else 0)  # fp32 weights: no 16-bit copies
+    backward = (vocab * h * (4 + half) + c * vocab * (4 + half) + 9 * c + tokens * h * e
+                + (8 + 4 + 4) * tokens + losses)
+    return total + backward
+
+
+def grad_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> int:
+    """`BlockProfile.grad_bytes` of a block of `shape`: what is live while it backpropagates
+    besides the stored, rebuilt and decoded tensors the planner counts, at the backward stage
+    where its largest rebuilt tensors live, net of what that stage has already freed. Per rank,
+    T = s*b tokens, e bytes per element, h hidden, f the FFN width per rank, a heads per rank
+    of d channels, n = the rows of an [s, b, h] tensor times h; throughout backward the step
+    holds the per-token losses and the loss with its seed, 4T + 8.
+
+    - the memory-efficient attention (and any block's MLP): the MLP's fc2 backward, the first
+      stage of the block, where a whole-block recompute has rebuilt every site:
+      T*f*e (fc2's input gradient) + f*h*e (its weight gradient, when `DeviceModel.
+      wgrad_temporaries`) + n*e (the incoming gradient) + n*e (the block's output, which a
+      whole-block recompute re-runs with it; a per-site plan is over by as much) + 4T + 8.
+      The attention's stage holds less: dq, dk, dv and dout are smaller than what the MLP
+      half has freed by then. An MoE block: one expert's fc2 at a time, its rows (not
+      measured yet).
+    - the stock attention: the core attention's softmax backward, where a recomputed softmax
+      is rebuilt: the scores' gradients (unfused, `DeviceModel.fused_softmax` False: the fp32
+      gradients of the probabilities and of the scores, 8 bytes a score; fused: the 16-bit
+      probabilities' gradient, overwritten in place, and the dropout's one) + h*a*d*e
+      (linear_proj's weight gradient, when `wgrad_temporaries`) + n*e (the residual gradient)
+      + 2*T*a*d*e (the context's gradient, and the context the re-run attention rebuilt) + 4T
+      + 8, net of what the stage has freed whatever the plan stores: the bytes of every site
+      after the softmax (attn.out, ln2.input, the MLP's: backpropagated) and the 16-bit
+      probabilities probs @ V read (part of `attn.softmax`, consumed by its backward). Exact
+      when those sites are kept or recomputed (keep, selective); a plan that encodes them
+      frees only their codes, and is under by the difference. The fc2 stage is left out: at
+      the sequence lengths where the stock attention runs its s^2 terms dominate, and adding
+      the fc2 stage's gradients to a softmax that per-site recompute rebuilds only later
+      would over-count every such plan (a whole-block recompute of a short sequence is
+      under by the difference).
+
+    Not counted: the embedding's dropout mask, live through every block's backward on the
+    first stage (`loss_bytes` counts it at the loss), and on other pipeline stages the stage's
+    output and its gradient in place of the losses. Measured against
+    `llm_act.measurement.peak_memory` on CPU by tests/planner/test_peak_vs_measured.py."""
+    device = device or DeviceModel()
+    s, b, h, e = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.elem_bytes
+    t, d = shape.tp, shape.head_dim
+    a = shape.num_attention_heads // t
+    tokens = s * b
+    n_hid = shape.local_seq * b * h
+    loss = _LOSS_PER_TOKEN * tokens + _LOSS_SCALARS
+    if shape.fused_attention:
+        if shape.is_moe:  # one expert's fc2 at a time: its rows' input gradient, its weight's
+            rows = math.ceil(shape.tokens_per_expert)
+            f = shape.moe_ffn_hidden_size
+        else:
+            rows, f = tokens, shape.ffn_hidden_size // t
+        wgrad = f * h * e if device.wgrad_temporaries else 0
+        return rows * f * e + wgrad + 2 * n_hid * e + loss
+    scores = b * a * s * s
+    if device.fused_softmax:
+        score_grads = scores * e * (2 if shape.dropout > 0 else 1)
+    else:
+        score_grads = scores * 8
+    wgrad = h * a * d * e if device.wgrad_temporaries else 0
+    live = score_grads + wgrad + n_hid * e + 2 * tokens * a * d * e + loss
+    sites = _sites(shape, device)
+    names = [st.name for st in sites]
+    after = names[names.index("attn.softmax") + 1:]
+    freed = 0
+    for st in sites:
+        if st.name in after:
+            itemsize = torch.empty((), dtype=st.dtype).element_size()
+            freed += st.keep_bytes if st.keep_bytes is not None else math.prod(st.dims) * itemsize + st.extra
+    softmax_bytes = e if device.fused_softmax else 4
+    if shape.dropout > 0 or softmax_bytes != e:  # the 16-bit probabilities probs @ V reads
+        freed += scores * e
+    return max(0, live - freed)
 
 
 def parameters_per_rank(shape: ModelShape, stage: int) -> int:

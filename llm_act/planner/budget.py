@@ -5,12 +5,20 @@ cannot fit gets the smallest budget that would. The noise budget defaults to tha
 "compress" plan (each site at its default codec, Adacc sec. 3.2), so the planner never
 picks a codec noisier overall than those defaults; the runtime and the bench reuse
 `min_budget` and `reference_variance` to state a refusal or set a comparable noise budget.
+
+The last stage's output layer and loss are counted under `output_loss`: "stock" (the fp32
+logits), "chunked" (the chunked linear + cross-entropy, never the logits), or "auto": the
+choice `llm_act.output.choice.choose` makes at run time -- chunked when only it fits,
+or when its plan plus its extra logits GEMM (estimated at the device model's matmul rate,
+2 x tokens x vocab/tp x hidden flops) adds less time than the stock plan. Under sequence
+parallelism "auto" stays stock (the chunked loss does not support it yet).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from llm_act.output.choice import OutputSizes, choose, estimate_gemm_ms
 from llm_act.planner.analytic import (
     DeviceModel,
     ModelShape,
@@ -39,6 +47,13 @@ class StageResult:
     plan: object = None
     min_budget_bytes: Optional[int] = None
     blocks: list = field(default_factory=list)
+    output_loss: Optional[str] = None
+    """the output loss counted in `outer_bytes` ("stock" or "chunked"; None: no output layer here)"""
+    output_bytes: dict = field(default_factory=dict)
+    """{"stock": bytes, "chunked": bytes} of the output loss (output layer input, loss state)
+    under each choice, all micro-batches in flight; empty: no output layer here"""
+    output_gemm_ms: float = 0.0
+    """the extra logits GEMM of the chunked loss per micro-batch (0 under stock)"""
 
 
 def reference_choice(block) -> dict[str, str]:
@@ -89,24 +104,63 @@ def min_budget(blocks, static: int, variance_budget: Optional[float], resolution
     return hi
 
 
+OUTPUT_LOSS_CHOICES = ("stock", "chunked", "auto")
+
+
+def _output_sizes(shape: ModelShape) -> OutputSizes:
+    return OutputSizes(tokens=shape.seq_length * shape.micro_batch_size, hidden=shape.hidden_size,
+                       vocab_local=shape.padded_vocab_size // shape.tp, elem_bytes=shape.elem_bytes)
+
+
+def output_loss_choice(shape: ModelShape, stage: int, blocks, budget: int, static: int,
+                       variance_budget: Optional[float], device: DeviceModel, output_loss: str) -> str:
+    """"stock" or "chunked" for `stage` under `output_loss` (see the module docstring)."""
+    if output_loss not in OUTPUT_LOSS_CHOICES:
+        raise ValueError(f"output_loss: expected one of {', '.join(OUTPUT_LOSS_CHOICES)}, got {output_loss!r}")
+    if output_loss != "auto":
+        return output_loss
+    if stage != shape.pp - 1 or shape.sequence_parallel:
+        return "stock"
+    def trial(static_bytes: int):
+        try:
+            return solve_plan(blocks, budget, static_bytes=static_bytes, variance_budget=variance_budget)
+        except (InfeasibleBudget, InfeasibleVariance):
+            return None
+
+    stock = static + sum(outer_bytes(shape, stage, "stock").values())
+    sizes = _output_sizes(shape)
+    return choose(trial, stock, "stock", sizes, shape.pp - stage, estimate_gemm_ms(sizes, device)).choice
+
+
 def plan_stages(shape: ModelShape, budget: int, *, zero_stage: int = 0, dp: int = 1,
                 device: Optional[DeviceModel] = None,
-                variance_budget: Union[str, float, None] = "compress") -> list[StageResult]:
+                variance_budget: Union[str, float, None] = "compress",
+                output_loss: str = "stock") -> list[StageResult]:
     """Solve every pipeline stage of `shape` under a device `budget` (bytes). A stage that
-    cannot fit has `plan` None and `min_budget_bytes` set."""
+    cannot fit has `plan` None and `min_budget_bytes` set. `output_loss`: "stock",
+    "chunked" or "auto" (see the module docstring)."""
     device = device or DeviceModel()
     results = []
     for k in range(shape.pp):
         blocks = stage_blocks(shape, k, device)
         static = static_bytes(shape, zero_stage, dp, stage=k)
-        outer = sum(outer_bytes(shape, k).values())
         if variance_budget == "compress":
             vb = reference_variance(blocks)
         elif variance_budget in (None, "none"):
             vb = None
         else:
             vb = float(variance_budget)
+        choice = output_loss_choice(shape, k, blocks, budget, static, vb, device, output_loss)
+        outer = sum(outer_bytes(shape, k, choice).values())
         res = StageResult(k, stage_layers(shape, k), shape.pp - k, static, outer, vb, blocks=blocks)
+        if k == shape.pp - 1:
+            res.output_loss = choice
+            res.output_bytes = {name: sum(v for key, v in outer_bytes(shape, k, name).items()
+                                          if key.startswith(("output_layer.", "loss.")))
+                                for name in ("stock", "chunked")
+                                if name == "stock" or not shape.sequence_parallel}
+            if choice == "chunked":
+                res.output_gemm_ms = estimate_gemm_ms(_output_sizes(shape), device)
         try:
             res.plan = solve_plan(blocks, budget, static_bytes=static + outer, variance_budget=vb)
         except (InfeasibleBudget, InfeasibleVariance):

@@ -1,5 +1,5 @@
-"""The planner's fast path for many distinct blocks that differ only in noise (per-layer
-sensitivities): Lagrangian relaxation of the two budget rows with exact per-block choices,
+"""The planner's fast path for many distinct blocks that differ only in measured figures
+(per-layer sensitivities, times that differ by their noise): Lagrangian relaxation of the two budget rows with exact per-block choices,
 then a greedy pass in exact arithmetic.
 
 With the memory row priced at mu and the noise row at lam, every site of every block picks
@@ -24,8 +24,10 @@ import numpy as np
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.planner.transient import decode_groups
 
-_BISECT = 30  # steps of each bisection (log-scale over ~12 decades: ~3e-8 relative)
+_BISECT = 24  # steps of each bisection (log-scale over ~12 decades: ~2e-6 relative)
 _VAR_RTOL = 1e-6
+#: the price of noise in ms per unit when its budget does not bind: it only breaks ties in time
+_NOISE_TIE = 1e-9
 
 
 def _variants(cls) -> Optional[list[np.ndarray]]:
@@ -65,10 +67,10 @@ def _variants(cls) -> Optional[list[np.ndarray]]:
 
 
 class LagrangeProblem:
-    """Arrays of `classes` (equal structure, noise differing) for the priced choice."""
+    """Arrays of `classes` (equal structure; noise and times differing) for the priced choice."""
 
     def __init__(self, classes, mem_limit: int, var_limit: float, reference: list[list[int]],
-                 peak_floor: int = 0):
+                 peak_floor: int = 0, open_groups: bool = False):
         first = classes[0]
         self.classes = classes
         self.mem_limit, self.var_limit = mem_limit, var_limit
@@ -77,17 +79,17 @@ class LagrangeProblem:
         self.count = np.array([c.count for c in classes], dtype=np.int64)
         self.inflight = first.inflight
         big = np.inf
-        self.cost = np.full((nsite, width), big)
+        self.cost = np.full((len(classes), nsite, width), big)
         self.stored = np.zeros((nsite, width), dtype=np.int64)
         self.noise = np.zeros((len(classes), nsite, width))
         for i, opts in enumerate(first.options):
             for o, x in enumerate(opts):
-                self.cost[i, o] = x.cost_ms
                 self.stored[i, o] = x.stored
         for k, c in enumerate(classes):
             for i, opts in enumerate(c.options):
                 for o, x in enumerate(opts):
                     self.noise[k, i, o] = x.noise
+                    self.cost[k, i, o] = x.cost_ms
         self.nbytes = [s.nbytes for s in first.sites]
         # the transient is held at a bound of the reference plan's: a site it keeps stays
         # kept and a site it does not recompute is not recomputed, so no block's transient
@@ -101,7 +103,12 @@ class LagrangeProblem:
         recomputed = [any(classes[k].options[i][p[i]].name == RECOMPUTE for k, p in enumerate(reference))
                       for i in range(nsite)]
         groups = decode_groups([s.name for s in first.sites])
-        self.peak = max(peak_floor, sum(n for n, r in zip(self.nbytes, recomputed) if r)
+        if open_groups:  # a group the reference decodes at all may be decoded whole
+            for g in groups:
+                if not all(kept[i] for i in g):
+                    for i in g:
+                        kept[i] = False
+        self.peak = max(peak_floor, getattr(first, "grad", 0) + sum(n for n, r in zip(self.nbytes, recomputed) if r)
                         + max((sum(self.nbytes[i] for i in g if not kept[i]) for g in groups), default=0))
         masks = _variants(first)
         if masks is None:
@@ -116,7 +123,8 @@ class LagrangeProblem:
 
     def choose(self, lam: float, mu: float) -> np.ndarray:
         """picks (classes x sites) minimising cost + lam * noise + mu * inflight * stored."""
-        score = self.cost[None] + lam * self.noise + (mu * self.inflight) * self.stored[None]
+        # near-ties (equal times) go to the lower noise, then to the lower option index
+        score = self.cost + (lam + _NOISE_TIE) * self.noise + (mu * self.inflight) * self.stored[None]
         best_val = None
         best = None
         for mask in self.masks:
@@ -136,11 +144,11 @@ class LagrangeProblem:
         summed by numpy in a fixed order (the final plan is re-checked exactly by the MILP
         module's `_evaluate`)."""
         idx = np.arange(picks.shape[1])[None, :]
+        blk = np.arange(picks.shape[0])[:, None]
         per = self.stored[idx, picks].sum(axis=1)
         stored = int((per * self.count).sum()) * self.inflight
-        noise = float((np.take_along_axis(self.noise, picks[..., None], axis=2)[..., 0].sum(axis=1)
-                       * self.count).sum())
-        ms = float((self.cost[idx, picks].sum(axis=1) * self.count).sum())
+        noise = float((self.noise[blk, idx, picks].sum(axis=1) * self.count).sum())
+        ms = float((self.cost[blk, idx, picks].sum(axis=1) * self.count).sum())
         return stored, noise, ms
 
     def fits(self, stored: int, noise: float) -> tuple[bool, bool]:
@@ -166,12 +174,14 @@ def _min_mu(prob: LagrangeProblem, lam: float, lo: float, hi: float) -> Optional
 
 
 def lagrange_plan(classes, mem_limit: int, var_limit: float, reference: list[list[int]],
-                  peak_floor: int = 0) -> Optional[list[list[int]]]:
+                  peak_floor: int = 0, open_groups: bool = False) -> Optional[list[list[int]]]:
     """Picks per class that fit both budgets, or None when the fast path finds none (the
     caller keeps `reference`). `peak_floor`: a transient held elsewhere (blocks the caller
-    recomputes whole), below which this one's bound never goes."""
+    recomputes whole), below which this one's bound never goes. `open_groups`: a decode group
+    the reference decodes in part may be decoded whole (a larger transient bound, more
+    sites free to be encoded)."""
     try:
-        prob = LagrangeProblem(classes, mem_limit, var_limit, reference, peak_floor)
+        prob = LagrangeProblem(classes, mem_limit, var_limit, reference, peak_floor, open_groups)
     except ValueError:
         return None
     finite = np.isfinite(prob.cost) & (prob.cost > 0)
@@ -238,9 +248,8 @@ def _greedy(prob: LagrangeProblem, picks: np.ndarray) -> np.ndarray:
     allowed = np.logical_or.reduce(prob.masks)
     nk, ns = picks.shape
     for _ in range(nk * ns):
-        cur_cost = np.take_along_axis(np.broadcast_to(prob.cost, (nk,) + prob.cost.shape),
-                                      picks[..., None], axis=2)
-        dcost = (prob.cost[None] - cur_cost) * prob.count[:, None, None]
+        cur_cost = np.take_along_axis(prob.cost, picks[..., None], axis=2)
+        dcost = (prob.cost - cur_cost) * prob.count[:, None, None]
         dcost = np.where(allowed[None], dcost, np.inf)
         order = np.argwhere(dcost < -1e-12)
         if not len(order):

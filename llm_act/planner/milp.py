@@ -40,6 +40,7 @@ a fraction of a second, within 0.05% of a 60 s search on 24-512 distinct layers.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -65,6 +66,9 @@ _MIB = float(2**20)
 _GIB = float(2**30)
 _TIE = 1e-6  # the tie-break term never weighs more than this fraction of a primary step
 _VAR_RTOL = 1e-6  # relative tolerance of the variance budget
+#: the relative noise of measured times (repeated timings of one op agree to about this):
+#: the `time_resolution` the adapter plans measured profiles with
+TIME_RESOLUTION = 0.02
 #: seconds `solve_plan` lets the solver search before it takes the best plan found so far
 TIME_LIMIT_S = 10.0
 #: from this many distinct blocks that differ only in noise (per-layer sensitivities), a
@@ -131,6 +135,14 @@ class _Class:
     count: int = 0
     options: list[list[_Option]] = field(default_factory=list)
     full: list[_Option] = field(default_factory=list)
+    grad: int = 0
+    """bytes added to the transient while one of its blocks backpropagates (`grad_bytes`); a
+    class with no sites and no whole-block options is only a floor under the peak (the end of
+    forward: `solve_plan`'s `loss_bytes`)"""
+
+    @property
+    def floor(self) -> bool:
+        return not self.options and not self.full
 
 
 def _site_options(site: SiteProfile) -> list[_Option]:
@@ -174,17 +186,36 @@ def _full_options(block: BlockProfile, options: list[list[_Option]]) -> list[_Op
             for o in options[ci] if o.name == KEEP or o.name in CHECKPOINT_CODECS]
 
 
-def _classes(blocks: Sequence[BlockProfile]) -> tuple[list[_Class], list[int]]:
+def _rounded(ms: float, resolution: float) -> float:
+    """`ms` on a geometric grid of ratio 1 + resolution (times that differ by less than their
+    measurement noise compare equal, so near-ties are broken by noise, then order)."""
+    if resolution <= 0 or not ms > 0 or math.isinf(ms):
+        return ms
+    step = math.log1p(resolution)
+    return math.exp(round(math.log(ms) / step) * step)
+
+
+def _classes(blocks: Sequence[BlockProfile], resolution: float = 0.0) -> tuple[list[_Class], list[int]]:
+    """Blocks grouped into classes (equal blocks share variables), with every option's time
+    rounded to `resolution` (relative; 0: exact)."""
+    if resolution > 0:
+        blocks = [dataclasses.replace(
+            b, full_ms=None if b.full_ms is None else _rounded(b.full_ms, resolution),
+            sites=tuple(dataclasses.replace(
+                st, forward_ms=st.forward_ms if st.forward_ms is None else _rounded(st.forward_ms, resolution),
+                codecs=tuple(dataclasses.replace(c, encode_ms=_rounded(c.encode_ms, resolution),
+                                                 decode_ms=_rounded(c.decode_ms, resolution))
+                             for c in st.codecs)) for st in b.sites)) for b in blocks]
     index: dict[tuple, int] = {}
     classes: list[_Class] = []
     owner: list[int] = []
     for block in blocks:
-        key = (block.sites, block.inflight, block.full_ms)
+        key = (block.sites, block.inflight, block.full_ms, block.grad_bytes)
         if key not in index:
             index[key] = len(classes)
             options = [_site_options(s) for s in block.sites]
             classes.append(_Class(block.sites, block.inflight, options=options,
-                                  full=_full_options(block, options)))
+                                  full=_full_options(block, options), grad=block.grad_bytes))
         classes[index[key]].count += block.count
         owner.append(index[key])
     return classes, owner
@@ -200,6 +231,9 @@ def _evaluate(classes: list[_Class], picks: list[list[int]],
     how many of class k's blocks take each whole-block option (the rest take `picks[k]`)."""
     stored, peak, ms, noise = 0, 0, 0.0, 0.0
     for cls, pick, full in zip(classes, picks, fulls or _no_full(classes)):
+        if cls.floor:
+            peak = max(peak, cls.grad)
+            continue
         rest = cls.count - sum(full)
         if rest < 0:
             raise ValueError(f"{sum(full)} whole-block choices in a class of {cls.count} blocks")
@@ -207,9 +241,9 @@ def _evaluate(classes: list[_Class], picks: list[list[int]],
         stored += cls.inflight * (rest * sum(o.stored for o in opts)
                                   + sum(n * f.stored for n, f in zip(full, cls.full)))
         if rest:
-            peak = max(peak, transient_bytes([s.nbytes for s in cls.sites], [o.name for o in opts],
-                                             [s.name for s in cls.sites]))
-        peak = max([peak] + [f.transient for n, f in zip(full, cls.full) if n])
+            peak = max(peak, cls.grad + transient_bytes([s.nbytes for s in cls.sites], [o.name for o in opts],
+                                                        [s.name for s in cls.sites]))
+        peak = max([peak] + [cls.grad + f.transient for n, f in zip(full, cls.full) if n])
         ms += rest * sum(o.cost_ms for o in opts) + sum(n * f.cost_ms for n, f in zip(full, cls.full))
         noise += rest * sum(o.noise for o in opts) + sum(n * f.noise for n, f in zip(full, cls.full))
     return stored, peak, ms, noise
@@ -296,6 +330,15 @@ def _solve(prob, deadline: float) -> str:
     return "error"
 
 
+def _dual_bound(prob) -> Optional[float]:
+    """The lower bound the solver proved on `prob`'s objective (HiGHS), else None."""
+    try:
+        bound = float(prob.solverModel.getInfo().mip_dual_bound)
+    except Exception:  # noqa: BLE001 -- another solver, or no MIP info
+        return None
+    return bound if math.isfinite(bound) else None
+
+
 def _variable(prob, name: str, cat: str, low: float = 0):
     """A variable of `prob` (pulp >= 3.3 attaches it to the model; older pulp cannot)."""
     pulp = require("pulp", "the activation planner")
@@ -354,18 +397,23 @@ class _Model:
                         self.prob += self.x[k][i][-1] + pulp.lpSum(blind) <= 1, f"dep_{k}_{i}_{j}"
         self.peak = _variable(self.prob, "peak", "Continuous")
         for k, cls in enumerate(classes):
+            grad = cls.grad / _MIB
+            if cls.floor:
+                self.prob += self.peak >= grad, f"floor_{k}"
+                continue
             rec = [(s.nbytes / _MIB) * row[o] for s, row, opts in zip(cls.sites, self.x[k], cls.options)
                    for o, opt in enumerate(opts) if opt.name == RECOMPUTE]
             for g, group in enumerate(decode_groups([s.name for s in cls.sites])):
                 dec = [(cls.sites[i].nbytes / _MIB) * v for i in group
                        for v, opt in zip(self.x[k][i], cls.options[i]) if opt.name not in (KEEP, RECOMPUTE)]
-                self.prob += self.peak >= pulp.lpSum(rec + dec), f"peak_{k}_{g}"
+                if cls.options:
+                    self.prob += self.peak >= pulp.lpSum(rec + dec) + grad, f"peak_{k}_{g}"
             for c, (w, opt) in enumerate(zip(self.w[k], cls.full)):
                 used = w
                 if not cls.options:  # some of the given whole blocks take option c
                     used = _variable(self.prob, f"f_{k}_{c}", "Binary")
                     self.prob += w <= cls.count * used, f"fused_{k}_{c}"
-                self.prob += self.peak >= (opt.transient / _MIB) * used, f"fpeak_{k}_{c}"
+                self.prob += self.peak >= (opt.transient / _MIB + grad) * used, f"fpeak_{k}_{c}"
         self.memory = self._sum(lambda c, o: c.inflight * o.stored / _MIB) + self.peak
         self.mem_row = self.var_row = None
         if mem_limit is not None:
@@ -457,12 +505,13 @@ class _Limit:
 Solution = tuple[list[list[int]], list[list[int]]]
 
 
-def _run(classes, objective, mem_limit, var_limit, limit: _Limit
+def _run(classes, objective, mem_limit, var_limit, limit: _Limit, bounds: Optional[list] = None
          ) -> tuple[Optional[Solution], int, str]:
     """(solution or None, variable count, `_solve`'s status). The answer is verified in
     exact arithmetic (integer bytes; noise within a relative 1e-6): a plan that passed a row
     only within the solver's tolerance is cut away once by moving that row's bound in by
-    less than one byte (resp. 1e-6)."""
+    less than one byte (resp. 1e-6). `bounds`: gets the solver's proven lower bound on the
+    objective, where it reports one (HiGHS)."""
     model = _Model(classes, objective, mem_limit, var_limit)
     nvars = len(model.prob.variables())
     for _ in range(2):
@@ -470,6 +519,8 @@ def _run(classes, objective, mem_limit, var_limit, limit: _Limit
         if status in ("infeasible", "timeout", "error"):
             return None, nvars, status
         sol = model.picks()
+        if bounds is not None:
+            bounds.append(_dual_bound(model.prob))
         stored, peak, _ms, noise = _evaluate(classes, *sol)
         over_mem = mem_limit is not None and stored + peak > mem_limit
         over_var = var_limit is not None and noise > var_limit * (1 + _VAR_RTOL)
@@ -486,8 +537,8 @@ def _split(classes: list[_Class], k: int, whole: int) -> list[_Class]:
     """`classes` with `whole` blocks of class k recomputed whole: class k keeps its other
     blocks (per-site choices only) and a class without sites holds the whole ones, last."""
     cls = classes[k]
-    rest = _Class(cls.sites, cls.inflight, cls.count - whole, cls.options)
-    part = _Class((), cls.inflight, whole, [], cls.full)
+    rest = _Class(cls.sites, cls.inflight, cls.count - whole, cls.options, grad=cls.grad)
+    part = _Class((), cls.inflight, whole, [], cls.full, grad=cls.grad)
     return classes[:k] + [rest] + classes[k + 1:] + [part]
 
 
@@ -563,51 +614,58 @@ def _mix(classes, objective, mem_limit, var_limit, limit: _Limit, best: Solution
 
 
 def _merged(classes: list[_Class]) -> tuple[list[_Class], list[int]]:
-    """Classes that differ only in noise (per-layer sensitivities) merged into one with the
-    count-weighted mean noise, and the merged index of every class. A plan of the merged
-    problem, given to all its members (`_spread`), has exactly the same bytes and time in
-    the original one, and its summed noise at most: a feasible answer found in a fraction of
-    the time."""
+    """Classes that differ only in measured figures (per-layer sensitivities, times that
+    differ by their measurement noise) merged into one with the count-weighted mean noise
+    and time of every option, and the merged index of every class. A plan of the merged
+    problem, given to all its members (`_spread`), has exactly the same bytes, time and
+    summed noise in the original one (the means are count-weighted): a feasible answer found
+    in a fraction of the time."""
     index: dict[tuple, int] = {}
     merged: list[_Class] = []
     member: list[int] = []
 
     def bare(opts):
-        return [_Option(o.name, o.stored, o.cost_ms, 0.0, o.transient) for o in opts]
+        return [_Option(o.name, o.stored, 0.0, 0.0, o.transient) for o in opts]
 
     for cls in classes:
-        key = (cls.inflight, tuple((s.name, s.inputs, tuple((o.name, o.stored, o.cost_ms) for o in opts))
+        key = (cls.inflight, tuple((s.name, s.inputs, tuple((o.name, o.stored) for o in opts))
                                    for s, opts in zip(cls.sites, cls.options)),
-               tuple((o.name, o.stored, o.cost_ms, o.transient) for o in cls.full))
+               tuple((o.name, o.stored, o.transient) for o in cls.full), cls.grad, cls.floor)
         if key not in index:
             index[key] = len(merged)
             merged.append(_Class(cls.sites, cls.inflight, 0, [bare(opts) for opts in cls.options],
-                                 bare(cls.full)))
+                                 bare(cls.full), cls.grad))
         m = merged[index[key]]
         for mine, theirs in zip(m.options + [m.full], cls.options + [cls.full]):
             for o, t in zip(mine, theirs):
                 o.noise += cls.count * t.noise
+                o.cost_ms += cls.count * t.cost_ms
         m.count += cls.count
         member.append(index[key])
     for m in merged:
         for opts in m.options + [m.full]:
             for o in opts:
-                o.noise /= m.count
+                o.noise /= max(m.count, 1)
+                o.cost_ms /= max(m.count, 1)
     return merged, member
 
 
 def _spread(classes: list[_Class], member: list[int], sol: Solution) -> Solution:
     """A merged problem's solution given to its member classes: each takes its merged
     class's per-site choice, and the merged class's whole-block counts go to the members
-    whose per-site choice adds the most noise (moving those blocks saves the most), ties to
-    the lower class index."""
+    whose per-site choice adds the most noise (moving those blocks saves the most), then
+    whose whole block costs the least over it, ties to the lower class index."""
     picks = [list(sol[0][m]) for m in member]
     fulls = _no_full(classes)
+
+    def order(k: int, c: int):
+        opts = [classes[k].options[i][o] for i, o in enumerate(picks[k])]
+        return (-sum(o.noise for o in opts), classes[k].full[c].cost_ms - sum(o.cost_ms for o in opts), k)
+
     for m, counts in enumerate(sol[1]):
         mine = [k for k, owner in enumerate(member) if owner == m]
-        mine.sort(key=lambda k: (-sum(classes[k].options[i][o].noise for i, o in enumerate(picks[k])), k))
         for c, n in enumerate(counts):
-            for k in mine:
+            for k in sorted(mine, key=lambda k: order(k, c)):
                 take = min(n, classes[k].count - sum(fulls[k]))
                 fulls[k][c] += take
                 n -= take
@@ -620,7 +678,7 @@ def _score(classes, objective: str, sol: Solution) -> float:
     return {"time": ms, "variance": noise}.get(objective, stored + peak)
 
 
-def _search(classes, objective, mem_limit, var_limit, limit: _Limit
+def _search(classes, objective, mem_limit, var_limit, limit: _Limit, bounds: Optional[list] = None
             ) -> tuple[Optional[Solution], int, bool]:
     """(solution or None when infeasible, variable count, proven optimal): the full MILP
     within the time limit, and, when classes differ only in noise, the merged MILP first
@@ -634,7 +692,7 @@ def _search(classes, objective, mem_limit, var_limit, limit: _Limit
             stored, peak, _ms, noise = _evaluate(classes, *fallback)
             if var_limit is not None and noise > var_limit * (1 + _VAR_RTOL):
                 fallback = None
-    sol, nvars, status = _run(classes, objective, mem_limit, var_limit, limit)
+    sol, nvars, status = _run(classes, objective, mem_limit, var_limit, limit, bounds)
     if sol is not None:
         sol = _mix(classes, objective, mem_limit, var_limit, limit, sol)
     if status in ("optimal", "infeasible"):  # optimal: over whole classes; the split is searched
@@ -666,27 +724,33 @@ def _fast_search(classes, mem_limit, var_limit, limit: _Limit) -> Optional[Solut
     uniform = _spread(classes, member, sol)
     best = uniform
     picks, fulls = uniform
-    part = [k for k, c in enumerate(classes) if c.count > sum(fulls[k])]
-    held = [_Class(c.sites, c.inflight, sum(n), c.options, c.full) for c, n in zip(classes, fulls)]
+    part = [k for k, c in enumerate(classes) if not c.floor and c.count > sum(fulls[k])]
+    held = [_Class(c.sites, c.inflight, c.count if c.floor else sum(n), c.options, c.full, c.grad)
+            for c, n in zip(classes, fulls)]
     held_fulls = [list(n) for n in fulls]
     stored, peak, _ms, noise = _evaluate(held, [picks[k] for k in range(len(classes))], held_fulls)
     sub = [_Class(classes[k].sites, classes[k].inflight, classes[k].count - sum(fulls[k]),
-                  classes[k].options) for k in part]
-    lag = None
-    if sub:
+                  classes[k].options, grad=classes[k].grad) for k in part]
+    # Lagrangian relaxation from the uniform plan, its transient bound (the sites the plan
+    # keeps stay kept) as is and with its partly decoded groups opened (q kept beside an
+    # encoded k, v, out may be encoded too): the best of these by exact figures
+    ref = [picks[k] for k in part]
+    for open_groups in ((False, True) if sub else ()):
         try:
             lag = lagrange_plan(sub, mem_limit - stored, var_limit - noise if var_limit else var_limit,
-                                [picks[k] for k in part], peak_floor=peak)
-        except Exception as err:  # the fast path never fails a solve: the uniform plan stands
+                                ref, peak_floor=peak, open_groups=open_groups)
+        except Exception as err:  # the fast path never fails a solve: the best plan stands
             log.debug("llm_act: the Lagrangian fast path failed: %r", err)
-    if lag is not None:
-        trial = [list(p) for p in picks]
+            break
+        if lag is None:
+            continue
+        trial = [list(p) for p in best[0]]
         for k, row in zip(part, lag):
             trial[k] = list(row)
         cand = (trial, fulls)
-        stored, peak, ms, noise = _evaluate(classes, *cand)
-        if (stored + peak <= mem_limit and noise <= var_limit * (1 + _VAR_RTOL)
-                and ms < _evaluate(classes, *uniform)[2]):
+        c_stored, c_peak, ms, c_noise = _evaluate(classes, *cand)
+        if (c_stored + c_peak <= mem_limit and c_noise <= var_limit * (1 + _VAR_RTOL)
+                and ms < _evaluate(classes, *best)[2] * (1 - 1e-12)):
             best = cand
     return best
 
@@ -707,6 +771,8 @@ def solve_plan(
     objective: str = "time",
     time_limit: float = TIME_LIMIT_S,
     fast: Optional[bool] = None,
+    time_resolution: float = 0.0,
+    loss_bytes: int = 0,
 ) -> Plan:
     """The cheapest plan for one device whose activations fit `budget_bytes - static_bytes`
     (and whose summed noise stays within `variance_budget`, when given).
@@ -723,6 +789,16 @@ def solve_plan(
     of a second and within a fraction of a percent of a long MILP search (`llm-act bench
     planner` measures the gap), with `optimal=False`; True forces that path wherever it
     applies, False the full MILP. Smaller or other problems always get the full MILP.
+
+    `time_resolution`: the relative noise of the measured times (e.g. 0.05). Planned times
+    are rounded to a geometric grid of that ratio, so profiles whose times differ by less
+    (the same run measured twice) choose the same plan: near-ties go to the lower noise, then
+    to a fixed order. The plan's figures use the exact times.
+
+    `loss_bytes`: what the end of forward holds besides the blocks' stored tensors (the
+    logits and the loss's bookkeeping, freed before any block backpropagates): the peak is
+    the larger of it and the largest block's transient (`BlockProfile.grad_bytes` included),
+    one definition for every plan (`evaluate_plan` takes it too).
     """
     start = time.perf_counter()
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) \
@@ -740,10 +816,17 @@ def solve_plan(
                 f"variance_budget: expected a finite number >= 0 or None, got {variance_budget!r}"
             )
         variance_budget = float(variance_budget)
-    classes, owner = _classes(blocks)
+    if isinstance(time_resolution, bool) or not isinstance(time_resolution, (int, float)) \
+            or not 0 <= time_resolution < 1:
+        raise ValueError(f"time_resolution: expected a fraction in [0, 1), got {time_resolution!r}")
+    classes, owner = _classes(blocks, float(time_resolution))
+    loss_bytes = _byte_count(loss_bytes, "loss_bytes")
+    if loss_bytes:
+        classes.append(_Class((), 1, 0, grad=loss_bytes))
     mem_limit = budget - static
     undecided: Optional[SolverError] = None
     picks, nvars, optimal, quick = None, 0, True, False
+    bounds: list = []
     if mem_limit >= 0 and _fast_applies(classes, objective, mem_limit, variance_budget, fast):
         picks = _fast_search(classes, mem_limit, variance_budget, limit)
         quick = picks is not None
@@ -752,7 +835,7 @@ def solve_plan(
     try:
         if not quick:
             picks, nvars, optimal = (None, 0, True) if mem_limit < 0 else _search(
-                classes, objective, mem_limit, variance_budget, limit)
+                classes, objective, mem_limit, variance_budget, limit, bounds)
     except SolverError as err:  # decided below: a budget under the edge is the user's error
         picks, nvars, optimal, undecided = None, 0, False, err
     if picks is None:
@@ -769,10 +852,12 @@ def solve_plan(
         if undecided is not None:
             raise undecided
         raise SolverError("the MILP solver found no plan although one fits the memory budget")
-    plan = _plan(blocks, classes, owner, picks)
+    plan = _plan(blocks, classes, owner, picks, exact=time_resolution > 0)
     plan.num_variables = nvars
     plan.objective = objective
     plan.optimal = optimal
+    if objective == "time" and bounds and bounds[-1] is not None and not quick:
+        plan.bound_ms = bounds[-1]
     plan.solve_seconds = time.perf_counter() - start
     if quick:
         log.debug("llm_act: %d distinct blocks planned by the fast path in %.3f s", len(classes),
@@ -783,20 +868,23 @@ def solve_plan(
     return plan
 
 
-def _plan(blocks, classes, owner, sol: Solution) -> Plan:
-    """The Plan of a solution; a class's whole-block counts go to its blocks in order."""
+def _plan(blocks, classes, owner, sol: Solution, exact: bool = False) -> Plan:
+    """The Plan of a solution; a class's whole-block counts go to its blocks in order. Its
+    figures are those of `classes`, or of `blocks` themselves (`exact`: the classes hold
+    rounded times)."""
     picks, fulls = sol
-    stored, peak, ms, noise = _evaluate(classes, picks, fulls)
     left = [list(f) for f in fulls]
-    choice, full = [], []
+    choice, full, block_fulls = [], [], []
     for block, k in zip(blocks, owner):
         cls = classes[k]
         mine: dict[str, int] = {}
+        counts = [0] * len(cls.full)
         room = block.count
         for c, opt in enumerate(cls.full):
             take = min(left[k][c], room)
             if take:
                 mine[checkpoint_of(opt.name)] = take
+                counts[c] = take
                 left[k][c] -= take
                 room -= take
         per_site = {s.name: cls.options[i][o].name for i, (s, o) in enumerate(zip(cls.sites, picks[k]))}
@@ -804,11 +892,21 @@ def _plan(blocks, classes, owner, sol: Solution) -> Plan:
             per_site = whole_layer(block, min(mine))
         choice.append(per_site)
         full.append(mine)
+        block_fulls.append(counts)
+    if exact:
+        own = [_Class(b.sites, b.inflight, b.count, opts, _full_options(b, opts), b.grad_bytes)
+               for b, opts in ((b, [_site_options(s) for s in b.sites]) for b in blocks)]
+        own += [c for c in classes if c.floor]
+        stored, peak, ms, noise = _evaluate(own, [picks[k] for k in owner] + [[] for c in classes if c.floor],
+                                            block_fulls + [[] for c in classes if c.floor])
+    else:
+        stored, peak, ms, noise = _evaluate(classes, picks, fulls)
     return Plan(blocks=tuple(blocks), choice=choice, activation_bytes=stored + peak, overhead_ms=ms,
                 variance=noise, peak_bytes=peak, full=full)
 
 
-def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str]]) -> Plan:
+def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str]],
+                  loss_bytes: int = 0) -> Plan:
     """The figures of a given choice (e.g. the fixed "keep"/"compress"/"recompute" plans)
     under the same cost model; a site missing from a choice is kept. A choice that
     recomputes every site but the checkpoint is whole-block recompute where the block
@@ -820,7 +918,8 @@ def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str
     classes = []
     for b in blocks:
         options = [_site_options(s) for s in b.sites]
-        classes.append(_Class(b.sites, b.inflight, b.count, options, _full_options(b, options)))
+        classes.append(_Class(b.sites, b.inflight, b.count, options, _full_options(b, options), b.grad_bytes))
+    floor = [_Class((), 1, 0, grad=_byte_count(loss_bytes, "loss_bytes"))] if loss_bytes else []
     picks, fulls = [], _no_full(classes)
     for n, (cls, block, ch) in enumerate(zip(classes, blocks, choice)):
         if cls.full and is_whole(ch, block):
@@ -852,4 +951,5 @@ def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str
                 f"codec {cls.options[j][pick[j]].name!r} does not keep the value"
             )
         picks.append(pick)
-    return _plan(blocks, classes, list(range(len(blocks))), (picks, fulls))
+    return _plan(blocks, classes + floor, list(range(len(blocks))),
+                 (picks + [[] for _ in floor], fulls + [[] for _ in floor]))

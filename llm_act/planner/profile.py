@@ -135,6 +135,10 @@ class BlockProfile:
     count: int = 1
     inflight: int = 1
     full_ms: Optional[float] = None
+    grad_bytes: int = 0
+    """what is live only while the block backpropagates, besides its rebuilt and decoded
+    tensors: the gradients in flight (the block's input and output gradients, weight-gradient
+    temporaries, the attention's score gradients). It adds to the block's transient."""
 
     def __post_init__(self) -> None:
         sites = tuple(self.sites)
@@ -161,6 +165,7 @@ class BlockProfile:
             if v < 1:
                 raise ValueError(f"BlockProfile.{f}: must be >= 1, got {v}")
             object.__setattr__(self, f, int(v))
+        object.__setattr__(self, "grad_bytes", _byte_count(self.grad_bytes, "BlockProfile.grad_bytes"))
         if self.full_ms is not None:
             if CHECKPOINT_SITE not in seen:
                 raise ValueError(f"BlockProfile.full_ms: whole-block recompute starts from "

@@ -64,8 +64,8 @@ from llm_act.plan import plan_from
 from llm_act.planner import evaluate_plan, InfeasibleVariance, solve_plan
 from llm_act.planner.analytic import block_profile, DeviceModel, DTYPES, ModelShape
 from llm_act.planner.budget import min_budget
-from llm_act.planner.milp import InfeasibleBudget
-from llm_act.runtime import agreement
+from llm_act.planner.milp import TIME_RESOLUTION, InfeasibleBudget
+from llm_act.runtime import agreement, output_choice
 from llm_act.runtime.logs import speaks_for_stage
 from llm_act.sites import DEFAULT_CODECS
 
@@ -209,6 +209,9 @@ class Adapter:
         self.noise_ratio: Optional[float] = None
         self.solver_failures = 0
         """tracking points whose solve failed (the plan in force was kept)"""
+        self.output_decision: Optional[dict[str, Any]] = None
+        """the last output-loss decision (`output_choice.OutputChoice.to_dict()`; None where the
+        planner does not choose it)"""
         self._warned_no_probe = False
         self._warned: set[str] = set()
         """kinds of warning given already (each is said once per run)"""
@@ -430,11 +433,16 @@ class Adapter:
         blocks, static = self.problem(profile)
         stage_group = g.stage if g else None
         static = int(agreement.reduce_dict({"s": static}, "max", stage_group)["s"])
-        budget = int(agreement.reduce_dict({"b": self._budget(profile, static)}, "min",
+        stock = output_choice.stock_static(c, static, _inflight())  # the default budget's output loss
+        budget = int(agreement.reduce_dict({"b": self._budget(profile, stock)}, "min",
                                            stage_group)["b"])
         decision = None
         if agreement.is_source(g):
-            decision = self._solve(profile, blocks, static, budget, reasons)
+            # output_loss "auto": stock or chunked output loss, with the plan (`output_choice`)
+            out = output_choice.decide(c, blocks, static, budget, self.noise_budget(), _inflight())
+            decision = self._solve(profile, blocks, static if out is None else out.static_bytes, budget, reasons)
+            decision["output_loss"] = None if out is None or decision["plan"] is None else out.choice
+            decision["output"] = None if out is None else out.to_dict()
         decision = agreement.broadcast(decision, g)
         if decision.get("refused") is not None:
             raise BudgetTooSmall(*decision["refused"])
@@ -445,16 +453,20 @@ class Adapter:
                             it, decision["failure"])
         self.budget = decision["budget"]
         self.profile = profile
+        self.output_decision = decision.get("output")
         old = c.plan
         if decision["plan"] is not None:
             new = {layer: {**old.get(layer, {}), **self.unmeasured(profile, layer), **choice,
                            **self.pins(layer)}
                    for layer, choice in decision["plan"].items()}
-            if new != old:
-                c.set_plan(new)
+            output_moved = c.set_output_loss(decision.get("output_loss"))
+            if new != old or output_moved:
+                if new != old:
+                    c.set_plan(new)
                 entry = {
                     "iteration": it,
-                    "changes": describe_changes(old, new),
+                    "changes": "; ".join(([describe_changes(old, new)] if new != old else [])
+                                         + ([output_moved] if output_moved else [])),
                     "predicted_bytes": decision["predicted_bytes"],
                     "activation_bytes": decision["activation_bytes"],
                     "overhead_ms": decision["overhead_ms"],
@@ -462,16 +474,19 @@ class Adapter:
                 }
                 self.history.append(entry)
                 entry["noise"] = decision.get("noise")
+                entry["output_loss"] = decision.get("output_loss")
                 vb = decision.get("noise_budget")
+                out = decision.get("output")
                 say = log.info if speaks_for_stage() else log.debug  # one line per stage
                 say("llm_act: iteration %d: plan changed: %s | predicted memory %.3f MiB of the "
                     "%.3f MiB budget (activations %.3f MiB), predicted noise %s (noise budget %s), "
-                    "overhead %.3f ms/iteration | why: %s | plan now, per block:\n%s",
+                    "overhead %.3f ms/iteration%s | why: %s | plan now, per block:\n%s",
                     it, entry["changes"], entry["predicted_bytes"] / 2**20, self.budget / 2**20,
                     entry["activation_bytes"] / 2**20,
                     "unknown" if entry["noise"] is None else f"{entry['noise']:.3g}",
-                    "none" if vb is None else f"{vb:.3g}", entry["overhead_ms"], entry["reason"],
-                    c.describe(new))
+                    "none" if vb is None else f"{vb:.3g}", entry["overhead_ms"],
+                    "" if out is None else " | " + output_choice.OutputChoice(**out).describe(),
+                    entry["reason"], c.describe(new))
         reset = bool(decision["reasons"])
         if g is not None:  # every stage keeps the same schedule (they track together)
             reset = bool(agreement.reduce_dict({"r": float(reset)}, "max", g.world)["r"])
@@ -602,7 +617,8 @@ class Adapter:
         """The plan this rank would choose from `profile` alone (no agreement): the planner's
         answer over `problem(profile)`, for diagnostics and tests."""
         blocks, static = self.problem(profile)
-        sol = solve_plan(blocks, budget, static_bytes=static, variance_budget=self.noise_budget())
+        sol = solve_plan(blocks, budget, static_bytes=static, variance_budget=self.noise_budget(),
+                         time_resolution=TIME_RESOLUTION)
         return profile.plan_from(sol)
 
     def _budget(self, profile: Any, static: int) -> int:
@@ -643,13 +659,15 @@ class Adapter:
 
         def solve(b: int):
             try:
-                return solve_plan(blocks, b, static_bytes=static, variance_budget=noise)
+                return solve_plan(blocks, b, static_bytes=static, variance_budget=noise,
+                                  time_resolution=TIME_RESOLUTION)
             except InfeasibleVariance as err:
                 # memory is the hard limit: the least noisy plan that fits it, said once
                 self._warn_once("variance", "llm_act: iteration %d: no plan within the memory budget meets "
                                 "the noise budget (%s); using the least noisy plan that fits (said once). "
                                 "Fix: a larger budget, or a larger noise_fraction / variance_budget", it, err)
-                return solve_plan(blocks, b, static_bytes=static, objective="variance")
+                return solve_plan(blocks, b, static_bytes=static, objective="variance",
+                                  time_resolution=TIME_RESOLUTION)
 
         try:
             try:

@@ -151,6 +151,11 @@ class Controller:
         #: `attach_optimizer`, "engine.step()" in the DeepSpeed door; None: nothing known
         self.boundary: Optional[str] = None
         self._any_optimizer: Any = None  # the global optimizer-step hook of `watch`
+        #: the output layer and loss of a megatron-core GPTModel, stock or chunked
+        #: (`llm_act.runtime.output_choice.OutputSwitch`; `patches.megatron.apply` sets it where
+        #: `ActConfig.output_loss` asks for the chunked loss or lets the planner choose), else None
+        self.output: Any = None
+        self._pending_output: Optional[str] = None
 
         self.adapter = Adapter(self)
         if self.enabled:
@@ -245,6 +250,29 @@ class Controller:
     @property
     def _driven(self) -> bool:
         return self.iteration > 0 or bool(self._hooks)
+
+    @property
+    def output_loss(self) -> Optional[str]:
+        """The output loss in force ("stock" or "chunked"), None where this controller holds no
+        output layer it may switch (`output`)."""
+        return None if self.output is None else self.output.mode
+
+    def set_output_loss(self, mode: Optional[str]) -> str:
+        """Ask for the output loss `mode` ("stock" or "chunked"; None: no change), applied with
+        plans at the next step boundary (or at once while nothing drives iterations). Returns
+        "output loss: old->new" when it changes, else "". The adaptive planner calls it with
+        the decision its source rank broadcast, so every rank of the stage asks alike."""
+        if mode is None or self.output is None:
+            return ""
+        now = self._pending_output or self.output.mode
+        if mode == now:
+            return ""
+        if mode not in ("stock", "chunked"):
+            raise ValueError(f"output loss: expected 'stock' or 'chunked', got {mode!r}")
+        self._pending_output = mode
+        if not self._in_step and not self._driven:
+            self._apply_pending()
+        return f"output loss: {now}->{mode}"
 
     def set_probe(self, forward: Optional[Callable[[], Any]], params: Any = None) -> None:
         """The closure the adaptive planner measures with: `forward()` runs one forward over
@@ -379,6 +407,9 @@ class Controller:
         if self._pending is not None:
             plan, self._pending = self._pending, None
             self._apply(plan)
+        if self._pending_output is not None:
+            mode, self._pending_output = self._pending_output, None
+            self.output.set(mode)
 
     def _apply(self, plan: LayerPlans) -> None:
         """Give every module the codec of its (layer, site); build codecs on first use.
@@ -475,6 +506,8 @@ class Controller:
             "plan": _plan_to_state(self._plan),
             "pending": None if self._pending is None else _plan_to_state(self._pending),
             "adapt": self.adapter.state_dict(),
+            "output_loss": self.output_loss,
+            "pending_output_loss": self._pending_output,
             "codecs": {
                 f"{layer}/{site}/{name}": codec.state_dict()
                 for (layer, site, name), codec in self._codecs.items()
@@ -546,6 +579,9 @@ class Controller:
             None if pending is None
             else plan_from(_plan_from_state(pending), self.num_layers, self._modules)
         )
+        if self.output is not None and state.get("output_loss") in ("stock", "chunked"):
+            self.output.set(state["output_loss"])
+            self._pending_output = state.get("pending_output_loss")
         return (f"act plan: restored the checkpoint's plan in force (act config unchanged, plan "
                 f"{self.config.plan!r}, {len(self.adapter.history)} adaptive changes so far)")
 
@@ -557,7 +593,10 @@ class Controller:
 
 def _config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """"field: checkpoint X, now Y" for every ActConfig field but `seed` (the codecs'
-    business) that differs between a saved config dict and the current one."""
+    business) that differs between a saved config dict and the current one. A field the
+    checkpoint predates counts as its default (a field added later changes no old run)."""
+    defaults = ActConfig().to_dict()
+    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
     return [f"{key}: checkpoint {saved.get(key)!r}, now {now.get(key)!r}"
             for key in sorted(set(saved) | set(now))
             if key != "seed" and saved.get(key) != now.get(key)]

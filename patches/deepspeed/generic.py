@@ -268,6 +268,10 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_not_checkpointing(model)
+    if config.output_loss == "chunked":
+        raise ValueError("output_loss 'chunked': the chunked output loss replaces a megatron-core GPTModel's "
+                         "output layer; this model takes the generic path (not megatron-core), where its own "
+                         "output layer and loss stay; fix: set output_loss to 'stock' or 'auto'")
     blocks = repeated_blocks(model)
     for i, block in enumerate(blocks):
         if getattr(block, "_llm_act_generic", None) is not None:

@@ -10,6 +10,14 @@ already offsets by the pipeline stage). Nothing here draws random numbers, and w
 are those of the stock model. `embedding.*` and `loss.logits` need nothing here: the
 ledger attributes what the embedding and the output layer / loss save by module.
 
+The output layer and its loss (`ActConfig.output_loss`): "chunked" routes a GPTModel's
+labelled loss through `llm_act.output.chunked_linear_cross_entropy` (vocab-parallel over
+megatron's tensor-parallel group; `patches.megatron.output.use_chunked_loss`); "auto" under
+plan "auto" lets the adaptive planner switch it between iterations
+(`llm_act.runtime.output_choice`; it starts chunked, as "auto" starts from "compress");
+"stock", and "auto" under a fixed plan, leave megatron's output layer untouched. The
+Controller holds the switch (`controller.output`).
+
 The returned Controller watches the first training forward (`Controller.watch`): with a
 user budget and no probe (Megatron-LM's `pretrain()`, a plain loop) a budget no plan fits
 (plan "auto": `adapt.BudgetTooSmall`) or that the fixed plan exceeds (`adapt.PlanOverBudget`)
@@ -120,6 +128,12 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
         unsupported.check_transformer_config(tconfig, config)
     unsupported.check_modules(_all_modules(roots))
     unsupported.check_context_parallel()
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from llm_act.patches.megatron import output
+
+    output_mode = config.output_loss_mode()
+    gpt = output.check_output([m for m in _all_modules(roots) if isinstance(m, GPTModel)], output_mode)
     num_layers = max(int(getattr(c, "num_layers", 0) or 0) for c in tconfigs.values())
 
     from llm_act.patches.megatron.swap import convert_layer
@@ -139,6 +153,10 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
         unsupported.guard_compile(layer, unsupported.compile_refusal(layer.config, config))
         layer._llm_act_controller = controller
         controller.layer_modules[int(layer.layer_number) - 1] = layer  # what measurement reads
+    if gpt is not None:  # output_loss "chunked", or "auto" under plan "auto" (the planner's choice)
+        controller.output = output.OutputLossSwitch(gpt, config.output_chunk_tokens,
+                                                    record=output_mode == "auto")
+        controller.output.set("chunked")
     agreement.agree_setup(controller)
     controller.watch(roots, layers)  # the budget check of the first step (adapt.FirstForward)
     return controller

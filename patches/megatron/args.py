@@ -90,7 +90,7 @@ def _budget(text: str) -> Any:
 #: field -> (type converter or None for the boolean pair, help)
 _FLAGS: dict[str, tuple[Optional[Callable[[str], Any]], str]] = {
     "plan": (str, '"auto" (planner), "keep" (stock), "compress" (default codecs), '
-                  '"recompute", or a JSON plan path'),
+                  '"recompute" (full), "selective" (core attention), or a JSON plan path'),
     "budget": (_budget, "activation memory budget, bytes or a size such as 60GB / 60GiB"),
     "codecs": (parse_codecs, "per-site overrides: site=codec,site=codec or a JSON object"),
     "attention": (str, "auto | stock | sdpa | chunked"),
@@ -104,6 +104,11 @@ _FLAGS: dict[str, tuple[Optional[Callable[[str], Any]], str]] = {
                            "few-bit) their measured coherent error, or 'exclude's them"),
     "fidelity_every": (_int, "report the gradient fidelity every N iterations (0: on request only)"),
     "seed": (_int, "seed of the codecs' private stochastic-rounding generator"),
+    "output_loss": (str, "the output layer and its loss: 'stock' (megatron's; keeps the fp32 "
+                         "[tokens, vocab/tp] logits for backward), 'chunked' (the same loss chunk by "
+                         "chunk, never the full logits; one more logits GEMM in backward), or 'auto' "
+                         "(default: the planner chooses under plan 'auto'; 'stock' under a fixed plan)"),
+    "output_chunk_tokens": (_int, "tokens per chunk of the chunked output loss (default 1024)"),
 }
 
 

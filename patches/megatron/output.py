@@ -10,7 +10,13 @@ output layer is still called as a module, so its hooks run (megatron DDP's param
 all-gather pre-hook among them). The loss is stock's: [b, s] fp32, per token.
 
 Sequence parallelism, deferred embedding wgrad and an output bias are refused: stock's
-output layer communicates differently there.
+output layer communicates differently there. `use_stock_loss(model)` removes both attributes
+again (the model is stock's once more).
+
+`OutputLossSwitch` is what `apply()` hands the Controller when `ActConfig.output_loss` asks
+for the chunked loss or lets the planner choose (`llm_act.runtime.output_choice`): it turns
+the op on and off between iterations and reports the output layer's sizes. `check_output`
+says, before `apply()` changes anything, whether the model can take it and why not.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import torch
 
 from llm_act._imports import require
 from llm_act.output.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_linear_cross_entropy
+from llm_act.output.choice import CHUNKED, STOCK, OutputSizes
 
 _MARK = "_llm_act_chunked_loss_tokens"
 
@@ -117,3 +124,131 @@ def use_chunked_loss(model: Any, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> An
 def chunked_loss_tokens(model: Any) -> Optional[int]:
     """The chunk size `use_chunked_loss` gave `model`, or None when it is stock."""
     return getattr(_gpt(model), _MARK, None)
+
+
+def use_stock_loss(model: Any) -> Any:
+    """Undo `use_chunked_loss`: `model`'s loss is megatron's own again (the logits GEMM and
+    `vocab_parallel_cross_entropy`); returns `model`. A model that is stock stays untouched."""
+    gpt = _gpt(model)
+    if not hasattr(gpt, _MARK):
+        return model
+    for owner in (gpt, gpt.output_layer):
+        for name in ("_postprocess", "forward", _MARK):
+            if name in vars(owner):
+                delattr(owner, name)
+    return model
+
+
+def chunked_refusal(model: Any) -> Optional[str]:
+    """Why `model` (a GPTModel, or one wrapped) cannot take the chunked loss, or None when it
+    can (also when it holds no output layer: a pipeline stage before the last). Changes
+    nothing."""
+    try:
+        gpt = _gpt(model)
+    except TypeError:
+        return "the model is not a megatron-core GPTModel (the chunked loss replaces a GPTModel's output layer and loss)"
+    if not gpt.post_process:
+        return None
+    if not hasattr(gpt, _MARK) and ("_postprocess" in vars(gpt) or "forward" in vars(gpt.output_layer)):
+        return "model._postprocess or model.output_layer.forward is already replaced on this instance by someone else"
+    try:
+        _check_output_layer(gpt.output_layer, gpt.config)
+    except NotImplementedError as err:
+        return str(err).replace("use_chunked_loss: ", "")
+    if gpt.config.mtp_num_layers is not None:
+        return "multi-token prediction (mtp_num_layers) is not supported (its extra losses use the logits)"
+    if gpt.output_layer.gather_output and gpt.output_layer.tp_group.size() > 1:
+        return "an output layer that gathers its logits over tensor parallelism (gather_output) is not supported"
+    return None
+
+
+def check_output(gpts: list, mode: str) -> Optional[torch.nn.Module]:
+    """The GPTModel whose loss `mode` (`ActConfig.output_loss_mode()`: "stock", "chunked" or
+    "auto") concerns among `gpts` (the megatron-core GPTModels `apply()` found), or None.
+
+    A fixed "chunked" that cannot be served raises ValueError in one line, naming the reason
+    and the fix; "auto" there quietly stays stock (None). A pipeline stage without the output
+    layer has nothing to do (None)."""
+    if mode == STOCK:
+        return None
+    fix = ("fix: set output_loss to 'stock', or 'auto' to let the planner use it where it can "
+           "(--act-compress-output-loss, the 'output_loss' key of the DeepSpeed 'activation_compression' "
+           "section, ActConfig.output_loss)")
+    if not gpts:
+        if mode == CHUNKED:
+            raise ValueError("output_loss 'chunked': the model holds no megatron-core GPTModel, so there is no "
+                             "output layer to replace; pass apply() the GPTModel (or its wrapper); " + fix)
+        return None
+    last = [g for g in gpts if g.post_process]
+    if not last:
+        return None
+    if len(last) > 1:
+        if mode == CHUNKED:
+            raise ValueError(f"output_loss 'chunked': the model holds {len(last)} GPTModels with an output layer; "
+                             "apply() serves one; " + fix)
+        return None
+    reason = chunked_refusal(last[0])
+    if reason is not None:
+        if mode == CHUNKED:
+            raise ValueError(f"output_loss 'chunked': {reason}; {fix}")
+        return None
+    return last[0]
+
+
+class OutputLossSwitch:
+    """One GPTModel's output layer and loss, "stock" or "chunked" (`set`); the Controller
+    switches it between iterations (`llm_act.runtime.output_choice.OutputSwitch`).
+
+    With `record=True` (the planner chooses: output_loss "auto" under plan "auto") a forward
+    pre-hook on the output layer notes the [s, b, h] shape and dtype of what it is given (no
+    device work), from which `sizes()` derives the bytes of each choice."""
+
+    def __init__(self, gpt: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, record: bool = False):
+        self.gpt = _gpt(gpt)
+        self.chunk_tokens = int(chunk_tokens)
+        self.input_shape: Optional[tuple[int, ...]] = None
+        self.input_dtype: Optional[torch.dtype] = None
+        self.gemm_ms: Optional[float] = None
+        """the measured time of the extra logits GEMM (`output_choice.measure_gemm_ms`), once per run"""
+        self._handle = None
+        if record:
+            self._handle = self.gpt.output_layer.register_forward_pre_hook(self._note, with_kwargs=True)
+
+    def _note(self, module: Any, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs.get("input_")
+        if isinstance(x, torch.Tensor) and x.dim() == 3:
+            self.input_shape, self.input_dtype = tuple(int(n) for n in x.shape), x.dtype
+
+    @property
+    def mode(self) -> str:
+        return CHUNKED if chunked_loss_tokens(self.gpt) is not None else STOCK
+
+    def set(self, mode: str) -> None:
+        if mode == CHUNKED:
+            if self.mode != CHUNKED:
+                use_chunked_loss(self.gpt, self.chunk_tokens)
+        elif mode == STOCK:
+            use_stock_loss(self.gpt)
+        else:
+            raise ValueError(f"output loss: expected {STOCK!r} or {CHUNKED!r}, got {mode!r}")
+
+    def weight(self) -> torch.Tensor:
+        """The output weight [vocab_local, h] (the embedding's when they are tied)."""
+        if self.gpt.share_embeddings_and_output_weights:
+            return self.gpt.shared_embedding_or_output_weight()
+        return self.gpt.output_layer.weight
+
+    def sizes(self) -> Optional[OutputSizes]:
+        """The output layer's sizes at the last forward seen (None before one)."""
+        if self.input_shape is None:
+            return None
+        s, b, h = self.input_shape
+        layer = self.gpt.output_layer
+        elem = torch.empty((), dtype=self.input_dtype).element_size()
+        return OutputSizes(tokens=s * b, hidden=h, vocab_local=int(layer.output_size_per_partition),
+                           elem_bytes=elem, chunk_tokens=self.chunk_tokens)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

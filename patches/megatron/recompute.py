@@ -74,7 +74,8 @@ class LayerRecompute:
     def codec_names(self, choice: Mapping[str, str]) -> dict[str, str]:
         """{site: codec name} of the codecs `bind(choice, ...)` needs: the checkpoint's under
         full recompute; otherwise every encoded site of this layer (q/k/v included) and the
-        `regen` codec of every recomputed dropout mask."""
+        `regen` codec of every recomputed dropout mask outside the core attention (whose
+        region replays the RNG state instead)."""
         choice = self._checked(choice)
         if is_full(choice, OPTIONAL_SITES - set(self.sites)):
             name = choice[CHECKPOINT_SITE]
@@ -82,6 +83,8 @@ class LayerRecompute:
         out = {}
         for site in list(self.sites) + [s for s in QKV_SITES if s not in self.sites]:
             name = choice[site]
+            if name == RECOMPUTE and site in ATTENTION_INTERNAL_SITES:
+                continue  # the core-attention region re-runs them (its RNG replayed)
             if name == RECOMPUTE and site in MASK_SITES:
                 out[site] = "regen"
             elif name not in (KEEP, RECOMPUTE):
@@ -112,9 +115,21 @@ class LayerRecompute:
         for s in recomputed:
             needed.update(PRODUCER_INPUTS.get(s, ()))
         self._needed = needed
+        # Under the core-attention region the converted core attention (`ActCoreAttention`,
+        # which `apply` always makes) stores nothing itself: the region's box stores q/k/v
+        # (`_qkv_codecs`) and its backward re-runs the attention with grad, which must take
+        # the path of the forward it repeats (that one ran under no_grad: no codec at all).
+        # A site codec there would make that re-run store again: `SiteRecompute` at
+        # attn.softmax asks for a frame that backward has not opened (it raised), and q/k/v
+        # codecs (or `_Visible`) send it down the unfused path re-encoding the decoded q/k/v.
+        # (A stock DotProductAttention -- the benches' `convert_attention=False` -- has no
+        # sites here, which is why binding one layer that way worked.)
+        region = set(QKV_SITES) | set(ATTENTION_INTERNAL_SITES) if self._attention_region else set()
         for site, module in self.sites.items():
             name = choice[site]
-            if name == RECOMPUTE:
+            if site in region:
+                codec = None
+            elif name == RECOMPUTE:
                 codec = codecs[site] if site in MASK_SITES else SiteRecompute(self, site)
             elif name == KEEP:
                 codec = _Visible() if site in needed else None

@@ -198,7 +198,7 @@ def test_gpu_bench_code_runs_on_cpu():
     assert G.ours_choice(shape, 1, 1) is None  # one byte fits nothing
     res = G.run(shape, device="cpu", sizes=(1, 2), repeat=1)
     fits = [r for r in res["rows"] if r["fits"]]
-    assert {r["scheme"] for r in fits} == set(G.SCHEMES)
+    assert {r["scheme"] for r in fits} == set(G.SCHEMES) - {G.NATIVE_OFFLOAD}  # offload needs CUDA
     assert all(r["tokens_per_s"] > 0 for r in fits)
     assert G.largest(res["rows"], "ours") == 2
     assert "| megatron full |" in G.table(res)

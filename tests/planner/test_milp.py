@@ -579,10 +579,10 @@ def test_a_solver_that_crashes_is_a_try_that_decided_nothing(monkeypatch):
     assert len(calls) >= 2  # the retry without presolve, and any next solver
     real = milp._search
 
-    def search(classes, objective, mem_limit, var_limit, limit):
+    def search(classes, objective, mem_limit, var_limit, limit, *rest):
         if objective == "time":
             raise SolverError("the solver crashed")
-        return real(classes, objective, mem_limit, var_limit, limit)
+        return real(classes, objective, mem_limit, var_limit, limit, *rest)
 
     monkeypatch.setattr(milp, "_search", search)
     with pytest.raises(InfeasibleVariance) as caught:

@@ -56,7 +56,8 @@ def _gpt(dropout):
 
 def _ds(stage, section=None, **extra):
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}},
+           # torch_adam: torch's AdamW, no FusedAdam op to build on CPU
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0, "torch_adam": True}},
            "zero_optimization": {"stage": stage}, "steps_per_print": 10**6, **extra}
     if section is not None:
         cfg["activation_compression"] = section

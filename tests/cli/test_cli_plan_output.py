@@ -1,0 +1,81 @@
+"""`llm-act plan --output-loss`: the final norm's input, the output layer's input and the loss
+counted under each output choice, both figures printed on the "outside the blocks" line,
+and "auto" choosing the chunked loss at a budget only it fits (stock where memory is plentiful)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from llm_act.cli.main import main
+from llm_act.output import stock_logits_bytes, stored_bytes
+from llm_act.planner.analytic import outer_bytes
+from llm_act.planner.presets import model_shape
+
+# GPT-2 medium at micro-batch 16: the stock logits (3.1 GiB) outweigh every block's activations
+BASE = ["plan", "--model", "gpt2-medium", "--seq-length", "1024", "--micro-batch-size", "16"]
+_OUTSIDE = re.compile(r"output loss: (\w+) \(output layer input \+ loss state: stock ([\d.]+) GiB, "
+                      r"chunked ([\d.]+) GiB\)")
+_NEED = re.compile(r"smallest budget that works for every stage is (\d+) bytes")
+
+
+def _run(capsys, *extra):
+    code = main([*BASE, *extra])
+    return code, capsys.readouterr().out
+
+
+def test_outer_bytes_under_each_output_loss():
+    shape = model_shape("gpt2-medium", seq_length=1024, micro_batch_size=16)
+    tokens, h, v, e = 1024 * 16, shape.hidden_size, shape.padded_vocab_size, shape.elem_bytes
+    stock, chunked = outer_bytes(shape, 0, "stock"), outer_bytes(shape, 0, "chunked")
+    assert stock["final_norm.input"] == chunked["final_norm.input"] == tokens * h * e
+    assert stock["loss.logits"] == stock_logits_bytes(tokens, v)  # fp32 softmax + mask + target
+    assert "loss.logits" not in chunked
+    assert chunked["output_layer.input"] + chunked["loss.logsumexp"] - stock["output_layer.input"] \
+        == stored_bytes(tokens, h, e) - tokens * h * e
+    assert outer_bytes(shape, 0) == stock  # the default
+    sp = model_shape("gpt2-medium", seq_length=1024, tp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        outer_bytes(sp, 0, "chunked")
+
+
+def test_auto_picks_chunked_at_a_tight_budget_and_prints_both(capsys, tmp_path):
+    code, out = _run(capsys, "--budget", "1GB", "--output-loss", "stock")
+    assert code == 2
+    stock_need = int(_NEED.search(out).group(1))
+    code, out = _run(capsys, "--budget", "1GB", "--output-loss", "chunked")
+    assert code == 2
+    chunked_need = int(_NEED.search(out).group(1))
+    m = _OUTSIDE.search(out)
+    assert m and m.group(1) == "chunked"
+    saving = stock_need - chunked_need
+    assert float(m.group(2)) - float(m.group(3)) == pytest.approx(saving / 2**30, abs=2e-3)
+    assert saving > 3 * 2**30  # the fp32 logits of 16k tokens at vocab 50k
+    # between the two: stock does not fit, "auto" (the default) picks the chunked loss
+    budget = str((stock_need + chunked_need) // 2)
+    code, out = _run(capsys, "--budget", budget, "--output-loss", "stock")
+    assert code == 2
+    path = tmp_path / "plan.json"
+    code, out = _run(capsys, "--budget", budget, "--json", str(path))
+    assert code == 0, out
+    m = _OUTSIDE.search(out)
+    assert m and m.group(1) == "chunked" and float(m.group(2)) > 3 > float(m.group(3))
+    assert "for the chunked loss's extra logits GEMM" in out
+    report = json.loads(path.read_text())
+    stage = report["stages"][-1]
+    assert stage["output_loss"] == "chunked" and stage["total_bytes"] <= int(budget)
+    assert stage["output_bytes"]["stock"] - stage["output_bytes"]["chunked"] == saving
+    assert stage["output_gemm_ms"] > 0
+    # plentiful memory: stock (its plan adds nothing, the chunked loss would add a GEMM)
+    code, out = _run(capsys, "--budget", "80GB")
+    assert code == 0 and _OUTSIDE.search(out).group(1) == "stock"
+    assert re.search(r"overhead\s+0\.000 ms", out)
+
+
+def test_chunked_with_sequence_parallel_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as err:
+        main([*BASE, "--budget", "80GB", "--tp", "2", "--sequence-parallel", "--output-loss", "chunked"])
+    assert err.value.code == 2 and "--output-loss" in capsys.readouterr().err
+    code, out = _run(capsys, "--budget", "80GB", "--tp", "2", "--sequence-parallel")  # auto stays stock
+    assert code == 0 and "output loss: stock (output layer input + loss state: stock" in out

@@ -24,7 +24,7 @@ import numpy as np
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.planner.transient import decode_groups
 
-_BISECT = 24  # steps of each bisection (log-scale over ~12 decades: ~2e-6 relative)
+_BISECT = 20  # steps of each bisection (log-scale over ~12 decades: ~3e-5 relative)
 _VAR_RTOL = 1e-6
 #: the price of noise in ms per unit when its budget does not bind: it only breaks ties in time
 _NOISE_TIE = 1e-9
@@ -255,6 +255,17 @@ def _greedy(prob: LagrangeProblem, picks: np.ndarray) -> np.ndarray:
         if not len(order):
             break
         gains = dcost[tuple(order.T)]
+        # the moves that keep both budgets (screened in floating point, each taken one is
+        # re-summed exactly below), the largest saving first
+        kk, ii, oo = order[:, 0], order[:, 1], order[:, 2]
+        old_o = picks[kk, ii]
+        ds = prob.count[kk] * prob.inflight * (prob.stored[ii, oo] - prob.stored[ii, old_o])
+        dn = prob.count[kk] * (prob.noise[kk, ii, oo] - prob.noise[kk, ii, old_o])
+        room = stored + ds + prob.peak <= prob.mem_limit
+        room &= (noise + dn <= prob.var_limit * (1 + _VAR_RTOL)) if prob.var_limit else (noise + dn <= 0.0)
+        order, gains = order[room], gains[room]
+        if not len(order):
+            break
         rank = np.lexsort((order[:, 2], order[:, 1], order[:, 0], gains))
         moved = False
         for r in rank:

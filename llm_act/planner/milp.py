@@ -110,7 +110,7 @@ class InfeasibleVariance(ValueError):
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Option:
     name: str
     stored: int
@@ -145,12 +145,30 @@ class _Class:
         return not self.options and not self.full
 
 
-def _site_options(site: SiteProfile) -> list[_Option]:
+def _site_options(site: SiteProfile, resolution: float = 0.0) -> list[_Option]:
+    """keep, each codec, recompute (where it can), their times rounded to `resolution`."""
     opts = [_Option(KEEP, site.nbytes, 0.0, 0.0)]
-    opts += [_Option(c.name, c.nbytes, c.cost_ms, site.sensitivity * c.variance) for c in site.codecs]
+    opts += [_Option(c.name, c.nbytes, _rounded(c.cost_ms, resolution), site.sensitivity * c.variance)
+             for c in site.codecs]
     if site.recomputable:
-        opts.append(_Option(RECOMPUTE, 0, float(site.forward_ms), 0.0))
+        opts.append(_Option(RECOMPUTE, 0, _rounded(float(site.forward_ms), resolution), 0.0))
     return opts
+
+
+def _exact_ms(block: BlockProfile, choice: Sequence[str], whole: dict[str, int]) -> float:
+    """The added time of `block` under per-site `choice` (names in site order) for the layers
+    not recomputed whole, and `whole` ({checkpoint choice: layers}), from its exact times."""
+    def cost(site: SiteProfile, name: str) -> float:
+        if name == KEEP:
+            return 0.0
+        if name == RECOMPUTE:
+            return float(site.forward_ms)
+        return next(c.cost_ms for c in site.codecs if c.name == name)
+
+    ckpt = next((s for s in block.sites if s.name == CHECKPOINT_SITE), None)
+    rest = block.count - sum(whole.values())
+    ms = rest * sum(cost(s, n) for s, n in zip(block.sites, choice)) if rest else 0.0
+    return ms + sum(n * (block.full_ms + cost(ckpt, c)) for c, n in whole.items())
 
 
 #: the codec a whole-block checkpoint may be stored with besides keep: 8 bits with stochastic
@@ -171,7 +189,8 @@ def checkpoint_of(name: str) -> str:
     return KEEP if name == "full" else name.split(":", 1)[1]
 
 
-def _full_options(block: BlockProfile, options: list[list[_Option]]) -> list[_Option]:
+def _full_options(block: BlockProfile, options: list[list[_Option]], resolution: float = 0.0
+                  ) -> list[_Option]:
     """Whole-block recompute with the checkpoint kept or stored by each of its value codecs:
     stored the checkpoint's option, time the block's forward (+ the codec's), noise the
     codec's; while the block backpropagates, every other site is live at full precision
@@ -181,7 +200,7 @@ def _full_options(block: BlockProfile, options: list[list[_Option]]) -> list[_Op
     names = [s.name for s in block.sites]
     ci = names.index(CHECKPOINT_SITE)
     rest = sum(s.nbytes for s in block.sites if s.name != CHECKPOINT_SITE)
-    return [_Option(full_name(o.name), o.stored, block.full_ms + o.cost_ms, o.noise,
+    return [_Option(full_name(o.name), o.stored, _rounded(block.full_ms, resolution) + o.cost_ms, o.noise,
                     rest + (block.sites[ci].nbytes if o.name != KEEP else 0))
             for o in options[ci] if o.name == KEEP or o.name in CHECKPOINT_CODECS]
 
@@ -198,14 +217,6 @@ def _rounded(ms: float, resolution: float) -> float:
 def _classes(blocks: Sequence[BlockProfile], resolution: float = 0.0) -> tuple[list[_Class], list[int]]:
     """Blocks grouped into classes (equal blocks share variables), with every option's time
     rounded to `resolution` (relative; 0: exact)."""
-    if resolution > 0:
-        blocks = [dataclasses.replace(
-            b, full_ms=None if b.full_ms is None else _rounded(b.full_ms, resolution),
-            sites=tuple(dataclasses.replace(
-                st, forward_ms=st.forward_ms if st.forward_ms is None else _rounded(st.forward_ms, resolution),
-                codecs=tuple(dataclasses.replace(c, encode_ms=_rounded(c.encode_ms, resolution),
-                                                 decode_ms=_rounded(c.decode_ms, resolution))
-                             for c in st.codecs)) for st in b.sites)) for b in blocks]
     index: dict[tuple, int] = {}
     classes: list[_Class] = []
     owner: list[int] = []
@@ -213,9 +224,9 @@ def _classes(blocks: Sequence[BlockProfile], resolution: float = 0.0) -> tuple[l
         key = (block.sites, block.inflight, block.full_ms, block.grad_bytes)
         if key not in index:
             index[key] = len(classes)
-            options = [_site_options(s) for s in block.sites]
+            options = [_site_options(s, resolution) for s in block.sites]
             classes.append(_Class(block.sites, block.inflight, options=options,
-                                  full=_full_options(block, options), grad=block.grad_bytes))
+                                  full=_full_options(block, options, resolution), grad=block.grad_bytes))
         classes[index[key]].count += block.count
         owner.append(index[key])
     return classes, owner
@@ -893,14 +904,10 @@ def _plan(blocks, classes, owner, sol: Solution, exact: bool = False) -> Plan:
         choice.append(per_site)
         full.append(mine)
         block_fulls.append(counts)
-    if exact:
-        own = [_Class(b.sites, b.inflight, b.count, opts, _full_options(b, opts), b.grad_bytes)
-               for b, opts in ((b, [_site_options(s) for s in b.sites]) for b in blocks)]
-        own += [c for c in classes if c.floor]
-        stored, peak, ms, noise = _evaluate(own, [picks[k] for k in owner] + [[] for c in classes if c.floor],
-                                            block_fulls + [[] for c in classes if c.floor])
-    else:
-        stored, peak, ms, noise = _evaluate(classes, picks, fulls)
+    stored, peak, ms, noise = _evaluate(classes, picks, fulls)
+    if exact:  # only the times were rounded: bytes and noise are the classes' own
+        ms = sum(_exact_ms(b, [classes[k].options[i][o].name for i, o in enumerate(picks[k])], mine)
+                 for b, k, mine in zip(blocks, owner, full))
     return Plan(blocks=tuple(blocks), choice=choice, activation_bytes=stored + peak, overhead_ms=ms,
                 variance=noise, peak_bytes=peak, full=full)
 

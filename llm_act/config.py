@@ -119,7 +119,7 @@ class ActConfig:
     """Report the gradient fidelity (compressed against exact gradient on one
     micro-batch, `llm_act.measurement.fidelity`) every this many iterations; 0: only on request."""
 
-    output_loss: str = "auto"
+    output_loss: str = "stock"
     """The output layer and its loss (megatron-core GPTModel): "stock" (megatron's own output
     layer and `vocab_parallel_cross_entropy`, which keeps the fp32 [tokens, vocab/tp] logits
     for backward), "chunked" (`llm_act.output.chunked_linear_cross_entropy`: the same loss,

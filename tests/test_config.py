@@ -20,7 +20,7 @@ BRIEF_FIELDS = {
     "noise_fraction": 0.25,
     "biased_codecs": "charge",
     "fidelity_every": 250,
-    "output_loss": "auto",
+    "output_loss": "stock",
     "output_chunk_tokens": 1024,
 }
 

@@ -107,7 +107,7 @@ _FLAGS: dict[str, tuple[Optional[Callable[[str], Any]], str]] = {
     "output_loss": (str, "the output layer and its loss: 'stock' (megatron's; keeps the fp32 "
                          "[tokens, vocab/tp] logits for backward), 'chunked' (the same loss chunk by "
                          "chunk, never the full logits; one more logits GEMM in backward), or 'auto' "
-                         "(default: the planner chooses under plan 'auto'; 'stock' under a fixed plan)"),
+                         "(the planner chooses under plan 'auto', 'stock' under a fixed plan); default 'stock'"),
     "output_chunk_tokens": (_int, "tokens per chunk of the chunked output loss (default 1024)"),
 }
 

@@ -32,9 +32,11 @@ TOKENS = SEQ * BATCH
 # ---- the config and its doors ---------------------------------------------------------------
 def test_config_defaults_and_resolution():
     cfg = ActConfig()
-    assert cfg.output_loss == "auto" and cfg.output_chunk_tokens == DEFAULT_CHUNK_TOKENS
+    # the default is megatron's own loss: the planner chooses only when asked ("auto")
+    assert cfg.output_loss == "stock" and cfg.output_chunk_tokens == DEFAULT_CHUNK_TOKENS
     assert OUTPUT_LOSS_MODES == ("auto", "stock", "chunked")
-    assert ActConfig().output_loss_mode() == "auto"  # plan "auto": the planner decides
+    assert ActConfig().output_loss_mode() == "stock"
+    assert ActConfig(output_loss="auto").output_loss_mode() == "auto"  # plan "auto": the planner decides
     for plan in ("keep", "compress", "recompute"):
         assert ActConfig(plan=plan).output_loss_mode() == "stock"  # auto = stock under a fixed plan
         assert ActConfig(plan=plan, output_loss="chunked").output_loss_mode() == "chunked"
@@ -62,7 +64,7 @@ def test_megatron_lm_flags():
     args = p.parse_args(["--act-compress", "--act-compress-output-loss", "chunked",
                          "--act-compress-output-chunk-tokens", "64"])
     assert config_from_args(args) == ActConfig(output_loss="chunked", output_chunk_tokens=64)
-    assert config_from_args(p.parse_args(["--act-compress"])).output_loss == "auto"
+    assert config_from_args(p.parse_args(["--act-compress"])).output_loss == "stock"
     help_text = p.format_help()
     assert "--act-compress-output-loss" in help_text and "never the full logits" in help_text
 
@@ -216,7 +218,7 @@ def test_keep_with_auto_output_is_bit_identical_to_stock():
 
     stock = _build(dropout=0.1, num_layers=2)
     model = _build(dropout=0.1, num_layers=2)
-    controller = apply(model, ActConfig(plan="keep"))  # output_loss "auto" = stock under "keep"
+    controller = apply(model, ActConfig(plan="keep", output_loss="auto"))  # "auto" = stock under "keep"
     assert controller.output is None and controller.output_loss is None
     assert "_postprocess" not in vars(model) and "forward" not in vars(model.output_layer)
     ref_loss, ref_grads = _step(stock)
@@ -237,7 +239,7 @@ def test_what_cannot_take_it_is_refused_in_one_line_or_stays_stock():
     assert "\n" not in text and text.startswith("output_loss 'chunked': sequence parallelism")
     assert "fix: set output_loss to 'stock'" in text and "--act-compress-output-loss" in text
     assert "_llm_act_controller" not in vars(model.decoder.layers[0])  # refused before any change
-    controller = apply(model, ActConfig(plan="auto"))  # auto: quietly stock
+    controller = apply(model, ActConfig(plan="auto", output_loss="auto"))  # auto: quietly stock
     assert controller.output is None and "_postprocess" not in vars(model)
     # no GPTModel at all (a bare TransformerBlock): nothing to replace
     with pytest.raises(ValueError, match="holds no megatron-core GPTModel"):
@@ -277,7 +279,7 @@ def test_a_checkpoint_older_than_a_field_keeps_its_plan():
     old = {k: v for k, v in now.items() if k not in ("output_loss", "output_chunk_tokens")}
     assert _config_changes(old, now) == []
     assert _config_changes(old, {**now, "output_loss": "chunked"}) == [
-        "output_loss: checkpoint 'auto', now 'chunked'"]
+        "output_loss: checkpoint 'stock', now 'chunked'"]
 
 
 # ---- the adaptive planner's choice ----------------------------------------------------------
@@ -290,7 +292,8 @@ def test_auto_picks_stock_when_plentiful_and_chunked_when_only_it_fits(monkeypat
     budget = [10**12]
     monkeypatch.setattr(Adapter, "_budget", lambda self, profile, static: budget[0])
     model = _build(num_layers=2)
-    controller = apply(model, ActConfig(plan="auto", sensitivity=False, noise_fraction=None))
+    controller = apply(model, ActConfig(plan="auto", sensitivity=False, noise_fraction=None,
+                                        output_loss="auto"))
     assert controller.output_loss == "chunked"  # "auto" starts from the memory-saving side
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
@@ -350,7 +353,8 @@ def _tp_worker(rank, world_size, port):
         assert _rel(grads[name], ref) < 1e-5, (rank, name)
     # plan "auto": every rank of the TP group switches alike (the source rank's broadcast)
     auto = _build(num_layers=2, tied=False)
-    ctl = apply(auto, ActConfig(plan="auto", sensitivity=False, noise_fraction=None, budget="1GB"))
+    ctl = apply(auto, ActConfig(plan="auto", sensitivity=False, noise_fraction=None, budget="1GB",
+                                output_loss="auto"))
     assert ctl.output_loss == "chunked"
     opt = torch.optim.SGD(auto.parameters(), lr=1e-3)
     ids, pos, labels = _batch()

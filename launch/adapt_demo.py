@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from llm_act import cpu
 from llm_act.plan import describe
 from llm_act.train import parallel, small_gpt
 
@@ -37,6 +38,7 @@ def run(steps: int = 200, budget: Optional[str] = None, interval_max: int = 64, 
     from llm_act.patches.megatron import apply
 
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    cpu.install()  # the demo owns its process: megatron-core on CPU needs the stand-ins
     parallel.init_parallel(tp=1, seed=seed)
     torch.manual_seed(seed)
     vocab, seq, batch = 128, 32, 4

@@ -3,7 +3,8 @@
 `spawn` runs a function on N gloo ranks and re-raises a worker's failure in the caller with
 the worker's own traceback, so multi-process tests fail readably. The model and process-group
 builders the tests share live in `llm_act.train.small_gpt` and `llm_act.train.parallel`
-(benches and demos use them too) and are re-exported here for the tests.
+(benches and demos use them too) and are re-exported here for the tests; `init_parallel`
+here also installs the CPU stand-ins (`llm_act.cpu`), which the library's own never does.
 """
 from __future__ import annotations
 
@@ -86,8 +87,20 @@ def skip_deepspeed_shm_build() -> None:
 defer_torch_compile()
 skip_deepspeed_shm_build()
 
-from llm_act.train.parallel import destroy_parallel, free_port, init_parallel  # noqa: E402
+from llm_act.train import parallel as _parallel  # noqa: E402
+from llm_act.train.parallel import destroy_parallel, free_port  # noqa: E402
 from llm_act.train.small_gpt import gpt_batch, gpt_model, local_layer_spec, small_config, transformer_layer  # noqa: E402
+
+
+def init_parallel(*args: Any, **kwargs: Any) -> None:
+    """`llm_act.train.parallel.init_parallel` after `llm_act.cpu.install()`: the tests run
+    megatron-core on CPU, so they opt in to the CPU stand-ins (a no-op where CUDA is). A test
+    of what runs without them (tests/patches/test_cpu_opt_in.py) calls neither."""
+    from llm_act import cpu
+
+    cpu.install()
+    _parallel.init_parallel(*args, **kwargs)
+
 
 __all__ = ["WorkerError", "defer_torch_compile", "destroy_parallel", "skip_deepspeed_shm_build", "free_port", "gpt_batch", "gpt_model", "init_parallel",
            "local_layer_spec", "small_config", "spawn", "transformer_layer"]

@@ -33,7 +33,8 @@ def _seed():
 
 @pytest.fixture(scope="module")
 def megatron_one_rank():
-    """megatron-core's parallel state on one gloo rank (CPU shim installed), torch on one
+    """megatron-core's parallel state on one gloo rank, with the CPU stand-ins installed
+    (`llm_act.cpu.install()`, opt-in: `testing.init_parallel` calls it), torch on one
     thread: the test models are tiny, and one thread is several times faster on a busy
     2-core machine."""
     from llm_act import _testing as testing

@@ -59,6 +59,7 @@ from typing import Callable, Optional
 
 import torch
 
+from llm_act import cpu
 from llm_act.bench import kernels, memory as M
 from llm_act.bench.timing import machine_line, median_ms
 from llm_act.ledger import SavedTensorLedger
@@ -523,6 +524,7 @@ class _Sweep:
         def refused(err: Exception) -> str:
             return f"error: megatron-core refused it: {type(err).__name__}: {_first_line(err)}"
 
+        cpu.install()  # a no-op on a GPU; the CPU smoke run needs the stand-ins
         parallel.init_parallel(seed=1234)
         try:
             t0 = time.perf_counter()

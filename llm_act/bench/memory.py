@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+from llm_act import cpu
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.megatron.recompute import bind_with
@@ -315,6 +316,7 @@ def run(shapes: list[Shape], process_for=("stock", "compress (Adacc)"),
         log: Callable[[str], None] = lambda m: None) -> list[dict]:
     """Every scheme on every shape; rows {scheme, source, note, shape, total, per_sbh, ratio,
     held_per_sbh, by_site, predicted}."""
+    cpu.install()  # the bench owns its process: megatron-core on CPU needs the stand-ins
     parallel.init_parallel(seed=1234)
     rows = []
     try:

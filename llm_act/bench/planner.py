@@ -23,6 +23,7 @@ import json
 import time
 from typing import Callable, Optional
 
+from llm_act import cpu
 from llm_act.bench import memory as M
 from llm_act.planner import BlockProfile, evaluate_plan, milp, solve_plan
 from llm_act.planner.analytic import block_profile
@@ -212,6 +213,7 @@ def compare(shape: M.Shape, rows: Optional[list[dict]] = None,
     missing = [n for n in names if n not in measured]
     if missing:
 
+        cpu.install()  # the bench owns its process: megatron-core on CPU needs the stand-ins
         parallel.init_parallel(seed=1234)
         try:
             for n in missing:

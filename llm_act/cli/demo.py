@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from llm_act import cpu
 from llm_act.codecs import make_codec
 from llm_act.codecs.fewbit import derivative
 from llm_act.sites import DEFAULT_CODECS
@@ -76,6 +77,7 @@ def run_demo(seq_length: int = 256, micro_batch_size: int = 2, hidden_size: int 
              num_heads: int = 8, bf16: bool = True) -> str:
 
     dtype = torch.bfloat16 if bf16 else torch.float32
+    cpu.install()  # the demo owns its process: megatron-core on CPU needs the stand-ins
     parallel.init_parallel()
     try:
         torch.manual_seed(0)

@@ -2,7 +2,11 @@
 
 Under torchrun (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` in the environment) the
 process group starts from the environment; a plain `python pretrain_gpt.py` is one rank on
-a free local port. gloo without CUDA (with llm_act's megatron-core CPU shim), NCCL with it.
+a free local port. gloo without CUDA, NCCL with it. `init` starts the training loop's
+process (the torchrun door, `llm-act train`, the benches that run the loop), which owns that
+process, so without CUDA it installs llm_act's CPU stand-ins for megatron-core
+(`llm_act.cpu.install()`). `init_parallel` (tests, benches, demos, a user's own process)
+never does: without CUDA its caller opts in first.
 """
 from __future__ import annotations
 
@@ -14,8 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from llm_act import cpu
 from llm_act._imports import require
-from llm_act.patches.megatron import cpu_shim
 
 
 def world_size() -> int:
@@ -34,7 +38,7 @@ def init(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
-        cpu_shim.install()
+        cpu.install()  # the loop owns this process: it opts in to the CPU stand-ins
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
             dist.init_process_group(backend)
@@ -86,10 +90,16 @@ def init_parallel(
     With one rank and no `port` a free port is picked. Re-initialises megatron's parallel
     state when it is already up (so tests can change TP/PP within one process). `ep` is
     megatron's expert-model-parallel size (MoE experts split over `ep` ranks).
+
+    Never patches megatron-core. Seeding megatron's RNG tracker
+    (`model_parallel_cuda_manual_seed`) needs CUDA generator states: on a host without CUDA
+    call `llm_act.cpu.install()` first; without it this raises before starting anything.
     """
     require("megatron.core", "llm_act.train.parallel")
+    from llm_act.patches.megatron import cpu_required
 
-    cpu_shim.install()
+    cpu_required.require("seeding megatron's RNG tracker (model_parallel_cuda_manual_seed)",
+                         "init_parallel")
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from llm_act import cpu
 from llm_act._imports import require
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.deepspeed import ds_config, hf_decoder, initialize
@@ -83,6 +84,7 @@ def _model(args: argparse.Namespace, vocab: int):
         return model, lambda m, b: hf_decoder.lm_loss(m, b.tokens, b.labels)
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    cpu.install()  # the launcher owns its process: megatron-core on CPU needs the stand-ins
     parallel.init_parallel(rank=rank, world_size=world, seed=args.seed)
     torch.manual_seed(args.seed)
     config = small_gpt.small_config(hidden_size=args.hidden_size,

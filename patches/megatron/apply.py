@@ -94,6 +94,11 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     Controller (`set_plan`) instead. A model built with `layer_spec(...)` already holds the
     compressed classes; `apply` then only binds them to a Controller.
 
+    It never patches megatron-core or torch. On a host without CUDA, a model with a part
+    that calls CUDA there (RoPE, sequence or pipeline parallelism, ...: `cpu_required`) is
+    refused before anything is changed, with the part named and the opt-in that runs it on
+    CPU (`llm_act.cpu.install()`).
+
     Collective under torch.distributed: every rank of the job calls it, and the ranks agree
     on their `ActConfig` and resolved plan (`agreement.agree_setup`; a pipeline stage's plan
     is compared with the ranks holding the same layers). Ranks handed different settings
@@ -107,9 +112,8 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
         agreement.agree_setup(controller)
         return controller
     require("megatron.core", "llm_act.patches.megatron.apply")
-    from llm_act.patches.megatron import cpu_shim, unsupported
+    from llm_act.patches.megatron import cpu_required, unsupported
 
-    cpu_shim.install()
     layers = transformer_layers(roots)
     if not layers:
         raise ValueError(
@@ -128,6 +132,7 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
         unsupported.check_transformer_config(tconfig, config)
     unsupported.check_modules(_all_modules(roots))
     unsupported.check_context_parallel()
+    cpu_required.check_model(_all_modules(roots), tconfigs.values(), "apply")
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from llm_act.patches.megatron import output

@@ -11,8 +11,9 @@ None ("not given"): `config_from_args` fills in `ActConfig`'s defaults.
 A Megatron-LM user (tag core_v0.16.1) adds, as the README's recipe shows:
 
     # pretrain_gpt.py
-    from llm_act.patches.megatron import add_arguments, cpu_shim
-    cpu_shim.install(megatron_lm=True)  # CPU only; a no-op on a GPU
+    import llm_act.cpu
+    from llm_act.patches.megatron import add_arguments
+    llm_act.cpu.install(megatron_lm=True)  # CPU only; a no-op on a GPU
     pretrain(..., extra_args_provider=add_arguments, ...)
     # model_provider.py, on the model the builder returns:
     act_config = config_from_args(args)

@@ -56,6 +56,7 @@ from llm_act.attention import (LOSSY_BACKWARDS, OutSource, attention, pick_backe
 from llm_act.attention._stash import is_lossy
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import RECOMPUTE
+from llm_act.patches.megatron import cpu_required
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
 from llm_act.patches.megatron.dropout import StoredMaskDropout
 from llm_act.sites import QKV_SITES
@@ -182,6 +183,10 @@ class ActCoreAttention(ActModule, DotProductAttention):
         return self._efficient(query, key, value, causal, codecs)
 
     def _stock(self, mask_codec: Optional[Codec], *args):
+        if cpu_required.missing():
+            cpu_required.require("megatron-core's stock attention (DotProductAttention's buffer "
+                                 "on torch.cuda.current_device())",
+                                 f"llm_act core attention (layer {self._layer()})")
         if mask_codec is None:
             return DotProductAttention.forward(self, *args)
         drop = self.attention_dropout
@@ -237,8 +242,11 @@ class ActCoreAttention(ActModule, DotProductAttention):
             # dropout off CUDA) goes to the site that owns it
             math_path = backend == "sdpa" and p > 0.0 and query.device.type != "cuda"
             where = ledger.scope(layer, "attn.softmax" if math_path else "attn.out")
-        fork = (tensor_parallel.get_cuda_rng_tracker().fork()
-                if p > 0.0 and not self.config.sequence_parallel else contextlib.nullcontext())
+        fork = contextlib.nullcontext()
+        if p > 0.0 and not self.config.sequence_parallel:
+            cpu_required.require("attention dropout (megatron's RNG tracker forks the CUDA generator)",
+                                 f"llm_act core attention (layer {layer})")
+            fork = tensor_parallel.get_cuda_rng_tracker().fork()
         with where, fork:
             out = attention(query, key, value, causal=causal, dropout_p=p, scale=scale,
                             backend=backend, codecs=use, report=report,

@@ -19,7 +19,9 @@ split sizes stay tensors that `all_to_all_single` rejects; and without Transform
 GroupedMLP (`moe_grouped_gemm=True`) needs the CUDA-only `grouped_gemm` extension and is
 not emulated: megatron refuses it at build time.
 
-`install()` fixes exactly these, and only when CUDA is absent:
+`install()` fixes exactly these, and only when CUDA is absent. It is opt-in, through the
+public `llm_act.cpu.install()`: `apply()`, `layer_spec()` and `init_parallel()` never call it
+(`cpu_required` names it where a part needs it):
 
 - In the modules listed in `_CUDA_MODULES`, the module-global name `torch` is replaced by
   a thin proxy (`CpuTorch`) that forwards everything to torch, except that

@@ -19,7 +19,7 @@ import torch
 
 from llm_act._imports import require
 from llm_act.codecs.base import Codec
-from llm_act.patches.megatron import unsupported
+from llm_act.patches.megatron import cpu_required, unsupported
 from llm_act.patches.megatron.act_module import ActModule
 from llm_act.patches.megatron.moe_functions import (
     ACT, FC1, FC2, ROUTING, EncodedRouterGating, ExpertFFN, ExpertStore, PaddingOnly)
@@ -55,6 +55,9 @@ class ActTopKRouter(TopKRouter, ActModule):
     def gating(self, input: torch.Tensor):
         codec = self.act_codec(ROUTER_SITE, input, self.weight, stores=input)
         if codec is None:
+            if self.weight.device.type == "cpu":
+                cpu_required.require("megatron-core's MoE router (TopKRouter.gating moves its weight "
+                                     "to torch.cuda.current_device())", "llm_act MoE router")
             return TopKRouter.gating(self, input)
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
         return EncodedRouterGating.apply(input, self.weight, self.bias, dtype, codec, self, ROUTER_SITE)

@@ -12,6 +12,8 @@ import contextlib
 import threading
 from typing import Iterator
 
+from llm_act.patches.megatron import cpu_required
+
 
 def _random():
     from megatron.core.tensor_parallel import random
@@ -21,6 +23,8 @@ def _random():
 
 def capture_rng() -> tuple:
     """(CPU state, device state, tracker states) as megatron's CheckpointFunction records them."""
+    cpu_required.require("recomputation (megatron's CUDA RNG states, recorded for the replay)",
+                         "llm_act recompute")
     return _random()._get_all_rng_states()
 
 

@@ -46,13 +46,15 @@ def layer_spec(
     `get_gpt_layer_local_spec(**local_spec_kwargs)` (e.g. `normalization="RMSNorm"`,
     `qk_layernorm=True`). `config`: the ActConfig (checked for unsupported combinations
     with `transformer_config` when given); with `config.enabled` False the stock local spec
-    is returned. Build the model, then `controller = apply(model, config)`.
+    is returned. Build the model, then `controller = apply(model, config)`. Never patches
+    megatron-core: on a host without CUDA, settings of `transformer_config` that need the CPU
+    stand-ins raise, naming `llm_act.cpu.install()` (`cpu_required.check_config`).
     """
     require("megatron.core", "llm_act.patches.megatron.layer_spec")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from llm_act.patches.megatron import cpu_shim, unsupported
+    from llm_act.patches.megatron import cpu_required, unsupported
     from llm_act.patches.megatron.apply import as_config
 
     config = as_config(config)
@@ -65,7 +67,7 @@ def layer_spec(
     stock = get_gpt_layer_local_spec(**local_spec_kwargs)
     if not config.enabled:
         return stock
-    cpu_shim.install()
+    cpu_required.check_config(transformer_config, "layer_spec")
 
     from llm_act.patches.megatron.attention import ActCoreAttention
     from llm_act.patches.megatron.dropout import ActBiasDropoutAdd

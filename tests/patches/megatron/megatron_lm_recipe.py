@@ -21,8 +21,9 @@ from pathlib import Path
 EDITS = (
     ("pretrain_gpt.py", "from model_provider import model_provider\n",
      "from model_provider import model_provider\n"
-     "from llm_act.patches.megatron import add_arguments, cpu_shim\n"
-     "cpu_shim.install(megatron_lm=True)  # CPU only; a no-op on a GPU\n"),
+     "import llm_act.cpu\n"
+     "from llm_act.patches.megatron import add_arguments\n"
+     "llm_act.cpu.install(megatron_lm=True)  # CPU only; a no-op on a GPU\n"),
     ("pretrain_gpt.py", "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,",
      "extra_args_provider=add_arguments,"),
     ("model_provider.py", "    return model_builder(args, pre_process, post_process, vp_stage, "

@@ -59,9 +59,9 @@ def test_pretrain_gpt_with_the_recipe(tmp_path, nproc, tp, pp):
 def test_install_with_megatron_lm_is_idempotent_and_patches_every_stand_in(tmp_path):
     """In a fresh process with the checkout importable: the first install patches each
     stand-in the docstring of cpu_shim_megatron_lm lists, the second nothing."""
-    code = ("from llm_act.patches.megatron import cpu_shim\n"
-            "first = cpu_shim.install(megatron_lm=True)\n"
-            "print(sorted(first)); print(cpu_shim.install(megatron_lm=True))\n")
+    code = ("import llm_act.cpu\n"
+            "first = llm_act.cpu.install(megatron_lm=True)\n"
+            "print(sorted(first)); print(llm_act.cpu.install(megatron_lm=True))\n")
     done = subprocess.run([sys.executable, "-c", code], env=recipe.environment(Path(CHECKOUT)),
                           cwd=tmp_path, text=True, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

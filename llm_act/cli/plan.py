@@ -84,9 +84,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=POSITIVE_INT, default=1)
     p.add_argument("--tp", type=POSITIVE_INT, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=POSITIVE_INT, default=1, help="pipeline-parallel size")
-    p.add_argument("--dp", type=POSITIVE_INT, default=1, help="data-parallel size (ZeRO shards over it)")
+    p.add_argument("--dp", type=POSITIVE_INT, default=1,
+                   help="data-parallel size: ranks = tp x pp x dp. ZeRO (--zero-stage) shards the "
+                        "dense parameters' optimizer state, gradients and weights over it")
     p.add_argument("--ep", type=POSITIVE_INT, default=1,
-                   help="expert-parallel size (MoE models: the experts are split over it)")
+                   help="expert-parallel size (MoE models): the experts are split over ep of the dp "
+                        "data-parallel ranks, so --dp must be a multiple of it; each expert's "
+                        "optimizer state shards over the remaining dp / ep ranks only")
     p.add_argument("--moe-capacity-factor", type=_capacity, default=None,
                    help="MoE expert capacity factor (default: dropless); each expert keeps at most "
                         "factor x tokens x top-k / experts rows")
@@ -150,10 +154,10 @@ def outside_blocks(res: StageResult) -> str:
     """What the "outside the blocks" line says after its total: what it holds, and on the last
     stage which output loss was chosen and the bytes of each choice."""
     if res.output_loss is None:
-        return "embedding mask; not planned"
+        return "embedding mask; part of the peak at the end of forward"
     each = ", ".join(f"{name} {_gib(n)}" for name, n in res.output_bytes.items())
     return (f"embedding mask, final norm, output layer input and loss; output loss: {res.output_loss} "
-            f"(output layer input + loss state: {each}); not planned")
+            f"(output layer input + loss state: {each}); part of the peak at the end of forward")
 
 
 def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget: int) -> list[str]:
@@ -180,7 +184,7 @@ def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget
                      f"{ms:>10.4f}")
     lines.append(f"  {'per layer':<25} {'':<13} {stored_sum / _MIB:>17.3f} {keep_sum / _MIB:>9.3f} "
                  f"{ms_sum:>10.4f}")
-    total = plan.activation_bytes + res.static_bytes + res.outer_bytes
+    total = plan.activation_bytes + res.static_bytes
     compute = 3 * layer_forward_ms(shape, device) * block.count
     added = plan.overhead_ms + res.output_gemm_ms
     gemm = (f"; incl. {res.output_gemm_ms:.3f} ms for the chunked loss's extra logits GEMM"
@@ -193,8 +197,9 @@ def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget
             for c, n in sorted(whole.items())) + (" (the rows above: the other layers)"
                                                    if sum(whole.values()) < block.count else ""))
     lines += [
-        f"  predicted activation memory  {_gib(plan.activation_bytes)} ({plan.activation_bytes} bytes; "
-        f"transient {_gib(plan.peak_bytes)}; keeping everything: {_gib(keep_all)})",
+        f"  predicted activation memory  {_gib(plan.activation_bytes)} ({plan.activation_bytes} bytes: "
+        f"stored, plus {_gib(plan.peak_bytes)} at the peak, the end of forward or a block's backward; "
+        f"keeping everything stores {_gib(keep_all)})",
         f"  outside the blocks           {_gib(res.outer_bytes)} ({outside_blocks(res)})",
         f"  static memory                {_gib(res.static_bytes)} (weights, grads, fp32 master + Adam)",
         f"  total                        {_gib(total)} of the {_gib(budget)} budget",
@@ -224,7 +229,7 @@ def _report(shape, name, budget, zero_stage, dp, device, variance, results) -> d
                          peak_bytes=p.peak_bytes, overhead_ms=p.overhead_ms + res.output_gemm_ms,
                          variance=p.variance,
                          solve_seconds=p.solve_seconds,
-                         total_bytes=p.activation_bytes + res.static_bytes + res.outer_bytes)
+                         total_bytes=p.activation_bytes + res.static_bytes)
             for run in p.to_dict(first_layer=res.layers[0])["blocks"]:
                 if runs and runs[-1]["choice"] == run["choice"]:
                     runs[-1]["layers"][1] = run["layers"][1]
@@ -263,6 +268,9 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
         field = next((f for f in changes if text.startswith(f)), None)
         where = f"argument --{field.replace('_', '-')}: " if field else ""
         parser.error(f"{where}{text} (model {args.model})")
+    if args.dp % shape.ep:
+        parser.error(f"argument --dp: {args.dp} is not a multiple of --ep {shape.ep}: megatron-core takes "
+                     f"the expert-parallel ranks from the data-parallel ones (ranks = tp x pp x dp)")
     device = DEVICES[args.device]()
     variance = args.variance_budget
     print(header(shape, args.model, args.budget, args.zero_stage, args.dp, device, variance, output_loss))
@@ -281,9 +289,9 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
             print(f"stage {res.stage} of {shape.pp}: no plan fits --budget {args.budget} bytes "
                   f"({args.budget / 1e9:.3f} GB, {_gib(args.budget)}); the smallest that works is "
                   f"{res.min_budget_bytes} bytes ({res.min_budget_bytes / 1e9:.3f} GB, "
-                  f"{_gib(res.min_budget_bytes)}): static {_gib(res.static_bytes)}, outside the "
-                  f"blocks {_gib(res.outer_bytes)} ({outside_blocks(res)}), least activations "
-                  f"{_gib(res.min_budget_bytes - res.static_bytes - res.outer_bytes)}")
+                  f"{_gib(res.min_budget_bytes)}): static {_gib(res.static_bytes)}, least activations "
+                  f"{_gib(res.min_budget_bytes - res.static_bytes)} (of which outside the blocks "
+                  f"{_gib(res.outer_bytes)}: {outside_blocks(res)})")
     print()
     if args.json:
         with open(args.json, "w") as f:
@@ -299,7 +307,7 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
                   f"--pp or --zero-stage (with --dp), or lower --micro-batch-size / --seq-length")
         return 2
     worst = max(results, key=lambda r: r.plan.overhead_ms + r.output_gemm_ms)
-    peak = max(r.plan.activation_bytes + r.static_bytes + r.outer_bytes for r in results)
+    peak = max(r.plan.activation_bytes + r.static_bytes for r in results)
     print(f"all stages: largest total {_gib(peak)} of {_gib(args.budget)}; slowest stage {worst.stage} "
           f"adds {worst.plan.overhead_ms + worst.output_gemm_ms:.3f} ms per micro-batch; solve "
           f"{sum(r.plan.solve_seconds for r in results):.3f} s")

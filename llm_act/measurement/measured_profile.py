@@ -5,6 +5,7 @@ fills it from probe passes over the real model; the planner reads only the block
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
@@ -35,6 +36,15 @@ PROFILE_INPUTS: dict[str, tuple[str, ...]] = {
 #: dropout masks ("recompute" there is the `regen` codec, which is offered).
 RECOMPUTABLE: frozenset[str] = frozenset(
     {"attn.qkv_input", "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input"})
+
+
+def runtime_block(block: BlockProfile) -> BlockProfile:
+    """`block` (e.g. an analytic one, which prices every producer) with "recompute" offered
+    only where the layers recompute a site alone (`RECOMPUTABLE`), as a measured profile
+    offers it; the whole-block option stays."""
+    return dataclasses.replace(block, sites=tuple(
+        dataclasses.replace(s, forward_ms=s.forward_ms if s.name in RECOMPUTABLE else None)
+        for s in block.sites))
 #: the key of the whole block's forward time in `MeasuredProfile.times()` (not a site)
 BLOCK_TIME = "block"
 

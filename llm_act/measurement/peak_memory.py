@@ -231,7 +231,9 @@ class LiveStorageTracker:
     this device type ("cpu", "cuda"); None: all but "meta". `record_peak`: keep the
     composition at the peak (`peak_records`), one copy of the live table per new maximum.
     `label`: a function called when a storage is created; its string is kept with the
-    storage (e.g. the module running).
+    storage (e.g. the module running). `ignore_ops`: ops (as `str(func)`, e.g.
+    "aten.rand.generator") whose outputs count 0 bytes all their life -- what a CPU reference
+    allocates that its GPU kernel does not (the codecs' rounding noise, drawn in registers).
 
     Results: `peak_bytes` (above entry), `live_bytes` (now, above entry), `baseline_bytes`,
     `peak_total_bytes`, `peak_phase` / `peak_op` (where the peak was reached), `marks`
@@ -240,8 +242,10 @@ class LiveStorageTracker:
 
     def __init__(self, baseline: Union[Iterable[Any], str, None] = None, *, adopt_inputs: bool = True,
                  inside_custom_ops: bool = True, device: Optional[str] = None,
-                 record_peak: bool = False, label: Optional[Callable[[], str]] = None):
+                 record_peak: bool = False, label: Optional[Callable[[], str]] = None,
+                 ignore_ops: Iterable[str] = ()):
         self.adopt_inputs = bool(adopt_inputs)
+        self.ignore_ops = frozenset(ignore_ops)
         self.inside_custom_ops = bool(inside_custom_ops)
         self.device = device
         self.record_peak = bool(record_peak)
@@ -369,7 +373,7 @@ class LiveStorageTracker:
         with self._lock:
             if key in self._entries:
                 return
-            n = st.nbytes()
+            n = 0 if self._ignored(op) else st.nbytes()
             bw = _in_backward()
             lab = ""
             if new and self.label is not None:
@@ -394,6 +398,9 @@ class LiveStorageTracker:
             else:
                 self.baseline_bytes += n
 
+    def _ignored(self, op: str) -> bool:
+        return bool(self.ignore_ops) and op.rsplit(" > ", 1)[-1] in self.ignore_ops
+
     def _adopt(self, t: torch.Tensor) -> None:
         st = _storage(t)
         if st is not None and id(st) not in self._entries and self._counted(st):
@@ -417,7 +424,7 @@ class LiveStorageTracker:
                 if entry is None:
                     self._track(st, new=True, op=op, shape=tuple(t.shape),
                                 dtype=str(t.dtype).replace("torch.", ""))
-                elif entry.ref is not None and st.nbytes() != entry.nbytes:
+                elif entry.ref is not None and st.nbytes() != entry.nbytes and not self._ignored(entry.op):
                     self._resized(st, op)
             if func._schema.is_mutable:  # resize_, out= variants: an input storage may change size
                 for t in inputs:
@@ -428,7 +435,7 @@ class LiveStorageTracker:
     def _resized(self, st, op: str = "UntypedStorage.resize_") -> None:
         with self._lock:
             entry = self._entries.get(id(st))
-            if entry is None:
+            if entry is None or self._ignored(entry.op):
                 return
             n = st.nbytes()
             if n != entry.nbytes:

@@ -539,8 +539,8 @@ def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
     stores its fixed slots, 1/64 of the channels, whatever the data). `sensitivity`: per-site c_i (default 1.0 for
     value sites, 0 for dropout masks), a prior until measured.
 
-    `gradients`: set `BlockProfile.grad_bytes` to `grad_bytes(shape, device)`, the gradients
-    in flight of the block's heaviest backward stage (issue 27's peak: plan with
+    `gradients`: set `BlockProfile.grad_bytes` and `stage_bytes` (`grad_bytes`, `stage_bytes`),
+    the gradients in flight while the block backpropagates (issue 27's peak: plan with
     `loss_bytes` as well). False (default for now): 0, the stored-plus-transient figures the
     existing callers and their tests assume; tests/planner/test_peak_vs_measured.py checks
     the full model against a measurement."""
@@ -566,7 +566,8 @@ def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
                          f"({', '.join(p.name for p in profiles)})")
     return BlockProfile(tuple(profiles), count=count, inflight=inflight,
                         full_ms=layer_forward_ms(shape, device),
-                        grad_bytes=grad_bytes(shape, device) if gradients else 0)
+                        grad_bytes=grad_bytes(shape, device) if gradients else 0,
+                        stage_bytes=stage_bytes(shape, device) if gradients else ())
 
 
 def stage_blocks(shape: ModelShape, stage: int, device: Optional[DeviceModel] = None,
@@ -683,7 +684,8 @@ def loss_bytes(shape: ModelShape, stage: Optional[int] = None, device: Optional[
     Exact for megatron-core 0.16.1's GPTModel on CPU (tests/planner/test_peak_vs_measured.py).
     Not counted: the stage's input (the embedding output, which GPTModel holds until its
     forward returns): when the first layer keeps its input raw it is that stored `ln1.input`;
-    a plan that encodes it has both alive at the loss (under by s*b*h*e/tp there)."""
+    a plan that encodes it has both alive at the loss, `input_bytes` more (the planner's
+    `input_bytes`)."""
     from llm_act.output.chunked_loss import DEFAULT_CHUNK_TOKENS
 
     device = device or DeviceModel()
@@ -715,37 +717,53 @@ def loss_bytes(shape: ModelShape, stage: Optional[int] = None, device: Optional[
     return total + backward
 
 
-def grad_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> int:
-    """`BlockProfile.grad_bytes` of a block of `shape`: what is live while it backpropagates
-    besides the stored, rebuilt and decoded tensors the planner counts, at the backward stage
-    where its largest rebuilt tensors live, net of what that stage has already freed. Per rank,
-    T = s*b tokens, e bytes per element, h hidden, f the FFN width per rank, a heads per rank
-    of d channels, n = the rows of an [s, b, h] tensor times h; throughout backward the step
-    holds the per-token losses and the loss with its seed, 4T + 8.
+def input_bytes(shape: ModelShape) -> int:
+    """`solve_plan`'s / `evaluate_plan`'s `input_bytes`: the stage's input per rank (the
+    embedding output, or the activations received from the previous stage), [s/tp under
+    sequence parallelism, b, h] in the model dtype, which the model holds until its forward
+    returns: live beside the first block's code at the end of forward when that block
+    encodes its checkpoint."""
+    return shape.local_seq * shape.micro_batch_size * shape.hidden_size * shape.elem_bytes
 
-    - the memory-efficient attention (and any block's MLP): the MLP's fc2 backward, the first
-      stage of the block, where a whole-block recompute has rebuilt every site:
-      T*f*e (fc2's input gradient) + f*h*e (its weight gradient, when `DeviceModel.
-      wgrad_temporaries`) + n*e (the incoming gradient) + n*e (the block's output, which a
-      whole-block recompute re-runs with it; a per-site plan is over by as much) + 4T + 8.
-      The attention's stage holds less: dq, dk, dv and dout are smaller than what the MLP
-      half has freed by then. An MoE block: one expert's fc2 at a time, its rows (not
-      measured yet).
-    - the stock attention: the core attention's softmax backward, where a recomputed softmax
-      is rebuilt: the scores' gradients (unfused, `DeviceModel.fused_softmax` False: the fp32
-      gradients of the probabilities and of the scores, 8 bytes a score; fused: the 16-bit
-      probabilities' gradient, overwritten in place, and the dropout's one) + h*a*d*e
-      (linear_proj's weight gradient, when `wgrad_temporaries`) + n*e (the residual gradient)
-      + 2*T*a*d*e (the context's gradient, and the context the re-run attention rebuilt) + 4T
-      + 8, net of what the stage has freed whatever the plan stores: the bytes of every site
-      after the softmax (attn.out, ln2.input, the MLP's: backpropagated) and the 16-bit
-      probabilities probs @ V read (part of `attn.softmax`, consumed by its backward). Exact
-      when those sites are kept or recomputed (keep, selective); a plan that encodes them
-      frees only their codes, and is under by the difference. The fc2 stage is left out: at
-      the sequence lengths where the stock attention runs its s^2 terms dominate, and adding
-      the fc2 stage's gradients to a softmax that per-site recompute rebuilds only later
-      would over-count every such plan (a whole-block recompute of a short sequence is
-      under by the difference).
+
+def grad_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> int:
+    """`BlockProfile.grad_bytes` of a block of `shape`: the gradients in flight while a block
+    recomputed whole backpropagates, at its heaviest stage (`stage_bytes`): the MLP's fc2
+    stage, where the rebuild has also re-run the block's output, n*e more (n = the rows of an
+    [s, b, h] tensor times h, e bytes per element), or the stock attention's softmax stage."""
+    device = device or DeviceModel()
+    stages = dict(stage_bytes(shape, device))
+    n_hid = shape.local_seq * shape.micro_batch_size * shape.hidden_size
+    return max(stages["mlp"] + n_hid * shape.elem_bytes, stages["attention"])
+
+
+def stage_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> tuple[tuple[str, int], ...]:
+    """`BlockProfile.stage_bytes` of a block of `shape`: what is live in each backward stage
+    (`llm_act.planner.transient.BACKWARD_STAGES`) besides the stored, rebuilt and decoded
+    tensors the planner counts. Per rank, T = s*b tokens, e bytes per element, h hidden, f the
+    FFN width per rank, a heads per rank of d channels, n = the rows of an [s, b, h] tensor
+    times h; throughout backward the step holds the per-token losses and the loss with its
+    seed, 4T + 8.
+
+    - "mlp", at the fc2 backward, the stage's largest: T*f*e (fc2's input gradient) + f*h*e
+      (its weight gradient, when `DeviceModel.wgrad_temporaries`) + n*e (the incoming
+      gradient) + 4T + 8. An MoE block: one expert's fc2 at a time, its rows (not measured
+      yet).
+    - "attention", the memory-efficient attention: dq, dk, dv and the context's gradient,
+      4*T*a*d*e, + linear_proj's weight gradient h*a*d*e (when `wgrad_temporaries`) + n*e (the
+      residual gradient) + 4T + 8 -- an upper bound: the MLP half has freed its sites by then.
+    - "attention", the stock attention: the core attention's softmax backward, where a
+      recomputed softmax is rebuilt: the scores' gradients (unfused, `DeviceModel.
+      fused_softmax` False: the fp32 gradients of the probabilities and of the scores, 8 bytes
+      a score; fused: the 16-bit probabilities' gradient, overwritten in place, and the
+      dropout's one) + h*a*d*e (linear_proj's weight gradient, when `wgrad_temporaries`) +
+      n*e (the residual gradient) + 2*T*a*d*e (the context's gradient, and the context the
+      re-run attention rebuilt) + 4T + 8, net of what the stage has freed whatever the plan
+      stores: the bytes of every site after the softmax (attn.out, ln2.input, the MLP's:
+      backpropagated) and the 16-bit probabilities probs @ V read (part of `attn.softmax`,
+      consumed by its backward). Exact when those sites are kept or recomputed (keep,
+      selective); a plan that encodes them frees only their codes, and is under by the
+      difference.
 
     Not counted: the embedding's dropout mask, live through every block's backward on the
     first stage (`loss_bytes` counts it at the loss), and on other pipeline stages the stage's
@@ -758,21 +776,21 @@ def grad_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> int:
     tokens = s * b
     n_hid = shape.local_seq * b * h
     loss = _LOSS_PER_TOKEN * tokens + _LOSS_SCALARS
+    if shape.is_moe:  # one expert's fc2 at a time: its rows' input gradient, its weight's
+        rows = math.ceil(shape.tokens_per_expert)
+        f = shape.moe_ffn_hidden_size
+    else:
+        rows, f = tokens, shape.ffn_hidden_size // t
+    mlp = rows * f * e + (f * h * e if device.wgrad_temporaries else 0) + n_hid * e + loss
+    proj_wgrad = h * a * d * e if device.wgrad_temporaries else 0
     if shape.fused_attention:
-        if shape.is_moe:  # one expert's fc2 at a time: its rows' input gradient, its weight's
-            rows = math.ceil(shape.tokens_per_expert)
-            f = shape.moe_ffn_hidden_size
-        else:
-            rows, f = tokens, shape.ffn_hidden_size // t
-        wgrad = f * h * e if device.wgrad_temporaries else 0
-        return rows * f * e + wgrad + 2 * n_hid * e + loss
+        return (("mlp", mlp), ("attention", 4 * tokens * a * d * e + proj_wgrad + n_hid * e + loss))
     scores = b * a * s * s
     if device.fused_softmax:
         score_grads = scores * e * (2 if shape.dropout > 0 else 1)
     else:
         score_grads = scores * 8
-    wgrad = h * a * d * e if device.wgrad_temporaries else 0
-    live = score_grads + wgrad + n_hid * e + 2 * tokens * a * d * e + loss
+    live = score_grads + proj_wgrad + n_hid * e + 2 * tokens * a * d * e + loss
     sites = _sites(shape, device)
     names = [st.name for st in sites]
     after = names[names.index("attn.softmax") + 1:]
@@ -784,7 +802,7 @@ def grad_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> int:
     softmax_bytes = e if device.fused_softmax else 4
     if shape.dropout > 0 or softmax_bytes != e:  # the 16-bit probabilities probs @ V reads
         freed += scores * e
-    return max(0, live - freed)
+    return (("mlp", mlp), ("attention", max(0, live - freed)))
 
 
 def parameters_per_rank(shape: ModelShape, stage: int) -> int:
@@ -826,6 +844,11 @@ def static_bytes(shape: ModelShape, zero_stage: int = 0, dp: int = 1,
     main_grad) else in the model dtype; an fp32 master copy unless the model is fp32;
     Adam's two fp32 moments. ZeRO over `dp` ranks shards the optimizer state (stage 1),
     then the gradients (2), then the weights (3). `stage` None: the largest pipeline stage.
+
+    An MoE model's experts (`expert_parameters_per_rank`) shard over their own
+    data-parallel group instead, as megatron-core's distributed optimizer does: the `dp`
+    data-parallel ranks of the dense parameters hold `ep` different expert shards, so each
+    expert parameter is replicated over dp / ep ranks only (1 at dp = ep: nothing to shard).
     """
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, got {zero_stage!r}")
@@ -834,13 +857,30 @@ def static_bytes(shape: ModelShape, zero_stage: int = 0, dp: int = 1,
         return max(static_bytes(shape, zero_stage, dp, k) for k in range(shape.pp))
     if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 0 <= stage < shape.pp:
         raise ValueError(f"stage: expected an int in [0, {shape.pp}), got {stage!r}")
-    n = parameters_per_rank(shape, int(stage))
+    if shape.ep > 1 and dp % shape.ep:
+        raise ValueError(f"dp={dp} is not a multiple of ep={shape.ep}: megatron-core takes the "
+                         f"expert-parallel ranks from the data-parallel ones (set dp to a multiple of ep)")
+    experts = expert_parameters_per_rank(shape, int(stage))
     e = shape.elem_bytes
-    weights = n * e
-    grads = n * (4 if shape.dtype == "bf16" else e)
-    optim = n * ((0 if shape.dtype == "fp32" else 4) + 8)
 
-    def shard(nbytes: int, from_stage: int) -> int:
-        return -(-nbytes // dp) if zero_stage >= from_stage else nbytes
+    def held(n: int, group: int) -> int:
+        weights = n * e
+        grads = n * (4 if shape.dtype == "bf16" else e)
+        optim = n * ((0 if shape.dtype == "fp32" else 4) + 8)
 
-    return shard(optim, 1) + shard(grads, 2) + shard(weights, 3)
+        def shard(nbytes: int, from_stage: int) -> int:
+            return -(-nbytes // group) if zero_stage >= from_stage else nbytes
+
+        return shard(optim, 1) + shard(grads, 2) + shard(weights, 3)
+
+    return held(parameters_per_rank(shape, int(stage)) - experts, dp) + held(experts, dp // shape.ep)
+
+
+def expert_parameters_per_rank(shape: ModelShape, stage: int) -> int:
+    """The share of `parameters_per_rank` in this rank's experts (0 for a dense model): what
+    shards over the expert data-parallel group (`static_bytes`)."""
+    if not shape.is_moe:
+        return 0
+    h = shape.hidden_size
+    return shape.layers_per_stage * shape.num_experts // shape.ep * (
+        h * shape.moe_fc1_width + shape.moe_ffn_hidden_size * h)

@@ -22,6 +22,8 @@ from llm_act.output.choice import OutputSizes, choose, estimate_gemm_ms
 from llm_act.planner.analytic import (
     DeviceModel,
     ModelShape,
+    input_bytes,
+    loss_bytes,
     outer_bytes,
     stage_blocks,
     stage_layers,
@@ -73,22 +75,24 @@ def reference_variance(blocks) -> float:
     return evaluate_plan(blocks, [reference_choice(b) for b in blocks]).variance
 
 
-def min_budget(blocks, static: int, variance_budget: Optional[float], resolution: int = 2**20) -> int:
+def min_budget(blocks, static: int, variance_budget: Optional[float], resolution: int = 2**20,
+               **peak: int) -> int:
     """The smallest device budget with a plan, static included: exact without a noise
-    budget; with one, within `resolution` bytes above the edge (bisection on feasibility)."""
+    budget; with one, within `resolution` bytes above the edge (bisection on feasibility).
+    `peak`: `solve_plan`'s `loss_bytes` and `input_bytes`, when the end of forward counts."""
     try:
-        solve_plan(blocks, 0, static_bytes=static)
+        solve_plan(blocks, 0, static_bytes=static, **peak)
         lo = static
     except InfeasibleBudget as err:
         lo = err.min_budget_bytes
     if variance_budget is None:
         return lo
-    keep_all = sum(b.count * b.inflight * sum(s.nbytes for s in b.sites) for b in blocks)
-    hi = static + keep_all  # keeping everything adds no noise: always within the budget
+    keep = evaluate_plan(blocks, [{} for _ in blocks], **peak)
+    hi = static + keep.activation_bytes  # keeping everything adds no noise: always within the budget
 
     def fits(budget: int) -> bool:
         try:
-            solve_plan(blocks, budget, static_bytes=static, variance_budget=variance_budget)
+            solve_plan(blocks, budget, static_bytes=static, variance_budget=variance_budget, **peak)
             return True
         except (InfeasibleBudget, InfeasibleVariance):
             return False
@@ -121,15 +125,25 @@ def output_loss_choice(shape: ModelShape, stage: int, blocks, budget: int, stati
         return output_loss
     if stage != shape.pp - 1 or shape.sequence_parallel:
         return "stock"
-    def trial(static_bytes: int):
+    stock = static + sum(outer_bytes(shape, stage, "stock").values())
+
+    def trial(static_bytes: int):  # `choose` gives the stock figure for the stock loss
         try:
-            return solve_plan(blocks, budget, static_bytes=static_bytes, variance_budget=variance_budget)
+            return solve_plan(blocks, budget, static_bytes=static, variance_budget=variance_budget,
+                              **peak_terms(shape, stage, device, "stock" if static_bytes == stock else "chunked"))
         except (InfeasibleBudget, InfeasibleVariance):
             return None
 
-    stock = static + sum(outer_bytes(shape, stage, "stock").values())
     sizes = _output_sizes(shape)
     return choose(trial, stock, "stock", sizes, shape.pp - stage, estimate_gemm_ms(sizes, device)).choice
+
+
+def peak_terms(shape: ModelShape, stage: int, device: DeviceModel, output_loss: str) -> dict[str, int]:
+    """`solve_plan`'s `loss_bytes` and `input_bytes` for `stage` of `shape`: the end of
+    forward, with the output loss `output_loss` on the last stage (one memory model: the
+    peak is the larger of it and a block's backward)."""
+    return {"loss_bytes": loss_bytes(shape, stage, device, output_loss=output_loss),
+            "input_bytes": input_bytes(shape)}
 
 
 def plan_stages(shape: ModelShape, budget: int, *, zero_stage: int = 0, dp: int = 1,
@@ -138,11 +152,13 @@ def plan_stages(shape: ModelShape, budget: int, *, zero_stage: int = 0, dp: int 
                 output_loss: str = "stock") -> list[StageResult]:
     """Solve every pipeline stage of `shape` under a device `budget` (bytes). A stage that
     cannot fit has `plan` None and `min_budget_bytes` set. `output_loss`: "stock",
-    "chunked" or "auto" (see the module docstring)."""
+    "chunked" or "auto" (see the module docstring). The peak is priced as
+    `tests/planner/test_peak_vs_measured.py` checks it: the blocks' gradients in flight per
+    backward stage, the end of forward (`peak_terms`) as the floor under it."""
     device = device or DeviceModel()
     results = []
     for k in range(shape.pp):
-        blocks = stage_blocks(shape, k, device)
+        blocks = stage_blocks(shape, k, device, gradients=True)
         static = static_bytes(shape, zero_stage, dp, stage=k)
         if variance_budget == "compress":
             vb = reference_variance(blocks)
@@ -151,8 +167,21 @@ def plan_stages(shape: ModelShape, budget: int, *, zero_stage: int = 0, dp: int 
         else:
             vb = float(variance_budget)
         choice = output_loss_choice(shape, k, blocks, budget, static, vb, device, output_loss)
-        outer = sum(outer_bytes(shape, k, choice).values())
-        res = StageResult(k, stage_layers(shape, k), shape.pp - k, static, outer, vb, blocks=blocks)
+        plan, least = None, None
+        try:
+            plan = solve_plan(blocks, budget, static_bytes=static, variance_budget=vb,
+                              **peak_terms(shape, k, device, choice))
+        except (InfeasibleBudget, InfeasibleVariance):
+            # the smallest budget, over the output losses "auto" may choose: the stock loss's
+            # larger end of forward can hide under a block's backward
+            tried = ([choice] if output_loss != "auto" or k != shape.pp - 1 or shape.sequence_parallel
+                     else ["chunked", "stock"])
+            need = {c: min_budget(blocks, static, vb, **peak_terms(shape, k, device, c)) for c in tried}
+            choice = min(tried, key=lambda c: need[c])
+            least = need[choice]
+        res = StageResult(k, stage_layers(shape, k), shape.pp - k, static,
+                          sum(outer_bytes(shape, k, choice).values()), vb, plan=plan,
+                          min_budget_bytes=least, blocks=blocks)
         if k == shape.pp - 1:
             res.output_loss = choice
             res.output_bytes = {name: sum(v for key, v in outer_bytes(shape, k, name).items()
@@ -161,9 +190,5 @@ def plan_stages(shape: ModelShape, budget: int, *, zero_stage: int = 0, dp: int 
                                 if name == "stock" or not shape.sequence_parallel}
             if choice == "chunked":
                 res.output_gemm_ms = estimate_gemm_ms(_output_sizes(shape), device)
-        try:
-            res.plan = solve_plan(blocks, budget, static_bytes=static + outer, variance_budget=vb)
-        except (InfeasibleBudget, InfeasibleVariance):
-            res.min_budget_bytes = min_budget(blocks, static + outer, vb)
         results.append(res)
     return results

@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
-from llm_act.planner.transient import decode_groups
+from llm_act.planner.transient import decode_groups, transient_bound
 
 _BISECT = 20  # steps of each bisection (log-scale over ~12 decades: ~3e-5 relative)
 _VAR_RTOL = 1e-6
@@ -108,8 +108,10 @@ class LagrangeProblem:
                 if not all(kept[i] for i in g):
                     for i in g:
                         kept[i] = False
-        self.peak = max(peak_floor, getattr(first, "grad", 0) + sum(n for n, r in zip(self.nbytes, recomputed) if r)
-                        + max((sum(self.nbytes[i] for i in g if not kept[i]) for g in groups), default=0))
+        names = [s.name for s in first.sites]
+        bound = transient_bound(self.nbytes, names, [s.inputs for s in first.sites], recomputed,
+                                [not k for k in kept], first.stages)
+        self.peak = max(peak_floor, bound + (0 if first.stages else first.grad))
         masks = _variants(first)
         if masks is None:
             raise ValueError("too many few-bit sites for the fast path")

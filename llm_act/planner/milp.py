@@ -56,7 +56,7 @@ from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE
 from llm_act.plan import Plan, is_whole, whole_layer
 from llm_act.planner.lagrange import blind_input, lagrange_plan
 from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
-from llm_act.planner.transient import decode_groups, transient_bytes
+from llm_act.planner.transient import carries, decode_groups, stage_of, transient_bytes
 from llm_act.sites import CHECKPOINT_SITE
 
 log = logging.getLogger(__name__)
@@ -139,9 +139,38 @@ class _Class:
     options: list[list[_Option]] = field(default_factory=list)
     full: list[_Option] = field(default_factory=list)
     grad: int = 0
-    """bytes added to the transient while one of its blocks backpropagates (`grad_bytes`); a
-    class with no sites and no whole-block options is only a floor under the peak (the end of
-    forward: `solve_plan`'s `loss_bytes`)"""
+    """bytes added to the transient while one of its blocks backpropagates (`grad_bytes`: the
+    whole-block options', and the per-site choices' when `stages` is empty); a class with no
+    sites and no whole-block options is only a floor under the peak (the end of forward:
+    `solve_plan`'s `loss_bytes`)"""
+    stages: tuple[tuple[str, int], ...] = ()
+    """`BlockProfile.stage_bytes`: the per-site choices' transient is priced per backward
+    stage (`llm_act.planner.transient`)"""
+    first: bool = False
+    """holds the stage's first block: when it encodes its checkpoint, the raw stage input the
+    model holds until its forward returns is live beside the code at the end of forward
+    (a floor's `input_bytes`)"""
+    input_bytes: int = 0
+    """a floor: bytes added to it when a `first` class encodes its checkpoint"""
+
+    def encodes_checkpoint(self, pick: Sequence[int], full: Sequence[int]) -> bool:
+        """Whether a block of this class stores its checkpoint encoded under per-site `pick`
+        (its rest) and whole-block counts `full`."""
+        names = [s.name for s in self.sites]
+        if self.count > sum(full) and CHECKPOINT_SITE in names:
+            i = names.index(CHECKPOINT_SITE)
+            if self.options[i][pick[i]].name != KEEP:
+                return True
+        return any(n and checkpoint_of(f.name) != KEEP for n, f in zip(full, self.full))
+
+    def transient(self, names: Sequence[str]) -> int:
+        """The per-site choices' transient under option names `names`, gradients included."""
+        nbytes = [s.nbytes for s in self.sites]
+        sites = [s.name for s in self.sites]
+        inputs = [s.inputs for s in self.sites]
+        if self.stages:
+            return transient_bytes(nbytes, names, sites, inputs, self.stages)
+        return self.grad + transient_bytes(nbytes, names, sites)
 
     @property
     def floor(self) -> bool:
@@ -224,12 +253,13 @@ def _classes(blocks: Sequence[BlockProfile], resolution: float = 0.0) -> tuple[l
     classes: list[_Class] = []
     owner: list[int] = []
     for block in blocks:
-        key = (block.sites, block.inflight, block.full_ms, block.grad_bytes)
+        key = (block.sites, block.inflight, block.full_ms, block.grad_bytes, block.stage_bytes)
         if key not in index:
             index[key] = len(classes)
             options = [_site_options(s, resolution) for s in block.sites]
             classes.append(_Class(block.sites, block.inflight, options=options,
-                                  full=_full_options(block, options, resolution), grad=block.grad_bytes))
+                                  full=_full_options(block, options, resolution), grad=block.grad_bytes,
+                                  stages=block.stage_bytes))
         classes[index[key]].count += block.count
         owner.append(index[key])
     return classes, owner
@@ -244,9 +274,11 @@ def _evaluate(classes: list[_Class], picks: list[list[int]],
     """Exact figures of a choice: (stored bytes, peak bytes, time ms, noise). `fulls[k]`:
     how many of class k's blocks take each whole-block option (the rest take `picks[k]`)."""
     stored, peak, ms, noise = 0, 0, 0.0, 0.0
-    for cls, pick, full in zip(classes, picks, fulls or _no_full(classes)):
+    fulls = fulls or _no_full(classes)
+    encoded = any(c.first and not c.floor and c.encodes_checkpoint(p, f) for c, p, f in zip(classes, picks, fulls))
+    for cls, pick, full in zip(classes, picks, fulls):
         if cls.floor:
-            peak = max(peak, cls.grad)
+            peak = max(peak, cls.grad + (cls.input_bytes if encoded else 0))
             continue
         rest = cls.count - sum(full)
         if rest < 0:
@@ -255,8 +287,7 @@ def _evaluate(classes: list[_Class], picks: list[list[int]],
         stored += cls.inflight * (rest * sum(o.stored for o in opts)
                                   + sum(n * f.stored for n, f in zip(full, cls.full)))
         if rest:
-            peak = max(peak, cls.grad + transient_bytes([s.nbytes for s in cls.sites], [o.name for o in opts],
-                                                        [s.name for s in cls.sites]))
+            peak = max(peak, cls.transient([o.name for o in opts]))
         peak = max([peak] + [cls.grad + f.transient for n, f in zip(full, cls.full) if n])
         ms += rest * sum(o.cost_ms for o in opts) + sum(n * f.cost_ms for n, f in zip(full, cls.full))
         noise += rest * sum(o.noise for o in opts) + sum(n * f.noise for n, f in zip(full, cls.full))
@@ -410,24 +441,33 @@ class _Model:
                     if blind:
                         self.prob += self.x[k][i][-1] + pulp.lpSum(blind) <= 1, f"dep_{k}_{i}_{j}"
         self.peak = _variable(self.prob, "peak", "Continuous")
+        encodes = []  # indicators: a first class stores its checkpoint encoded
         for k, cls in enumerate(classes):
             grad = cls.grad / _MIB
             if cls.floor:
-                self.prob += self.peak >= grad, f"floor_{k}"
                 continue
-            rec = [(s.nbytes / _MIB) * row[o] for s, row, opts in zip(cls.sites, self.x[k], cls.options)
-                   for o, opt in enumerate(opts) if opt.name == RECOMPUTE]
-            for g, group in enumerate(decode_groups([s.name for s in cls.sites])):
-                dec = [(cls.sites[i].nbytes / _MIB) * v for i in group
-                       for v, opt in zip(self.x[k][i], cls.options[i]) if opt.name not in (KEEP, RECOMPUTE)]
-                if cls.options:
-                    self.prob += self.peak >= pulp.lpSum(rec + dec) + grad, f"peak_{k}_{g}"
+            if cls.options:
+                self._site_peak(k, cls)
+                names = [s.name for s in cls.sites]
+                if cls.first and CHECKPOINT_SITE in names:
+                    i = names.index(CHECKPOINT_SITE)
+                    encodes += [v for v, o in zip(self.x[k][i], cls.options[i]) if o.name != KEEP]
             for c, (w, opt) in enumerate(zip(self.w[k], cls.full)):
                 used = w
                 if not cls.options:  # some of the given whole blocks take option c
                     used = _variable(self.prob, f"f_{k}_{c}", "Binary")
                     self.prob += w <= cls.count * used, f"fused_{k}_{c}"
                 self.prob += self.peak >= (opt.transient / _MIB + grad) * used, f"fpeak_{k}_{c}"
+                if cls.first and checkpoint_of(opt.name) != KEEP:
+                    encodes.append(used)
+        encoded = 0
+        if encodes and any(c.floor and c.input_bytes for c in classes):
+            encoded = _variable(self.prob, "encoded_input", "Continuous")
+            for e, v in enumerate(encodes):
+                self.prob += encoded >= v, f"encoded_{e}"
+        for k, cls in enumerate(classes):
+            if cls.floor:
+                self.prob += self.peak >= cls.grad / _MIB + (cls.input_bytes / _MIB) * encoded, f"floor_{k}"
         self.memory = self._sum(lambda c, o: c.inflight * o.stored / _MIB) + self.peak
         self.mem_row = self.var_row = None
         if mem_limit is not None:
@@ -437,6 +477,45 @@ class _Model:
             self.var_row = "variance"
             self.prob += self._sum(lambda c, o: o.noise / var_limit) <= 1.0, self.var_row
         self._objective(objective)
+
+    def _site_peak(self, k: int, cls: _Class) -> None:
+        """peak >= class k's per-site transient (`transient.transient_bound`): per backward
+        stage its gradients, its recomputed sites, the sites a rebuild there brings forward
+        (z >= both recomputed - 1, chain by chain) and each decode group it touches (one
+        reached only by a rebuild counts when that rebuild happens: big-M on its z)."""
+        pulp = require("pulp", "the activation planner")
+        names = [s.name for s in cls.sites]
+        nb = [s.nbytes / _MIB for s in cls.sites]
+        can = [opts[-1].name == RECOMPUTE for opts in cls.options]
+        rec = [pulp.lpSum(v for v, o in zip(row, opts) if o.name == RECOMPUTE)
+               for row, opts in zip(self.x[k], cls.options)]
+        dec = [pulp.lpSum(v for v, o in zip(row, opts) if o.name not in (KEEP, RECOMPUTE))
+               for row, opts in zip(self.x[k], cls.options)]
+        groups = decode_groups(names)
+        stages = cls.stages or ((None, cls.grad),)
+        links = carries(names, [s.inputs for s in cls.sites]) if cls.stages else []
+        for t, (stage, grad) in enumerate(stages):
+            here = [i for i in range(len(names)) if stage is None or stage_of(names[i]) in (stage, None)]
+            live = {}  # site -> its z at this stage
+            for s, j, i in links:
+                if s != stage or i in live or not can[i] or not (j in live or can[j]):
+                    continue
+                z = _variable(self.prob, f"z_{k}_{t}_{i}", "Continuous")
+                z.lowBound, z.upBound = 0, 1
+                self.prob += z >= rec[i] + (live[j] if j in live else rec[j]) - 1, f"carry_{k}_{t}_{i}"
+                live[i] = z
+            base = pulp.lpSum([nb[i] * rec[i] for i in here] + [nb[i] * z for i, z in live.items()]) + grad / _MIB
+            for g, group in enumerate(groups):
+                d = pulp.lpSum(nb[i] * dec[i] for i in group)
+                if any(i in here for i in group):
+                    self.prob += self.peak >= base + d, f"peak_{k}_{t}_{g}"
+                    continue
+                # decoded while a rebuild in this stage reads it: big-M on that rebuild
+                readers = [(i, rec[i]) for i in here if can[i]] + list(live.items())
+                for i, on in readers:
+                    if any(names[m] in cls.sites[i].inputs for m in group):
+                        self.prob += (self.peak >= base + d - sum(nb[m] for m in group) * (1 - on),
+                                      f"peakz_{k}_{t}_{g}_{i}")
 
     def _sum(self, coef):
         """sum over classes of coef(class, option) per block, times the blocks taking it."""
@@ -551,8 +630,9 @@ def _split(classes: list[_Class], k: int, whole: int) -> list[_Class]:
     """`classes` with `whole` blocks of class k recomputed whole: class k keeps its other
     blocks (per-site choices only) and a class without sites holds the whole ones, last."""
     cls = classes[k]
-    rest = _Class(cls.sites, cls.inflight, cls.count - whole, cls.options, grad=cls.grad)
-    part = _Class((), cls.inflight, whole, [], cls.full, grad=cls.grad)
+    rest = _Class(cls.sites, cls.inflight, cls.count - whole, cls.options, grad=cls.grad, stages=cls.stages,
+                  first=cls.first)
+    part = _Class((), cls.inflight, whole, [], cls.full, grad=cls.grad, first=cls.first)
     return classes[:k] + [rest] + classes[k + 1:] + [part]
 
 
@@ -644,12 +724,14 @@ def _merged(classes: list[_Class]) -> tuple[list[_Class], list[int]]:
     for cls in classes:
         key = (cls.inflight, tuple((s.name, s.inputs, tuple((o.name, o.stored) for o in opts))
                                    for s, opts in zip(cls.sites, cls.options)),
-               tuple((o.name, o.stored, o.transient) for o in cls.full), cls.grad, cls.floor)
+               tuple((o.name, o.stored, o.transient) for o in cls.full), cls.grad, cls.stages, cls.floor,
+               cls.input_bytes)
         if key not in index:
             index[key] = len(merged)
             merged.append(_Class(cls.sites, cls.inflight, 0, [bare(opts) for opts in cls.options],
-                                 bare(cls.full), cls.grad))
+                                 bare(cls.full), cls.grad, cls.stages, input_bytes=cls.input_bytes))
         m = merged[index[key]]
+        m.first = m.first or cls.first
         for mine, theirs in zip(m.options + [m.full], cls.options + [cls.full]):
             for o, t in zip(mine, theirs):
                 o.noise += cls.count * t.noise
@@ -739,12 +821,13 @@ def _fast_search(classes, mem_limit, var_limit, limit: _Limit) -> Optional[Solut
     best = uniform
     picks, fulls = uniform
     part = [k for k, c in enumerate(classes) if not c.floor and c.count > sum(fulls[k])]
-    held = [_Class(c.sites, c.inflight, c.count if c.floor else sum(n), c.options, c.full, c.grad)
+    held = [_Class(c.sites, c.inflight, c.count if c.floor else sum(n), c.options, c.full, c.grad, c.stages,
+                   c.first, c.input_bytes)
             for c, n in zip(classes, fulls)]
     held_fulls = [list(n) for n in fulls]
     stored, peak, _ms, noise = _evaluate(held, [picks[k] for k in range(len(classes))], held_fulls)
     sub = [_Class(classes[k].sites, classes[k].inflight, classes[k].count - sum(fulls[k]),
-                  classes[k].options, grad=classes[k].grad) for k in part]
+                  classes[k].options, grad=classes[k].grad, stages=classes[k].stages) for k in part]
     # Lagrangian relaxation from the uniform plan, its transient bound (the sites the plan
     # keeps stay kept) as is and with its partly decoded groups opened (q kept beside an
     # encoded k, v, out may be encoded too): the best of these by exact figures
@@ -777,6 +860,16 @@ def _fast_applies(classes, objective, mem_limit, var_limit, fast: Optional[bool]
     return len(_merged(classes)[0]) == 1
 
 
+def _floor(classes: list[_Class], owner: list[int], loss_bytes: int, input_bytes: int) -> list[_Class]:
+    """The end of forward as a class (none when it holds nothing), the first block's class
+    marked (`_Class.first`)."""
+    loss_bytes = _byte_count(loss_bytes, "loss_bytes")
+    input_bytes = _byte_count(input_bytes, "input_bytes")
+    if owner:
+        classes[owner[0]].first = True
+    return [_Class((), 1, 0, grad=loss_bytes, input_bytes=input_bytes)] if loss_bytes or input_bytes else []
+
+
 def solve_plan(
     blocks: Sequence[BlockProfile],
     budget_bytes: int,
@@ -787,6 +880,7 @@ def solve_plan(
     fast: Optional[bool] = None,
     time_resolution: float = 0.0,
     loss_bytes: int = 0,
+    input_bytes: int = 0,
 ) -> Plan:
     """The cheapest plan for one device whose activations fit `budget_bytes - static_bytes`
     (and whose summed noise stays within `variance_budget`, when given).
@@ -812,7 +906,10 @@ def solve_plan(
     `loss_bytes`: what the end of forward holds besides the blocks' stored tensors (the
     logits and the loss's bookkeeping, freed before any block backpropagates): the peak is
     the larger of it and the largest block's transient (`BlockProfile.grad_bytes` included),
-    one definition for every plan (`evaluate_plan` takes it too).
+    one definition for every plan (`evaluate_plan` takes it too). `input_bytes`: the stage's
+    input, which the model holds until its forward returns (GPTModel's embedding output):
+    added to `loss_bytes` when the first block stores its checkpoint encoded (kept, it is that
+    stored tensor); `analytic.input_bytes` gives both for a model shape.
     """
     start = time.perf_counter()
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) \
@@ -834,9 +931,7 @@ def solve_plan(
             or not 0 <= time_resolution < 1:
         raise ValueError(f"time_resolution: expected a fraction in [0, 1), got {time_resolution!r}")
     classes, owner = _classes(blocks, float(time_resolution))
-    loss_bytes = _byte_count(loss_bytes, "loss_bytes")
-    if loss_bytes:
-        classes.append(_Class((), 1, 0, grad=loss_bytes))
+    classes += _floor(classes, owner, loss_bytes, input_bytes)
     mem_limit = budget - static
     undecided: Optional[SolverError] = None
     picks, nvars, optimal, quick = None, 0, True, False
@@ -859,13 +954,18 @@ def solve_plan(
         if mem_limit < min_act:
             raise InfeasibleBudget(budget, static, min_act + static)
         if variance_budget is not None:  # the least noise within the memory budget decides
-            quiet = _search(classes, "variance", mem_limit, None, _Limit(limit.seconds))[0]
+            # (at the very edge of the budget the solver's tolerances may miss the plan the
+            # memory search found: that one then stands for the least noise)
+            quiet = _search(classes, "variance", mem_limit, None, _Limit(limit.seconds))[0] or least
             least_noise = _evaluate(classes, *quiet)[3]
             if least_noise > variance_budget * (1 + _VAR_RTOL):
                 raise InfeasibleVariance(variance_budget, least_noise)
-        if undecided is not None:
+            if undecided is None:
+                picks, optimal = quiet, False
+        if picks is None and undecided is not None:
             raise undecided
-        raise SolverError("the MILP solver found no plan although one fits the memory budget")
+        if picks is None:
+            raise SolverError("the MILP solver found no plan although one fits the memory budget")
     plan = _plan(blocks, classes, owner, picks, exact=time_resolution > 0)
     plan.num_variables = nvars
     plan.objective = objective
@@ -916,7 +1016,7 @@ def _plan(blocks, classes, owner, sol: Solution, exact: bool = False) -> Plan:
 
 
 def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str]],
-                  loss_bytes: int = 0) -> Plan:
+                  loss_bytes: int = 0, input_bytes: int = 0) -> Plan:
     """The figures of a given choice (e.g. the fixed "keep"/"compress"/"recompute" plans)
     under the same cost model; a site missing from a choice is kept. A choice that
     recomputes every site but the checkpoint is whole-block recompute where the block
@@ -928,8 +1028,9 @@ def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str
     classes = []
     for b in blocks:
         options = [_site_options(s) for s in b.sites]
-        classes.append(_Class(b.sites, b.inflight, b.count, options, _full_options(b, options), b.grad_bytes))
-    floor = [_Class((), 1, 0, grad=_byte_count(loss_bytes, "loss_bytes"))] if loss_bytes else []
+        classes.append(_Class(b.sites, b.inflight, b.count, options, _full_options(b, options), b.grad_bytes,
+                              b.stage_bytes))
+    floor = _floor(classes, list(range(len(classes))), loss_bytes, input_bytes)
     picks, fulls = [], _no_full(classes)
     for n, (cls, block, ch) in enumerate(zip(classes, blocks, choice)):
         if cls.full and is_whole(ch, block):

@@ -12,8 +12,9 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Mapping, Optional
 
+from llm_act.planner.transient import BACKWARD_STAGES
 from llm_act.sites import CHECKPOINT_SITE
 
 
@@ -121,6 +122,20 @@ class SiteProfile:
         )
 
 
+def _stage_bytes(value: Any) -> tuple[tuple[str, int], ...]:
+    known = [name for name, _ in BACKWARD_STAGES]
+    pairs = tuple(value.items()) if isinstance(value, Mapping) else tuple(value)
+    out = []
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and pair[0] in known):
+            raise ValueError(f"BlockProfile.stage_bytes: expected (stage, bytes) pairs with a stage "
+                             f"in {known}, got {pair!r}")
+        out.append((pair[0], _byte_count(pair[1], f"BlockProfile.stage_bytes[{pair[0]!r}]")))
+    if len({name for name, _ in out}) != len(out):
+        raise ValueError(f"BlockProfile.stage_bytes: a stage appears twice in {value!r}")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class BlockProfile:
     """The saved tensors of one block, repeated `count` times (layers) with `inflight`
@@ -138,7 +153,12 @@ class BlockProfile:
     grad_bytes: int = 0
     """what is live only while the block backpropagates, besides its rebuilt and decoded
     tensors: the gradients in flight (the block's input and output gradients, weight-gradient
-    temporaries, the attention's score gradients). It adds to the block's transient."""
+    temporaries, the attention's score gradients). It adds to the block's transient: to a
+    whole-block recompute's, and to the per-site choices' when `stage_bytes` is empty."""
+    stage_bytes: tuple[tuple[str, int], ...] = ()
+    """the same per backward stage (`llm_act.planner.transient.BACKWARD_STAGES`), for the
+    per-site choices: ((stage, bytes), ...). Empty: one stage holding every site, with
+    `grad_bytes`."""
 
     def __post_init__(self) -> None:
         sites = tuple(self.sites)
@@ -166,6 +186,7 @@ class BlockProfile:
                 raise ValueError(f"BlockProfile.{f}: must be >= 1, got {v}")
             object.__setattr__(self, f, int(v))
         object.__setattr__(self, "grad_bytes", _byte_count(self.grad_bytes, "BlockProfile.grad_bytes"))
+        object.__setattr__(self, "stage_bytes", _stage_bytes(self.stage_bytes))
         if self.full_ms is not None:
             if CHECKPOINT_SITE not in seen:
                 raise ValueError(f"BlockProfile.full_ms: whole-block recompute starts from "

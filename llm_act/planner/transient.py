@@ -1,15 +1,38 @@
-"""The backward transient of one block: while it backpropagates, its recomputed tensors and the
-largest group of tensors decoded together are live at full precision at once. The MILP
-(`milp`) bounds it with its `peak` variable; the Lagrangian fast path (`lagrange`) checks it."""
+"""The backward transient of one block: what a plan adds to the memory while the block
+backpropagates -- its recomputed tensors and its decoded copies, live at full precision -- on
+top of the gradients in flight. The MILP (`milp`) bounds it with its `peak` variable; the
+Lagrangian fast path (`lagrange`) and `evaluate_plan` compute it here.
+
+A block backpropagates in stages (`BACKWARD_STAGES`: the MLP half, then the attention half).
+What one stage holds is freed before the next, so the transient is the largest stage's:
+its gradients in flight (`BlockProfile.stage_bytes`), the sites it consumes that the plan
+recomputes, the largest group of its sites decoded together (`DECODE_GROUPS`), and what a
+rebuild of this stage brings forward from a later one: a recomputed site whose producer
+reads another recomputed site rebuilds and holds that one too (the rebuild cache of
+`patches/megatron/recompute_region`), and decodes its inputs while it does.
+
+A block without `stage_bytes` (a measured profile, a hand-written one) is one stage holding
+every site: all its recomputed sites plus its largest decode group, at once."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 
-
 #: sites whose decoded copies one backward op needs at once (any other site is its own group)
 DECODE_GROUPS: tuple[frozenset[str], ...] = (frozenset({"attn.q", "attn.k", "attn.v", "attn.out"}),)
+
+#: the block's backward stages in the order they run, each with the prefixes of the sites it
+#: consumes; a site that matches none is counted in every stage
+BACKWARD_STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("mlp", ("ln2.", "mlp.", "moe.")),
+    ("attention", ("ln1.", "attn.")),
+)
+
+
+def stage_of(name: str) -> Optional[str]:
+    """The backward stage that consumes site `name` (None: unknown, counted in every stage)."""
+    return next((stage for stage, prefixes in BACKWARD_STAGES if name.startswith(prefixes)), None)
 
 
 def decode_groups(names: Sequence[str]) -> list[list[int]]:
@@ -21,10 +44,60 @@ def decode_groups(names: Sequence[str]) -> list[list[int]]:
     return list(groups.values())
 
 
-def transient_bytes(nbytes: Sequence[int], choices: Sequence[str], names: Sequence[str]) -> int:
-    """The backward transient of one block under `choices`: the recomputed sites' bytes
-    plus the largest decode group's compressed sites' bytes (the `peak` of `llm_act.planner.milp`)."""
-    rec = sum(n for n, c in zip(nbytes, choices) if c == RECOMPUTE)
-    dec = max((sum(nbytes[i] for i in g if choices[i] not in (KEEP, RECOMPUTE))
-               for g in decode_groups(names)), default=0)
-    return rec + dec
+def carries(names: Sequence[str], inputs: Sequence[Sequence[str]]) -> list[tuple[str, int, int]]:
+    """(stage, j, i): rebuilding site j, consumed in `stage`, rebuilds its input i, consumed
+    in a later stage, when both are recomputed; deeper chains follow (i's own recomputed
+    inputs, each pair listed). i is then live in `stage` too. In producer order per stage."""
+    where = {n: k for k, n in enumerate(names)}
+    out: list[tuple[str, int, int]] = []
+    for j, name in enumerate(names):
+        stage = stage_of(name)
+        if stage is None:
+            continue
+        todo = [j]
+        while todo:
+            k = todo.pop()
+            for dep in inputs[k]:
+                i = where.get(dep)
+                if i is None or stage_of(names[i]) in (stage, None) or (stage, k, i) in out:
+                    continue
+                out.append((stage, k, i))
+                todo.append(i)
+    return out
+
+
+def transient_bound(nbytes: Sequence[int], names: Sequence[str], inputs: Sequence[Sequence[str]],
+                    recomputed: Sequence[bool], decoded: Sequence[bool],
+                    stages: Sequence[tuple[str, int]] = ()) -> int:
+    """The transient when the sites flagged `recomputed` are rebuilt and those flagged
+    `decoded` are decoded (flags may overlap: an upper bound over plans within them), with
+    `stages` ((stage, gradients in flight) pairs, `BlockProfile.stage_bytes`) added per
+    stage; without stages, one stage and no gradients."""
+    groups = decode_groups(names)
+    if not stages:
+        return (sum(n for n, r in zip(nbytes, recomputed) if r)
+                + max((sum(nbytes[i] for i in g if decoded[i]) for g in groups), default=0))
+    links = carries(names, inputs)
+    peak = 0
+    for stage, grad in stages:
+        live = {i for i, r in enumerate(recomputed) if r and stage_of(names[i]) in (stage, None)}
+        rebuilt = set()
+        for s, j, i in links:  # in producer order: a chain is followed link by link
+            if s == stage and recomputed[i] and (j in live or j in rebuilt) and recomputed[j]:
+                rebuilt.add(i)
+        here = [g for g in groups
+                if any(stage_of(names[i]) in (stage, None) for i in g)
+                or any(names[i] in inputs[k] for k in live | rebuilt for i in g)]
+        dec = max((sum(nbytes[i] for i in g if decoded[i]) for g in here), default=0)
+        peak = max(peak, grad + sum(nbytes[i] for i in live | rebuilt) + dec)
+    return peak
+
+
+def transient_bytes(nbytes: Sequence[int], choices: Sequence[str], names: Sequence[str],
+                    inputs: Optional[Sequence[Sequence[str]]] = None,
+                    stages: Sequence[tuple[str, int]] = ()) -> int:
+    """The backward transient of one block under `choices` (the `peak` of
+    `llm_act.planner.milp`), gradients in flight included when `stages` are given."""
+    inputs = inputs if inputs is not None else [()] * len(names)
+    return transient_bound(nbytes, names, inputs, [c == RECOMPUTE for c in choices],
+                           [c not in (KEEP, RECOMPUTE) for c in choices], stages)

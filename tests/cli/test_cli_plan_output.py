@@ -10,7 +10,7 @@ import pytest
 
 from llm_act.cli.main import main
 from llm_act.output import stock_logits_bytes, stored_bytes
-from llm_act.planner.analytic import outer_bytes
+from llm_act.planner.analytic import loss_bytes, outer_bytes
 from llm_act.planner.presets import model_shape
 
 # GPT-2 medium at micro-batch 16: the stock logits (3.1 GiB) outweigh every block's activations
@@ -50,8 +50,14 @@ def test_auto_picks_chunked_at_a_tight_budget_and_prints_both(capsys, tmp_path):
     m = _OUTSIDE.search(out)
     assert m and m.group(1) == "chunked"
     saving = stock_need - chunked_need
-    assert float(m.group(2)) - float(m.group(3)) == pytest.approx(saving / 2**30, abs=2e-3)
-    assert saving > 3 * 2**30  # the fp32 logits of 16k tokens at vocab 50k
+    # at the least budget the end of forward binds: the two differ by their loss events (the
+    # stock loss: its fp32 softmax and the 16-bit logits beside it)
+    shape = model_shape("gpt2-medium", seq_length=1024, micro_batch_size=16)
+    events = loss_bytes(shape, output_loss="stock") - loss_bytes(shape, output_loss="chunked")
+    assert saving == pytest.approx(events, abs=2**21)  # the noise budget's bisection: 1 MiB steps
+    stored = sum(outer_bytes(shape, 0, "stock").values()) - sum(outer_bytes(shape, 0, "chunked").values())
+    assert float(m.group(2)) - float(m.group(3)) == pytest.approx(stored / 2**30, abs=2e-3)
+    assert saving > stored > 3 * 2**30  # the fp32 logits of 16k tokens at vocab 50k
     # between the two: stock does not fit, "auto" (the default) picks the chunked loss
     budget = str((stock_need + chunked_need) // 2)
     code, out = _run(capsys, "--budget", budget, "--output-loss", "stock")
@@ -65,7 +71,7 @@ def test_auto_picks_chunked_at_a_tight_budget_and_prints_both(capsys, tmp_path):
     report = json.loads(path.read_text())
     stage = report["stages"][-1]
     assert stage["output_loss"] == "chunked" and stage["total_bytes"] <= int(budget)
-    assert stage["output_bytes"]["stock"] - stage["output_bytes"]["chunked"] == saving
+    assert stage["output_bytes"]["stock"] - stage["output_bytes"]["chunked"] == stored
     assert stage["output_gemm_ms"] > 0
     # plentiful memory: stock (its plan adds nothing, the chunked loss would add a GEMM)
     code, out = _run(capsys, "--budget", "80GB")

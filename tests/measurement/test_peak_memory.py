@@ -106,6 +106,22 @@ def test_factory_functions_are_seen():
     del tensors
 
 
+def test_ignored_ops_count_nothing_and_are_not_adopted():
+    """A reference's rounding noise (what a GPU kernel draws in registers) counts 0 bytes,
+    while it lives and when an op reads it or it is freed; everything else still counts."""
+    x = torch.ones(100)
+    with track_peak(ignore_ops=("aten.rand.default",)) as t:
+        noise = torch.rand(100)
+        y = x + noise  # reads the ignored storage: not adopted, not credited when freed
+        del noise
+        z = y * 2
+    assert t.peak_bytes == t.live_bytes == 200 * F
+    with track_peak() as t:
+        noise = torch.rand(100)
+    assert t.peak_bytes == 100 * F
+    del y, z
+
+
 def test_resized_storages_are_recounted():
     with track_peak() as t:
         z = torch.zeros(3)

@@ -10,7 +10,7 @@ import pytest
 
 from llm_act.bench.gpu import GpuShape, _analytic_block
 from llm_act.bench.memory import restricted_block
-from llm_act.measurement.measured_profile import RECOMPUTABLE
+from llm_act.measurement.measured_profile import runtime_block
 from llm_act.plan import load_plan_json, recompute_layer
 from llm_act.planner import (BlockProfile, InfeasibleBudget, InfeasibleVariance, SiteProfile,
                              evaluate_plan, solve_plan)
@@ -18,14 +18,6 @@ from llm_act.planner.analytic import block_profile
 from llm_act.planner.milp import _classes, _evaluate, _Limit, _run, _search, _split, _unsplit
 from llm_act.planner.presets import MODELS, model_shape
 from llm_act.sites import CHECKPOINT_SITE
-
-
-def runtime_block(block):
-    """`block` with "recompute" offered only where the layers run it site by site, as the
-    measured profile offers it (`RECOMPUTABLE`)."""
-    return dataclasses.replace(block, sites=tuple(
-        dataclasses.replace(s, forward_ms=s.forward_ms if s.name in RECOMPUTABLE else None)
-        for s in block.sites))
 
 
 def full_recompute(block):

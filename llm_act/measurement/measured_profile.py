@@ -14,6 +14,7 @@ import torch
 
 from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
+from llm_act.planner.transient import transient_bytes
 from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, SITES
 
 if TYPE_CHECKING:
@@ -153,6 +154,27 @@ class MeasuredProfile:
         for (layer, site), st in self.sites.items():
             total += st.stored(plan.get(layer, {}).get(site, KEEP))
         return total
+
+    def transient_bytes(self, plan: Mapping[int, Mapping[str, str]]) -> int:
+        """The largest layer's backward transient under `plan`, as the planner prices it on
+        `blocks()` (`llm_act.planner.transient`): its recomputed sites and largest decode
+        group; a layer recomputed whole holds every other site rebuilt (and its decoded
+        input when encoded). With `predicted_bytes`, a fixed plan's need is counted as an
+        "auto" plan's is: one definition of the peak."""
+        peak = 0
+        for layer in self.layers:
+            names = self.layer_sites(layer)
+            choice = plan.get(layer, {})
+            picks = [choice.get(s, KEEP) for s in names]
+            nbytes = [self.sites[layer, s].keep_bytes for s in names]
+            if CHECKPOINT_SITE in names and all(c == RECOMPUTE for s, c in zip(names, picks) if s != CHECKPOINT_SITE):
+                ckpt = names.index(CHECKPOINT_SITE)
+                layer_peak = sum(n for s, n in zip(names, nbytes) if s != CHECKPOINT_SITE) + (
+                    nbytes[ckpt] if picks[ckpt] != KEEP else 0)
+            else:
+                layer_peak = transient_bytes(nbytes, picks, names)
+            peak = max(peak, layer_peak)
+        return peak
 
     def noise(self, plan: Mapping[int, Mapping[str, str]], sensitivity: Mapping[str, float],
               coherence: Optional[Mapping[str, float]] = None) -> float:

@@ -368,7 +368,8 @@ class Adapter:
     def _check_fixed_budget(self, probe: Optional[Callable[[], Any]]) -> None:
         """Once, after the first iteration of a run: a fixed plan with a user budget is
         measured on this batch (no codec timing) and refused with `PlanOverBudget` when its
-        static memory + stored bytes exceed the budget. The measurement runs the
+        static memory + stored bytes + backward transient (the planner's peak for "auto":
+        `MeasuredProfile.transient_bytes`) exceed the budget. The measurement runs the
         memory-efficient attention, so for a plan on stock attention it is a lower bound:
         what it refuses surely does not fit."""
         c = self.controller
@@ -380,8 +381,9 @@ class Adapter:
         names = {n for choice in c.plan.values() for n in choice.values()} - {KEEP, RECOMPUTE}
         g = agreement.groups()
         profile = agreement.agree_profile(measure_profile(c, probe, times_from={}, codecs=sorted(names)), g)
+        # stored (all micro-batches in flight) + the backward transient, as "auto" counts it
         need = self._static_bytes() + profile.other_bytes + _inflight() * profile.predicted_bytes(
-            c.plan, include_other=False)
+            c.plan, include_other=False) + profile.transient_bytes(c.plan)
         need = int(agreement.reduce_dict({"n": need}, "max", g.stage if g else None)["n"])
         if need > self.config.budget:
             raise PlanOverBudget(self.config.plan, int(self.config.budget), need)

@@ -282,10 +282,17 @@ def test_a_fixed_plan_over_a_user_budget_is_refused_at_the_first_iteration():
     err = caught.value
     assert isinstance(err, ValueError) and err.needed_bytes > 10**6
     assert "plan 'compress'" in str(err) and "--act-compress-budget" in str(err) and "'auto'" in str(err)
-    # the figure it names is the static memory + what the plan stores: it fits exactly
+    # the figure it names is the static memory + what the plan stores + its backward
+    # transient: it fits exactly
     controller, steps = run(err.needed_bytes, 2)
     compress = resolve(ActConfig(plan="compress"), 2)
     assert controller.plan == compress and all(plan == compress for _, plan, _ in steps)
+    # one definition of the peak (issue 27): "auto" is not refused at that budget either
+    model = R.build(dropout=0.1, num_layers=2, seed=0)
+    controller = apply(model, ActConfig(plan="auto", budget=err.needed_bytes))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, controller, opt, torch.Generator().manual_seed(7), 2)
+    assert controller.adapter.history and controller.adapter.budget == err.needed_bytes
 
 
 @pytest.mark.gpu

@@ -383,6 +383,14 @@ def main(args, argv=None) -> int:
         run_planner(args.quick, command, None, say)
     elif args.suite == "gpu":
         run_gpu(command, say, args.output_dir)
+    elif args.suite == "overhead":
+        row = O.run(steps=args.steps, quick=args.quick, budget_fraction=args.budget_fraction)
+        say(O.table(row))
+        os.makedirs(args.output_dir, exist_ok=True)
+        path = os.path.join(args.output_dir, "overhead.json")
+        with open(path, "w") as f:
+            json.dump({"command": command, **row}, f, indent=1)
+        say(f"wrote {path}")
     elif args.suite == "all":
         rows, mem = run_memory(args.quick, args.output_dir, command, say)
         _, con = run_convergence(args.quick, args.output_dir, command, say, conv)

@@ -3,6 +3,7 @@
   llm-act demo            compress the activations of a real megatron-core GPT block on CPU
                           and print the bytes each site stores, stock vs compressed
   llm-act bench kernels   codec encode+decode bandwidth against the device's copy bandwidth
+  llm-act bench overhead  what plan "auto"'s measuring costs in a training run (1,000 steps)
   llm-act bench memory|convergence|planner|gpu|all [--quick]
                           the benchmark suite; `all` regenerates docs/benchmarks.md
   llm-act plan            plan a preset model per pipeline stage from its shape (no GPU)
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import warnings
@@ -51,6 +53,15 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     k.add_argument("--output", default=None, help="also write the table to this markdown file")
     k.set_defaults(cmd_parser=k)
+    o = bsub.add_parser("overhead", help="what plan auto's measuring and planning cost in a run",
+                        allow_abbrev=False)
+    o.add_argument("--steps", type=POSITIVE_INT, default=1000, help="training steps of the run")
+    o.add_argument("--budget-fraction", type=_budget_fraction, default=0.3, metavar="F|none",
+                   help="the budget lets 'auto' store this fraction of stock's bytes in the layers "
+                        "(default 0.3); none: no budget (the compress plan's memory)")
+    o.add_argument("--quick", action="store_true", help="the small quick model (CI)")
+    o.add_argument("--output-dir", default="docs", help="the run's figures go to overhead.json here")
+    o.set_defaults(cmd_parser=o)
     for suite, text in (("memory", "saved bytes per layer of every scheme (ledger, CPU)"),
                         ("convergence", "validation loss of every scheme against stock (CPU)"),
                         ("planner", "MILP solve time; predicted vs measured bytes"),
@@ -81,6 +92,19 @@ def _parser() -> argparse.ArgumentParser:
 
     add_train_parser(sub)
     return p
+
+
+def _budget_fraction(text: str):
+    """A fraction in (0, 1], or "none" (argparse type)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] or 'none', got {text!r}")
+    return value
 
 
 def _seed_range(text: str) -> tuple[int, ...]:

@@ -226,6 +226,10 @@ class Adapter:
         """the training step recorded for measuring where no probe is given"""
         self.measure_seconds = 0.0
         """wall time spent measuring and planning at tracking points (this run)"""
+        self._phases: Optional[dict[str, float]] = None
+        self.track_costs: list[dict[str, float]] = []
+        """per tracking point of this run: its iteration and the seconds of each phase
+        ("profile", "sensitivity", "solve": agreement and planner, "total")"""
         self.sens_next = 0
         """where the rotation of sparsely sampled sensitivity sites continues"""
         self.sampling_recent: list[float] = []
@@ -345,10 +349,13 @@ class Adapter:
             self.next_track = it + 1
             return
         start = time.perf_counter()
+        self._phases = {"iteration": float(it)}
         try:
             self.track(probe)
         finally:
-            self.measure_seconds += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self.measure_seconds += spent
+            self.track_costs.append({**self._phases, "total": spent})
 
     def _check_user_budget(self, probe: Optional[Callable[[], Any]]) -> None:
         """After the first iteration of a run, a user-given budget: a warning when it is more
@@ -399,6 +406,7 @@ class Adapter:
         c = self.controller
         it = c.iteration
         g = agreement.groups()
+        clock = time.perf_counter()
         refresh = self.profile is None or self.track_count % FULL_PROFILE_EVERY == 0
         fresh = None if refresh else sorted(self.data_codecs())
         profile = measure_profile(c, probe, times_from=self.times, codecs=fresh, keep_from=self.profile)
@@ -409,6 +417,7 @@ class Adapter:
             self.times = profile.times()
         stats = {"outlier": profile.outlier_rates(),
                  "channels": {site: st.shape[-1] for (_, site), st in profile.sites.items() if st.shape}}
+        clock = self._phase("profile", clock)
         if self.config.sensitivity and self.track_count % 2 == 0:
             named = self._named_params()
             sites = self.sensitivity_sites()
@@ -431,6 +440,7 @@ class Adapter:
             by_site = profile.noise_by_site(c.plan, self.sensitivity, self.coherence)
             total = sum(by_site.values())
             stats["share"] = {s: v / total for s, v in by_site.items()} if total > 0 else {}
+        clock = self._phase("sensitivity", clock)
         reasons = self._shifts(stats)
         blocks, static = self.problem(profile)
         stage_group = g.stage if g else None
@@ -453,6 +463,7 @@ class Adapter:
             self._warn_once("failure", "llm_act: iteration %d: the planner failed (%s); the plan in force "
                             "stays (said once; every failure is counted in the run's summary)",
                             it, decision["failure"])
+        self._phase("solve", clock)
         self.budget = decision["budget"]
         self.profile = profile
         self.output_decision = decision.get("output")
@@ -505,6 +516,14 @@ class Adapter:
             log.info("llm_act: iteration %d: statistics shifted (%s); tracking interval back to 1",
                      it, "; ".join(decision["reasons"]))
         self._schedule(it, reset=reset)
+
+    def _phase(self, name: str, since: float) -> float:
+        """Book the seconds since `since` to phase `name` of this tracking point; now."""
+        now = time.perf_counter()
+        phases = self._phases
+        if phases is not None:
+            phases[name] = phases.get(name, 0.0) + now - since
+        return now
 
     def data_codecs(self) -> set[str]:
         """Codecs re-measured at every tracking point (see FULL_PROFILE_EVERY)."""

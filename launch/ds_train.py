@@ -4,11 +4,11 @@
     deepspeed --num_gpus 2 launch/ds_train.py --deepspeed_config launch/ds_config.json --model hf
 
 Prints the loss and the saved-activation bytes of every step; `--no-act-compress` runs the
-same without compression. The loop lives in `llm_act.patches.deepspeed.train`.
+same without compression. The loop lives in `llm_act.train.ds_train`.
 """
 import sys
 
-from llm_act.patches.deepspeed.train import main
+from llm_act.train.ds_train import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,7 +23,8 @@ from typing import Optional, Union
 
 from llm_act.cli.parsing import POSITIVE_INT
 from llm_act.config import parse_bytes
-from llm_act.planner.analytic import ATTENTION_MODES, DeviceModel, ModelShape, layer_forward_ms
+from llm_act.config import ATTENTION_MODES
+from llm_act.planner.analytic import DeviceModel, ModelShape, layer_forward_ms
 from llm_act.planner.budget import OUTPUT_LOSS_CHOICES, StageResult, plan_stages
 from llm_act.planner.presets import MODELS, model_shape
 

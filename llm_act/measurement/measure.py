@@ -40,6 +40,7 @@ import torch
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.fewbit import derivative
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, check_choice, make_codec
+from llm_act.layer_contract import LayerBinder, binder_of
 from llm_act.ledger import SavedTensorLedger
 from llm_act.measurement import probing
 from llm_act.measurement.controlled import ControlledModel
@@ -368,22 +369,26 @@ def _sync(module: torch.nn.Module) -> None:
         torch.cuda.synchronize(p.device)
 
 
+def _binder(controller: ControlledModel, layer: int) -> Optional[LayerBinder]:
+    """The binder of `layer` (`layer_contract`: what measurement may ask of the layer), or None."""
+    sites = controller.sites(layer)
+    return binder_of(controller.module(layer, sites[0])) if sites else None
+
+
 def _no_recompute(controller: ControlledModel, layer: int) -> tuple[str, ...]:
     """Sites of `RECOMPUTABLE` the layer cannot recompute alone: none without a megatron
-    layer (no `LayerRecompute`); `mlp.fc2_input` when the MLP keeps only a mask of its
-    activation input (ReLU); `ln2.input` when megatron's fused bias-dropout-add would need
-    the hidden-dropout mask kept."""
-    sites = controller.sites(layer)
-    owner = getattr(controller.module(layer, sites[0]), "_act_recompute", None) if sites else None
-    if owner is None:
+    layer and its binder (`LayerRecompute`); `mlp.fc2_input` when the MLP keeps only a mask
+    of its activation input (ReLU); `ln2.input` when megatron's fused bias-dropout-add would
+    need the hidden-dropout mask kept."""
+    owner, tl = _binder(controller, layer), _layer_of(controller, layer)
+    if owner is None or tl is None:
         return tuple(sorted(RECOMPUTABLE))
     out = []
     try:
-        if owner._mlp_kind() == "mask":
+        if owner.mlp_kind() == "mask":
             out.append("mlp.fc2_input")
     except Exception:
         out.append("mlp.fc2_input")
-    tl = owner.layer
     if getattr(tl.config, "bias_dropout_fusion", False) and float(getattr(tl, "hidden_dropout", 0) or 0) > 0:
         out.append("ln2.input")
     return tuple(out)
@@ -424,10 +429,9 @@ def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: d
     if site == "mlp.act_input" and x_of("mlp.fc1_input") is not None:
         return t(lambda: tl.mlp.linear_fc1(x_of("mlp.fc1_input")))
     if site == "mlp.fc2_input" and x_of("mlp.act_input") is not None:
-        from llm_act.patches.megatron.mlp import activation_of
-
-        fn = activation_of(tl.config)[1]
-        return t(lambda: fn(x_of("mlp.act_input")))
+        owner = _binder(controller, layer)
+        fn = owner.mlp_activation() if owner is not None else None
+        return None if fn is None else t(lambda: fn(x_of("mlp.act_input")))
     if site == "ln2.input" and x_of("attn.out") is not None and x_of("ln1.input") is not None:
         p = float(getattr(tl, "hidden_dropout", 0.0) or 0.0)
         res = x_of("ln1.input")

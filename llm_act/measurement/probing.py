@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from llm_act.layer_contract import binder_of
 from llm_act.measurement.controlled import ControlledModel
 
 
@@ -108,11 +109,12 @@ def isolated(controller: ControlledModel, params: Iterable[torch.Tensor] = ()) -
 
 def install(controller: ControlledModel, codecs: dict[tuple[int, str], Any]) -> None:
     """Give every (layer, site) the controller drives the codec in `codecs` (None = keep).
-    A layer bound with recomputation (`LayerRecompute`) is unbound first (every site kept,
-    hooks and regions removed), so probe passes see each site's tensor in forward;
+    A layer with a binder (`layer_contract.binder_of`, e.g. `LayerRecompute`) is unbound
+    first (every site kept, hooks and regions removed), so probe passes see each site's
+    tensor in forward;
     `Controller.reinstall()` binds the plan in force again."""
     for layer in controller.layers:
-        owner = getattr(controller.module(layer, controller.sites(layer)[0]), "_act_recompute", None) \
+        owner = binder_of(controller.module(layer, controller.sites(layer)[0])) \
             if controller.sites(layer) else None
         if owner is not None:
             owner.bind({}, {})

@@ -44,15 +44,13 @@ import torch
 
 from llm_act.codecs.fewbit import ACTIVATIONS
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, check_choice, make_codec
+from llm_act.config import ATTENTION_MODES  # ModelShape.attention ("stock" stores the softmax)
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
 from llm_act.sites import MASK_SITES
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-#: ActConfig.attention values; "stock" is megatron's unfused core attention (it stores
-#: the softmax), the others are memory-efficient (flash-style: q, k, v, out, logsumexp).
-ATTENTION_MODES = ("auto", "sdpa", "chunked", "stock")
 #: Megatron-LM's --make-vocab-size-divisible-by default
 VOCAB_DIVISOR = 128
 #: the stored state of a CUDA philox generator (seed + offset), when no CUDA is here to ask

@@ -17,6 +17,7 @@ choose the same plan.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import numpy as np
@@ -25,6 +26,9 @@ from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.planner.transient import decode_groups, transient_bound
 
 _BISECT = 20  # steps of each bisection (log-scale over ~12 decades: ~3e-5 relative)
+#: the memory price at a noise price between two tried ones is first looked for between
+#: theirs, widened by this factor (it moves little there); the whole range if not found
+_BRACKET = 1.5
 _VAR_RTOL = 1e-6
 #: the price of noise in ms per unit when its budget does not bind: it only breaks ties in time
 _NOISE_TIE = 1e-9
@@ -158,17 +162,33 @@ class LagrangeProblem:
                 noise <= self.var_limit * (1 + _VAR_RTOL) if self.var_limit else noise <= 0.0)
 
 
-def _min_mu(prob: LagrangeProblem, lam: float, lo: float, hi: float) -> Optional[tuple[float, np.ndarray]]:
+def _min_mu(prob: LagrangeProblem, lam: float, lo: float, hi: float,
+            bracket: Optional[tuple[float, float]] = None) -> Optional[tuple[float, np.ndarray]]:
+    """The least price on memory at which the picks fit it, to the precision of `_BISECT`
+    halvings of [lo, hi] (log scale). `bracket`: where it is expected (the prices found at
+    neighbouring `lam`): searched first, so the halvings start from a narrow interval; the
+    whole range when the bracket does not hold the edge."""
+    def memory_fits(p) -> bool:
+        return prob.fits(*prob.figures(p)[:2])[0]
+
     picks = prob.choose(lam, 0.0)
-    if prob.fits(*prob.figures(picks)[:2])[0]:
+    if memory_fits(picks):
         return 0.0, picks
-    top = prob.choose(lam, hi)
-    if not prob.fits(*prob.figures(top)[:2])[0]:
-        return None
-    for _ in range(_BISECT):
+    tol = math.log(hi / lo) / 2 ** _BISECT
+    top = None
+    if bracket is not None and lo < bracket[0] < bracket[1] < hi:
+        b_lo, b_hi = bracket
+        p = prob.choose(lam, b_hi)
+        if memory_fits(p) and not memory_fits(prob.choose(lam, b_lo)):
+            lo, hi, top = b_lo, b_hi, p
+    if top is None:
+        top = prob.choose(lam, hi)
+        if not memory_fits(top):
+            return None
+    while math.log(hi / lo) > tol:
         mid = (lo * hi) ** 0.5
         p = prob.choose(lam, mid)
-        if prob.fits(*prob.figures(p)[:2])[0]:
+        if memory_fits(p):
             hi, top = mid, p
         else:
             lo = mid
@@ -176,12 +196,15 @@ def _min_mu(prob: LagrangeProblem, lam: float, lo: float, hi: float) -> Optional
 
 
 def lagrange_plan(classes, mem_limit: int, var_limit: float, reference: list[list[int]],
-                  peak_floor: int = 0, open_groups: bool = False) -> Optional[list[list[int]]]:
+                  peak_floor: int = 0, open_groups: bool = False,
+                  hint: Optional[dict] = None) -> Optional[list[list[int]]]:
     """Picks per class that fit both budgets, or None when the fast path finds none (the
     caller keeps `reference`). `peak_floor`: a transient held elsewhere (blocks the caller
     recomputes whole), below which this one's bound never goes. `open_groups`: a decode group
     the reference decodes in part may be decoded whole (a larger transient bound, more
-    sites free to be encoded)."""
+    sites free to be encoded). `hint`: a dict; the prices found are left in it ("lam"), and
+    where it holds them already (a solve of a neighbouring problem) the search for the
+    noise price starts around them."""
     try:
         prob = LagrangeProblem(classes, mem_limit, var_limit, reference, peak_floor, open_groups)
     except ValueError:
@@ -198,10 +221,15 @@ def lagrange_plan(classes, mem_limit: int, var_limit: float, reference: list[lis
     mu_lo, mu_hi = cmin / smax * 1e-6, cmax / smin * 1e6
     lam_lo, lam_hi = cmin / nmax * 1e-6, cmax / nmin * 1e6
 
-    def at(lam):
-        r = _min_mu(prob, lam, mu_lo, mu_hi)
+    prices: dict[float, float] = {}  # lam -> the least memory price found there
+
+    def at(lam, near: tuple = ()):
+        known = [prices[x] for x in near if prices.get(x, 0.0) > 0]
+        bracket = (min(known) / _BRACKET, max(known) * _BRACKET) if known else None
+        r = _min_mu(prob, lam, mu_lo, mu_hi, bracket)
         if r is None:
             return None
+        prices[lam] = r[0]
         stored, noise, _ = prob.figures(r[1])
         return r[1] if prob.fits(stored, noise)[1] else None
 
@@ -211,14 +239,23 @@ def lagrange_plan(classes, mem_limit: int, var_limit: float, reference: list[lis
         if best is None:
             return None
         lo, hi = lam_lo, lam_hi
-        for _ in range(_BISECT):
+        prices[lo] = prices.get(0.0, 0.0)
+        tol = math.log(hi / lo) / 2 ** _BISECT
+        guess = (hint or {}).get("lam")
+        if guess and lo < guess / _BRACKET and guess * _BRACKET < hi:  # the neighbour's price, bracketed
+            near = at(guess * _BRACKET, (lo, hi))
+            if near is not None and at(guess / _BRACKET, (lo, guess * _BRACKET)) is None:
+                lo, hi, best = guess / _BRACKET, guess * _BRACKET, near
+        while math.log(hi / lo) > tol:
             mid = (lo * hi) ** 0.5
-            p = at(mid)
+            p = at(mid, (lo, hi))
             if p is not None:
                 hi, best = mid, p
             else:
                 lo = mid
         picks = best
+        if hint is not None:
+            hint["lam"] = hi
     picks = _greedy(prob, picks)
     return [[int(o) for o in row] for row in picks]
 

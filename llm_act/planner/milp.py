@@ -832,10 +832,11 @@ def _fast_search(classes, mem_limit, var_limit, limit: _Limit) -> Optional[Solut
     # keeps stay kept) as is and with its partly decoded groups opened (q kept beside an
     # encoded k, v, out may be encoded too): the best of these by exact figures
     ref = [picks[k] for k in part]
+    hint: dict = {}  # the second variant's prices start from the first's
     for open_groups in ((False, True) if sub else ()):
         try:
             lag = lagrange_plan(sub, mem_limit - stored, var_limit - noise if var_limit else var_limit,
-                                ref, peak_floor=peak, open_groups=open_groups)
+                                ref, peak_floor=peak, open_groups=open_groups, hint=hint)
         except Exception as err:  # the fast path never fails a solve: the best plan stands
             log.debug("llm_act: the Lagrangian fast path failed: %r", err)
             break

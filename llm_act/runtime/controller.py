@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.config import ActConfig
+from llm_act.layer_contract import binder_of
 from llm_act.measurement.probing import params_of
 from llm_act.plan import (LayerPlans, PlanLike, describe as describe_plan, is_keep, keep_layer, plan_from, resolve,
                           spans)
@@ -414,11 +415,11 @@ class Controller:
     def _apply(self, plan: LayerPlans) -> None:
         """Give every module the codec of its (layer, site); build codecs on first use.
 
-        A megatron-core layer converted by `swap.convert_layer` has a `LayerRecompute`
-        owner (its modules' `_act_recompute`): it binds the whole layer's choice, the
-        "recompute" ones included (regions, hooks, regenerated masks), and refuses a
-        combination it cannot recompute before changing anything (the layers bound before
-        it get the plan in force back). The core attention then gets its mode
+        A layer with a binder (`layer_contract.binder_of` its modules: a megatron-core
+        layer's `LayerRecompute`, a generic block's `BlockRecompute`) binds the whole
+        layer's choice, the "recompute" ones included (regions, hooks, regenerated masks),
+        and refuses a combination it cannot bind before changing anything (the layers bound
+        before it get the plan in force back). The core attention then gets its mode
         (`attention_mode`)."""
         try:
             self._bind(plan)
@@ -432,7 +433,7 @@ class Controller:
     def _bind(self, plan: LayerPlans) -> None:
         for layer, stored in self._modules.items():
             choice = plan.get(layer, {})
-            owner = getattr(next(iter(stored.values()), None), "_act_recompute", None)
+            owner = binder_of(next(iter(stored.values()), None))
             if owner is not None:
                 owner.bind(choice, {site: self._get_codec(layer, site, name)
                                     for site, name in owner.codec_names(choice).items()})

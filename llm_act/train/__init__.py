@@ -8,7 +8,8 @@ parallel layers and the 1F1B schedule are megatron-core's own everywhere.
 
 Files: args (flags), data (corpus, samples), model (GPTModel + apply), optim (CPU
 optimizer, LR schedule), gpu (the CUDA branch), rng, checkpoint, parallel (process
-groups), trainer (one iteration), loop (the loop, `main`), compare (`llm-act train`).
+groups), trainer (one iteration), loop (the loop, `main`), compare (`llm-act train`); ds_train (the
+DeepSpeed run behind launch/ds_train.py).
 """
 from __future__ import annotations
 

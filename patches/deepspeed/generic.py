@@ -41,6 +41,7 @@ from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
 from llm_act.config import ActConfig
 from llm_act.generic.hooks import SavedTensorCompression
+from llm_act.layer_contract import LayerBinder
 from llm_act.patches.deepspeed import recompute as recompute_lib
 from llm_act.plan import recompute_layer
 from llm_act.runtime.controller import SEED_STRIDE, Controller, replica_seed
@@ -129,10 +130,11 @@ class BlockSites:
         return any(c is not None for c in self.codecs.values())
 
 
-class BlockRecompute:
-    """How the Controller binds one generic block's {site: choice}: the block's owner in the
-    controller's sense (`_act_recompute` of its `BlockSites`, as a megatron-core layer has a
-    `LayerRecompute`), so plans holding "recompute" are bound here and never built as codecs.
+class BlockRecompute(LayerBinder):
+    """How the Controller binds one generic block's {site: choice}: the block's binder in the
+    controller's sense (`llm_act.layer_contract.LayerBinder`, the `act_binder` of its
+    `BlockSites`, as a megatron-core layer has a `LayerRecompute`), so plans holding
+    "recompute" are bound here and never built as codecs.
 
     A block recomputes as a whole or not at all, and which is fixed by `apply` (it installs
     the wrapper): with `recompute`, the only choice it binds is `recompute_layer(checkpoint)`
@@ -144,7 +146,7 @@ class BlockRecompute:
 
     def __init__(self, sites: BlockSites, recompute: bool, checkpoint: str = KEEP):
         self.sites, self.recompute, self.checkpoint = sites, recompute, checkpoint
-        sites._act_recompute = self
+        sites.act_binder = self  # how the runtime finds it (`layer_contract.binder_of`)
 
     def codec_names(self, choice: dict[str, str]) -> dict[str, str]:
         """{site: codec name} of the codecs `bind(choice, ...)` needs: none when the block
@@ -160,6 +162,14 @@ class BlockRecompute:
         stored = self._checked(choice)
         for site, name in stored.items():
             self.sites.set_act_codec(site, None if self.recompute or name == KEEP else codecs[site])
+
+    def mlp_kind(self) -> None:
+        """None: llm_act does not know a generic block's MLP (its sites are found by name)."""
+        return None
+
+    def mlp_activation(self) -> None:
+        """None: the block's activation is its own code, not known here."""
+        return None
 
     def _checked(self, choice: dict[str, str]) -> dict[str, str]:
         stored = {s: choice.get(s, KEEP) for s in self.sites.codecs}

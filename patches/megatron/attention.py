@@ -56,6 +56,7 @@ from llm_act.attention import (LOSSY_BACKWARDS, OutSource, attention, pick_backe
 from llm_act.attention._stash import is_lossy
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import RECOMPUTE
+from llm_act.config import ATTENTION_MODES
 from llm_act.patches.megatron import cpu_required
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
 from llm_act.patches.megatron.dropout import StoredMaskDropout
@@ -66,7 +67,9 @@ from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
-ATTENTION_MODES = ("stock", "auto", "sdpa", "chunked", "unfused")
+#: what `set_attention_mode` takes: a user's `ActConfig.attention`, or "unfused" (megatron's
+#: math with the stored mask, which the runtime itself selects, never a user setting)
+RUNTIME_ATTENTION_MODES = ATTENTION_MODES + ("unfused",)
 ATTENTION_SITES = ("attn.q", "attn.k", "attn.v", "attn.softmax", "attn.dropout_mask", "attn.out")
 
 
@@ -116,8 +119,8 @@ class ActCoreAttention(ActModule, DotProductAttention):
     def set_attention_mode(self, mode: str) -> None:
         """"stock", "auto" (memory-efficient, backend by dropout and device), "sdpa",
         "chunked" or "unfused"; see the module docstring. Takes effect at the next forward."""
-        if mode not in ATTENTION_MODES:
-            raise ValueError(f"mode: expected one of {ATTENTION_MODES}, got {mode!r}")
+        if mode not in RUNTIME_ATTENTION_MODES:
+            raise ValueError(f"mode: expected one of {RUNTIME_ATTENTION_MODES}, got {mode!r}")
         self.act_attention = mode
 
     def set_lossy_backward(self, mode: str) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, check_choice
+from llm_act.layer_contract import LayerBinder, binder_of
 from llm_act.patches.megatron.recompute_codec import SiteRecompute, _Visible
 from llm_act.patches.megatron.recompute_producers import MOE_FULL_ONLY, PRODUCER_INPUTS
 from llm_act.patches.megatron.recompute_region import _Box, _Frame, _Region, _alive
@@ -47,8 +48,9 @@ def is_full(choice: Mapping[str, str], absent: frozenset = frozenset()) -> bool:
     return all(choice.get(s, KEEP) == RECOMPUTE for s in SITES if s != CHECKPOINT_SITE and s not in absent)
 
 
-class LayerRecompute:
-    """Binds a layer's {site: choice} to its modules, recomputation included.
+class LayerRecompute(LayerBinder):
+    """Binds a layer's {site: choice} to its modules, recomputation included (the runtime's
+    `llm_act.layer_contract.LayerBinder`).
 
     `sites`: what `swap.convert_layer` returned (site -> the module that stores it).
     `codec_names(choice)` says which codec each site needs under `choice`; the owner of the
@@ -68,7 +70,7 @@ class LayerRecompute:
         self._qkv_codecs: list = [None, None, None]
         self._attention_region = False
         for module in self.sites.values():
-            module._act_recompute = self
+            module.act_binder = self  # how the runtime finds it (`layer_contract.binder_of`)
 
     # ---- binding ------------------------------------------------------------------------
     def codec_names(self, choice: Mapping[str, str]) -> dict[str, str]:
@@ -181,16 +183,23 @@ class LayerRecompute:
     def _value_available(self, site: str, name: str) -> bool:
         if name in (KEEP, RECOMPUTE):
             if site == "mlp.act_input" and name == KEEP:
-                return self._mlp_kind() != "mask"
+                return self.mlp_kind() != "mask"
             return True
         if name.startswith("fewbit"):
             return False
-        return not (site == "mlp.act_input" and self._mlp_kind() == "mask")
+        return not (site == "mlp.act_input" and self.mlp_kind() == "mask")
 
-    def _mlp_kind(self) -> str:
+    def mlp_kind(self) -> str:
+        """The MLP activation's kind, "fewbit", "mask" (ReLU) or "value" (`mlp.activation_of`)."""
         from llm_act.patches.megatron.mlp import activation_of
 
         return activation_of(self.layer.mlp.config)[0]
+
+    def mlp_activation(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The activation the compressed MLP computes (`mlp.activation_of` the layer's config)."""
+        from llm_act.patches.megatron.mlp import activation_of
+
+        return activation_of(self.layer.config)[1]
 
     def _bind_full(self, choice: Mapping[str, str], codecs: Mapping[str, Codec]) -> None:
         for site, module in self.sites.items():
@@ -362,7 +371,7 @@ def bind_with(owner: LayerRecompute, choice: Mapping[str, str], codec_of: Callab
 def for_sites(sites: Mapping[str, Any]) -> Optional[LayerRecompute]:
     """The LayerRecompute that owns the modules `sites` (what convert_layer returned)."""
     for module in sites.values():
-        owner = getattr(module, "_act_recompute", None)
+        owner = binder_of(module)
         if owner is not None:
             return owner
     return None

@@ -143,7 +143,7 @@ def test_ds_train_refuses_a_bad_section_in_one_line(tmp_path, capsys, section, n
     traceback, before any process group or op build."""
     from pathlib import Path
 
-    from llm_act.patches.deepspeed.train import main
+    from llm_act.train.ds_train import main
 
     cfg = json.loads((Path(__file__).resolve().parents[3] / "launch" / "ds_config.json").read_text())
     cfg["activation_compression"] = section

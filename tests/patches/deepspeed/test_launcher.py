@@ -101,7 +101,7 @@ def _worker_quick(rank, world, port, kind, out):
     rank, every codec broken as `kind`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    from llm_act.patches.deepspeed import train
+    from llm_act.train import ds_train as train
 
     if kind is not None:
         broken_codec.install(broken_codec.ALL, None, kind)

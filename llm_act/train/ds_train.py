@@ -9,6 +9,9 @@ over the data-parallel ranks) and the bytes the first micro-batch's forward left
 backward on this rank (`SavedTensorLedger`). Runs on CPU (gloo) and on GPUs. Flags other
 than DeepSpeed's override the config: `--zero-stage`, `--no-act-compress` (the same run
 with `"activation_compression": {"enabled": false}`), `--act-plan`.
+
+A training loop, so it sits with the others in `llm_act.train` (above the patches: it
+imports `llm_act.patches.deepspeed` and the loop's data, parallel and model helpers).
 """
 from __future__ import annotations
 

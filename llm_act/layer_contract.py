@@ -1,0 +1,67 @@
+"""The contract between the runtime and the layers: what the `Controller` and measurement ask
+of a layer's *binder*, the object that puts the plan's choice for one layer into its modules.
+
+Three classes implement it, all in `llm_act.patches`: `megatron.recompute.LayerRecompute` (a
+megatron-core TransformerLayer, recomputation included), its subclass
+`deepspeed.megatron_recompute.DeepSpeedLayerRecompute` (whole-block recompute through
+`deepspeed.checkpointing`) and `deepspeed.generic.BlockRecompute` (a block of any torch model).
+The runtime and measurement sit below the patches (docs/architecture.md: imports point down),
+so they import none of those classes: they find a layer's binder with `binder_of` on any module
+that stores one of its sites, and call only what `LayerBinder` declares.
+
+This module imports nothing of llm_act at run time, so every package may import it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from llm_act.codecs.base import Codec
+
+
+@runtime_checkable
+class LayerBinder(Protocol):
+    """One layer's binder: it binds the layer's {site: choice} with codecs its owner built.
+
+    The owner of the plan (the Controller) builds every codec, so that their random streams
+    are seeded and checkpointed in one place; the binder installs them and never calls back
+    into the runtime (data flows one way: plan -> codecs -> layers). A binder sets itself as
+    `act_binder` on every module that stores one of its sites (`binder_of` reads it).
+    """
+
+    def codec_names(self, choice: Mapping[str, str]) -> dict[str, str]:
+        """{site: codec name} of the codecs `bind(choice, ...)` needs. Asked before `bind`, so
+        the owner builds exactly those: a recomputed site needs none, a regenerated mask needs
+        `regen`, a whole-block recompute only the block input's codec. A choice the layer
+        cannot bind raises here, before anything changed."""
+        ...
+
+    def bind(self, choice: Mapping[str, str], codecs: Mapping[str, Codec]) -> None:
+        """Put `choice` in force with `codecs` (site -> codec, one per site of
+        `codec_names(choice)`): every module's codec and the hooks "recompute" needs. It
+        refuses a choice it cannot bind before changing anything (the Controller then binds
+        the plan in force back). `bind({}, {})` keeps every site and removes those hooks:
+        probe passes see each site's tensor in forward."""
+        ...
+
+    def mlp_kind(self) -> Optional[str]:
+        """What the MLP's activation lets backward keep: "fewbit" (its derivative depends on
+        its input alone), "mask" (ReLU: a 1-bit mask, so `mlp.fc2_input` cannot be rebuilt
+        from what is kept), "value" (gated or other units: a value codec only); None where the
+        binder does not know the block's MLP (a generic block). Measurement asks it which
+        sites the layer can recompute alone."""
+        ...
+
+    def mlp_activation(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """The function that makes `mlp.fc2_input` from `mlp.act_input`, as the layer computes
+        it (None where unknown). Measurement re-runs it on the captured input to time
+        recomputing `mlp.fc2_input`."""
+        ...
+
+
+def binder_of(module: Any) -> Optional[LayerBinder]:
+    """The binder of the layer that `module` (a module storing one of its sites) belongs to;
+    None where no binder owns it (its sites are then bound one by one, `set_act_codec`)."""
+    return getattr(module, "act_binder", None)

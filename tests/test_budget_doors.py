@@ -1,6 +1,6 @@
 """An impossible `budget` is refused at the start in the doors that give the controller no
 probe, measured on the real first training step through the hooks the controller installs
-itself (`llm_act.runtime.adapt.FirstForward`):
+itself (`llm_act.runtime.budget_check.FirstForward`):
 
 - DeepSpeed (`llm_act.patches.deepspeed.initialize`) with a megatron-core GPT: the first
   `engine.step()` raises `BudgetTooSmall` (plan "auto", the smallest budget any plan fits,

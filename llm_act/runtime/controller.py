@@ -22,7 +22,7 @@ boundary on every rank. It measures from the training step itself: `watch(model)
 by `apply` and by the DeepSpeed door) installs hooks that record the forward of a tracking
 iteration and the gradient its backward sends into the output (`llm_act.measurement.replay`); a probe
 (`with controller.step(probe=fn)`, `set_probe(fn)`) may be given instead. The same hooks
-measure the first forward with the ledger for the budget check (`adapt.FirstForward`), and
+measure the first forward with the ledger for the budget check (`budget_check.FirstForward`), and
 where nothing else advances the controller, any torch `optimizer.step()` after a training
 forward of the watched model is the step boundary: no loop needs a call of ours.
 """
@@ -290,7 +290,7 @@ class Controller:
         chunks), whatever loop runs them:
 
         - the first training step is measured for the budget check
-          (`llm_act.runtime.adapt.FirstForward`; `layers`: the megatron-core TransformerLayers, whose
+          (`llm_act.runtime.budget_check.FirstForward`; `layers`: the megatron-core TransformerLayers, whose
           TransformerConfig gives the analytic profile of plan "auto"); those hooks remove
           themselves after the first measured forward of every root;
         - plan "auto" records the training step of every tracking iteration and measures

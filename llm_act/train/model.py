@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from llm_act.config import ActConfig
-from llm_act.patches.megatron import apply, block_spec
+from llm_act.patches.megatron import apply, block_spec, controller_state
 from llm_act.train.small_gpt import local_layer_spec
 
 
@@ -129,4 +129,5 @@ def build(args: argparse.Namespace, act_config: Optional[Any] = None):
     controller = None
     if act_config is not None:
         controller = apply(chunks, act_config)
+        controller_state.remove(chunks)  # checkpoint.py saves the controller's state itself
     return chunks, tconfig, controller

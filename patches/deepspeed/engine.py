@@ -1,7 +1,7 @@
 """What `initialize` adds to a DeepSpeed engine: the controller, its clock and its checkpoint.
 
 - `engine.act_controller`: the `llm_act.Controller` of the wrapped model.
-- the budget check without a probe (`llm_act.runtime.adapt.FirstForward`): the controller measures
+- the budget check without a probe (`llm_act.runtime.budget_check.FirstForward`): the controller measures
   the first forward through hooks on `engine.module` and, with a user budget, checks it at
   the first `engine.step()` (`PlanOverBudget`, `BudgetTooSmall`, on every rank).
 - `engine.step()`: on an optimizer step (a gradient-accumulation boundary) the step runs

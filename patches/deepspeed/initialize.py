@@ -52,8 +52,11 @@ def _patch(model: Any, config: Optional[ActConfig], checkpointing: ds_config.Che
         return Controller(config if config is not None else ActConfig(enabled=False)), None
     if _is_megatron(model):
         from llm_act.patches.deepspeed import megatron_recompute
+        from llm_act.patches.megatron import controller_state
 
-        return megatron_recompute.apply(model, config, checkpointing, mpu), None
+        controller = megatron_recompute.apply(model, config, checkpointing, mpu)
+        controller_state.remove(model)  # the engine saves the controller's state (engine.py)
+        return controller, None
     from llm_act.patches.deepspeed import generic
 
     handle = generic.apply(model, config, checkpointing, mpu=mpu)

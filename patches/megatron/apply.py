@@ -24,6 +24,11 @@ user budget and no probe (Megatron-LM's `pretrain()`, a plain loop) a budget no 
 is refused at the end of the first forward, or at the first step boundary when the loop
 drives the controller (`controller.step()`, `attach_optimizer`).
 
+The Controller's state rides in the model's checkpoints: `apply` adds the parameter-free
+child `llm_act_state` (`controller_state.ControllerState`, under the wrappers of the first
+module given) whose extra state is `controller.state_dict()`, per rank in
+`sharded_state_dict()` (Megatron-LM's `--save` / `--load`, both checkpoint formats).
+
 Megatron-core is imported only when `apply` is called (this module imports with torch only).
 """
 from __future__ import annotations
@@ -91,8 +96,11 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     works under fixed plans; what it refuses (`unsupported.compile_refusal`: plan "auto",
     tensor/sequence parallelism, MoE) raises when the compiled code first runs a layer.
     Calling `apply` again on the same model raises: change plans through the
-    Controller (`set_plan`) instead. A model built with `layer_spec(...)` already holds the
-    compressed classes; `apply` then only binds them to a Controller.
+    Controller (`set_plan`) instead. The model's `state_dict()` / `sharded_state_dict()`
+    then carry the Controller's state and `load_state_dict` restores it
+    (`controller_state`; a checkpoint without it loads as before). A model built with
+    `layer_spec(...)` already holds the compressed classes; `apply` then only binds them
+    to a Controller.
 
     It never patches megatron-core or torch. On a host without CUDA, a model with a part
     that calls CUDA there (RoPE, sequence or pipeline parallelism, ...: `cpu_required`) is
@@ -164,5 +172,8 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
         controller.output.set("chunked")
     agreement.agree_setup(controller)
     controller.watch(roots, layers)  # the budget check of the first step (adapt.FirstForward)
+    from llm_act.patches.megatron import controller_state
+
+    controller_state.attach(roots, controller, layers)  # the state rides in the model's checkpoints
     return controller
 

@@ -12,7 +12,8 @@ pytest.importorskip("pulp")
 
 from llm_act.bench import planner as P  # noqa: E402
 from llm_act.planner import evaluate_plan, solve_plan  # noqa: E402
-from llm_act.planner import milp  # noqa: E402
+from llm_act.planner import fast, milp, milp_model  # noqa: E402
+from llm_act.planner.classes import _classes  # noqa: E402
 
 
 def _fits(blocks, plan, budget, noise):
@@ -28,9 +29,9 @@ def test_96_distinct_blocks_plan_fast_fit_and_repeat(monkeypatch):
     distinct classes is ever built -- and that the plan is exact and repeatable."""
     blocks, budget, noise, uniform_block = P.distinct_problem(96)
     sizes = []
-    real_run = milp._run
-    monkeypatch.setattr(milp, "_run", lambda classes, *a, **k: sizes.append(len(classes)) or
-                        real_run(classes, *a, **k))
+    real_model = milp_model._Model
+    monkeypatch.setattr(milp_model, "_Model", lambda classes, *a, **k: sizes.append(len(classes)) or
+                        real_model(classes, *a, **k))
     t0 = time.perf_counter()
     plan = solve_plan(blocks, budget, variance_budget=noise)
     wall = time.perf_counter() - t0
@@ -62,8 +63,8 @@ def test_24_jittered_blocks_within_half_a_percent_of_a_long_search():
     still the fast path, as the adapter solves it (times rounded to their noise), within
     0.5% of a long MILP search and above the bound that search proves."""
     blocks, budget, noise = P.jittered_problem(24, seed=1)
-    classes, _ = milp._classes(blocks)
-    assert len(classes) == 24 and milp._fast_applies(classes, "time", budget, noise, None)
+    classes, _ = _classes(blocks)
+    assert len(classes) == 24 and fast._fast_applies(classes, "time", budget, noise, None)
     plan = solve_plan(blocks, budget, variance_budget=noise, time_resolution=milp.TIME_RESOLUTION)
     _fits(blocks, plan, budget, noise)
     assert not plan.optimal and plan.bound_ms is None  # the fast path: no MILP over 24 classes
@@ -86,7 +87,7 @@ def test_plans_repeat_under_measurement_noise():
 
 def test_fast_path_applies_only_where_it_is_meant_to():
     blocks, budget, noise, _ = P.distinct_problem(3)
-    assert 3 < milp.FAST_MIN_CLASSES
+    assert 3 < fast.FAST_MIN_CLASSES
     small = solve_plan(blocks, budget, variance_budget=noise, time_limit=20.0)
     assert small.optimal  # few distinct blocks: the exact MILP, proven
     forced = solve_plan(blocks, budget, variance_budget=noise, fast=True)
@@ -95,10 +96,10 @@ def test_fast_path_applies_only_where_it_is_meant_to():
     # (above): its transient bound (the reference plan's recomputed sites) is loosest here
     assert not forced.optimal and forced.overhead_ms <= small.overhead_ms * 1.05
     # many distinct blocks: the fast path, but only for the time objective under a noise budget
-    many, budget, noise, _ = P.distinct_problem(milp.FAST_MIN_CLASSES)
-    classes, _ = milp._classes(many)
-    assert milp._fast_applies(classes, "time", budget, noise, None)
-    assert not milp._fast_applies(classes, "time", budget, None, None)
-    assert not milp._fast_applies(classes, "variance", budget, noise, None)
-    assert not milp._fast_applies(classes, "time", budget, noise, False)
-    assert not milp._fast_applies(classes[:3], "time", budget, noise, None)
+    many, budget, noise, _ = P.distinct_problem(fast.FAST_MIN_CLASSES)
+    classes, _ = _classes(many)
+    assert fast._fast_applies(classes, "time", budget, noise, None)
+    assert not fast._fast_applies(classes, "time", budget, None, None)
+    assert not fast._fast_applies(classes, "variance", budget, noise, None)
+    assert not fast._fast_applies(classes, "time", budget, noise, False)
+    assert not fast._fast_applies(classes[:3], "time", budget, noise, None)

@@ -22,6 +22,7 @@ from llm_act.planner import (
     evaluate_plan,
     load_plan_json,
     milp,
+    milp_model,
     solve_plan,
 )
 from llm_act.planner.analytic import ModelShape, block_profile
@@ -499,13 +500,13 @@ def test_evaluate_plan_agrees_with_the_independent_evaluator():
 def _first_calls_undecided(monkeypatch, n):
     """Make the first `n` solver calls end undecided ("error"), as HiGHS 1.16's presolve does
     on a budget a byte below its edge; later calls solve for real."""
-    real, calls = milp._solve, []
+    real, calls = milp_model._solve, []
 
     def solve(prob, deadline):
         calls.append(1)
         return "error" if len(calls) <= n else real(prob, deadline)
 
-    monkeypatch.setattr(milp, "_solve", solve)
+    monkeypatch.setattr(milp_model, "_solve", solve)
     return calls
 
 
@@ -550,7 +551,7 @@ def test_a_solve_error_is_retried_without_presolve(monkeypatch):
     monkeypatch.setattr(pulp.LpProblem, "solve", solve)
     plan = solve_plan([gpt_block(count=2)], 10**12)
     assert plan.optimal and len(seen) == 2
-    assert seen[0] == {} and seen[1] == milp._RETRY_OPTIONS[milp._solver_names()[0]]
+    assert seen[0] == {} and seen[1] == milp_model._RETRY_OPTIONS[milp_model._solver_names()[0]]
 
 
 def test_a_solver_that_crashes_is_a_try_that_decided_nothing(monkeypatch):

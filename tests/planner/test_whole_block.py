@@ -15,7 +15,9 @@ from llm_act.plan import load_plan_json, recompute_layer
 from llm_act.planner import (BlockProfile, InfeasibleBudget, InfeasibleVariance, SiteProfile,
                              evaluate_plan, solve_plan)
 from llm_act.planner.analytic import block_profile
-from llm_act.planner.milp import _classes, _evaluate, _Limit, _run, _search, _split, _unsplit
+from llm_act.planner.classes import _classes, _evaluate
+from llm_act.planner.milp_model import _Limit, _run
+from llm_act.planner.search import _search, _split, _unsplit
 from llm_act.planner.presets import MODELS, model_shape
 from llm_act.sites import CHECKPOINT_SITE
 

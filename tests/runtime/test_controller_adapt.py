@@ -15,7 +15,7 @@ from llm_act import _testing as T
 from llm_act.patches.megatron import apply
 from llm_act.plan import resolve
 from llm_act.planner import evaluate_plan
-from llm_act.runtime.adapt import interval_sequence
+from llm_act.runtime.schedule import interval_sequence
 from tests.patches.megatron import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
@@ -214,7 +214,7 @@ def test_a_solver_failure_keeps_the_plan_warns_once_and_is_counted(caplog, monke
     def broken(*_args, **_kwargs):
         raise RuntimeError("HiGHS: Not Solved")
 
-    monkeypatch.setattr("llm_act.runtime.adapt.solve_plan", broken)
+    monkeypatch.setattr("llm_act.runtime.solving.solve_plan", broken)
     with caplog.at_level(logging.WARNING, logger="llm_act.runtime.controller"):
         steps = _train(model, controller, opt, gen, 7)  # iterations 2-8: tracked at 2, 4, 8
     a = controller.adapter
@@ -297,7 +297,7 @@ def test_a_fixed_plan_over_a_user_budget_is_refused_at_the_first_iteration():
 
 @pytest.mark.gpu
 def test_a_budget_above_the_gpu_memory_is_warned(caplog):
-    from llm_act.runtime.adapt import device_memory_bytes
+    from llm_act.runtime.memory import device_memory_bytes
 
     total = device_memory_bytes()
     model = R.build(dropout=0.1, num_layers=2, seed=0)  # where the model lives does not matter here

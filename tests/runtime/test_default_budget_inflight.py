@@ -4,7 +4,7 @@ micro-batch in flight on this pipeline stage (1F1B: p - k), as the planner count
 Counted with one in flight, stage 0 of PP=2 got a budget "compress" itself did not fit, so
 the planner was driven to int1/int2 codecs at 3x the mini-batch sampling noise (seen in
 Megatron-LM's `pretrain()` at PP=2, docs/megatron_lm.md). One rank here; the stage's
-in-flight count is what `llm_act.runtime.adapt._inflight` reports (set to 2, as on stage 0 of 2).
+in-flight count is what `llm_act.runtime.memory.inflight` reports (set to 2, as on stage 0 of 2).
 """
 import pytest
 import torch
@@ -14,14 +14,14 @@ from llm_act import _testing as T
 from llm_act.patches.megatron import apply
 from llm_act.plan import resolve
 from llm_act.planner import evaluate_plan
-from llm_act.runtime import adapt
+from llm_act.runtime import memory
 from tests.patches.megatron import gpt_runs as R
 
 pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 
 
 def test_cpu_default_budget_counts_every_micro_batch_in_flight(monkeypatch):
-    monkeypatch.setattr(adapt, "_inflight", lambda: 2)
+    monkeypatch.setattr(memory, "inflight", lambda: 2)
     model = R.build(dropout=0.1, num_layers=2)
     controller = apply(model, ActConfig(plan="auto", sensitivity=False))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -1,0 +1,215 @@
+"""The planner's problem data: the options of every site and the classes of equal blocks.
+
+One job: turn `BlockProfile`s into what the MILP (`llm_act.planner.milp_model`) and the
+searches around it choose among, and price a choice exactly. Per site the options are keep,
+each codec and recompute (`_site_options`); per block the whole-block recomputes, with the
+checkpoint kept or encoded (`_full_options`). Blocks with equal (sites, inflight) share one
+`_Class` and its variables, their counts added up (`_classes`). `_evaluate` gives the exact
+bytes, peak, time and noise of a `Solution` in integer bytes: every plan a solver returns is
+checked with it, so the tolerances of floating point never decide whether a plan fits.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE
+from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
+from llm_act.planner.transient import transient_bytes
+from llm_act.sites import CHECKPOINT_SITE
+
+
+@dataclass(slots=True)
+class _Option:
+    name: str
+    stored: int
+    cost_ms: float
+    noise: float  # sensitivity * S(option)
+    transient: int = 0  # a whole-block option: what the rebuilt block holds while it backpropagates
+
+    @property
+    def gives_value(self) -> bool:
+        """Can a recomputation read this site? Not from a few-bit code (it holds f'(x))."""
+        return self.name not in FEWBIT_CODECS
+
+
+@dataclass
+class _Class:
+    """Blocks with equal (sites, inflight, full_ms): one set of variables. `full`: the
+    whole-block options (recompute everything from the checkpoint, kept or encoded), of
+    which a plan takes an integer count of the class's blocks."""
+
+    sites: tuple[SiteProfile, ...]
+    inflight: int
+    count: int = 0
+    options: list[list[_Option]] = field(default_factory=list)
+    full: list[_Option] = field(default_factory=list)
+    grad: int = 0
+    """bytes added to the transient while one of its blocks backpropagates (`grad_bytes`: the
+    whole-block options', and the per-site choices' when `stages` is empty); a class with no
+    sites and no whole-block options is only a floor under the peak (the end of forward:
+    `solve_plan`'s `loss_bytes`)"""
+    stages: tuple[tuple[str, int], ...] = ()
+    """`BlockProfile.stage_bytes`: the per-site choices' transient is priced per backward
+    stage (`llm_act.planner.transient`)"""
+    first: bool = False
+    """holds the stage's first block: when it encodes its checkpoint, the raw stage input the
+    model holds until its forward returns is live beside the code at the end of forward
+    (a floor's `input_bytes`)"""
+    input_bytes: int = 0
+    """a floor: bytes added to it when a `first` class encodes its checkpoint"""
+
+    def encodes_checkpoint(self, pick: Sequence[int], full: Sequence[int]) -> bool:
+        """Whether a block of this class stores its checkpoint encoded under per-site `pick`
+        (its rest) and whole-block counts `full`."""
+        names = [s.name for s in self.sites]
+        if self.count > sum(full) and CHECKPOINT_SITE in names:
+            i = names.index(CHECKPOINT_SITE)
+            if self.options[i][pick[i]].name != KEEP:
+                return True
+        return any(n and checkpoint_of(f.name) != KEEP for n, f in zip(full, self.full))
+
+    def transient(self, names: Sequence[str]) -> int:
+        """The per-site choices' transient under option names `names`, gradients included."""
+        nbytes = [s.nbytes for s in self.sites]
+        sites = [s.name for s in self.sites]
+        inputs = [s.inputs for s in self.sites]
+        if self.stages:
+            return transient_bytes(nbytes, names, sites, inputs, self.stages)
+        return self.grad + transient_bytes(nbytes, names, sites)
+
+    @property
+    def floor(self) -> bool:
+        return not self.options and not self.full
+
+
+def _site_options(site: SiteProfile, resolution: float = 0.0) -> list[_Option]:
+    """keep, each codec, recompute (where it can), their times rounded to `resolution`."""
+    opts = [_Option(KEEP, site.nbytes, 0.0, 0.0)]
+    opts += [_Option(c.name, c.nbytes, _rounded(c.cost_ms, resolution), site.sensitivity * c.variance)
+             for c in site.codecs]
+    if site.recomputable:
+        opts.append(_Option(RECOMPUTE, 0, _rounded(float(site.forward_ms), resolution), 0.0))
+    return opts
+
+
+def _exact_ms(block: BlockProfile, choice: Sequence[str], whole: dict[str, int]) -> float:
+    """The added time of `block` under per-site `choice` (names in site order) for the layers
+    not recomputed whole, and `whole` ({checkpoint choice: layers}), from its exact times."""
+    def cost(site: SiteProfile, name: str) -> float:
+        if name == KEEP:
+            return 0.0
+        if name == RECOMPUTE:
+            return float(site.forward_ms)
+        return next(c.cost_ms for c in site.codecs if c.name == name)
+
+    ckpt = next((s for s in block.sites if s.name == CHECKPOINT_SITE), None)
+    rest = block.count - sum(whole.values())
+    ms = rest * sum(cost(s, n) for s, n in zip(block.sites, choice)) if rest else 0.0
+    return ms + sum(n * (block.full_ms + cost(ckpt, c)) for c, n in whole.items())
+
+
+#: the codec a whole-block checkpoint may be stored with besides keep: 8 bits with stochastic
+#: rounding (GACT's compressed checkpoint, 1 byte per element instead of 2, unbiased); fewer
+#: bits would put their error into every tensor the block recomputes from it, which the
+#: checkpoint site's own sensitivity does not see
+CHECKPOINT_CODECS = ("int8",)
+
+
+def full_name(checkpoint: str) -> str:
+    """The name of a whole-block option: "full" with the block input kept, "full:<codec>"
+    with it encoded."""
+    return "full" if checkpoint == KEEP else f"full:{checkpoint}"
+
+
+def checkpoint_of(name: str) -> str:
+    """The block input's choice in the whole-block option `name` (`full_name`'s inverse)."""
+    return KEEP if name == "full" else name.split(":", 1)[1]
+
+
+def _full_options(block: BlockProfile, options: list[list[_Option]], resolution: float = 0.0
+                  ) -> list[_Option]:
+    """Whole-block recompute with the checkpoint kept or stored by each of its value codecs:
+    stored the checkpoint's option, time the block's forward (+ the codec's), noise the
+    codec's; while the block backpropagates, every other site is live at full precision
+    (and the decoded checkpoint, when encoded)."""
+    if block.full_ms is None:
+        return []
+    names = [s.name for s in block.sites]
+    ci = names.index(CHECKPOINT_SITE)
+    rest = sum(s.nbytes for s in block.sites if s.name != CHECKPOINT_SITE)
+    return [_Option(full_name(o.name), o.stored, _rounded(block.full_ms, resolution) + o.cost_ms, o.noise,
+                    rest + (block.sites[ci].nbytes if o.name != KEEP else 0))
+            for o in options[ci] if o.name == KEEP or o.name in CHECKPOINT_CODECS]
+
+
+def _rounded(ms: float, resolution: float) -> float:
+    """`ms` on a geometric grid of ratio 1 + resolution (times that differ by less than their
+    measurement noise compare equal, so near-ties are broken by noise, then order)."""
+    if resolution <= 0 or not ms > 0 or math.isinf(ms):
+        return ms
+    step = math.log1p(resolution)
+    return math.exp(round(math.log(ms) / step) * step)
+
+
+def _classes(blocks: Sequence[BlockProfile], resolution: float = 0.0) -> tuple[list[_Class], list[int]]:
+    """Blocks grouped into classes (equal blocks share variables), with every option's time
+    rounded to `resolution` (relative; 0: exact)."""
+    index: dict[tuple, int] = {}
+    classes: list[_Class] = []
+    owner: list[int] = []
+    for block in blocks:
+        key = (block.sites, block.inflight, block.full_ms, block.grad_bytes, block.stage_bytes)
+        if key not in index:
+            index[key] = len(classes)
+            options = [_site_options(s, resolution) for s in block.sites]
+            classes.append(_Class(block.sites, block.inflight, options=options,
+                                  full=_full_options(block, options, resolution), grad=block.grad_bytes,
+                                  stages=block.stage_bytes))
+        classes[index[key]].count += block.count
+        owner.append(index[key])
+    return classes, owner
+
+
+def _no_full(classes: Sequence[_Class]) -> list[list[int]]:
+    return [[0] * len(c.full) for c in classes]
+
+
+#: a solution: (per class, the option index per site; per class, the blocks per whole-block option)
+Solution = tuple[list[list[int]], list[list[int]]]
+
+
+def _evaluate(classes: list[_Class], picks: list[list[int]],
+              fulls: Optional[list[list[int]]] = None) -> tuple[int, int, float, float]:
+    """Exact figures of a choice: (stored bytes, peak bytes, time ms, noise). `fulls[k]`:
+    how many of class k's blocks take each whole-block option (the rest take `picks[k]`)."""
+    stored, peak, ms, noise = 0, 0, 0.0, 0.0
+    fulls = fulls or _no_full(classes)
+    encoded = any(c.first and not c.floor and c.encodes_checkpoint(p, f) for c, p, f in zip(classes, picks, fulls))
+    for cls, pick, full in zip(classes, picks, fulls):
+        if cls.floor:
+            peak = max(peak, cls.grad + (cls.input_bytes if encoded else 0))
+            continue
+        rest = cls.count - sum(full)
+        if rest < 0:
+            raise ValueError(f"{sum(full)} whole-block choices in a class of {cls.count} blocks")
+        opts = [cls.options[i][o] for i, o in enumerate(pick)]
+        stored += cls.inflight * (rest * sum(o.stored for o in opts)
+                                  + sum(n * f.stored for n, f in zip(full, cls.full)))
+        if rest:
+            peak = max(peak, cls.transient([o.name for o in opts]))
+        peak = max([peak] + [cls.grad + f.transient for n, f in zip(full, cls.full) if n])
+        ms += rest * sum(o.cost_ms for o in opts) + sum(n * f.cost_ms for n, f in zip(full, cls.full))
+        noise += rest * sum(o.noise for o in opts) + sum(n * f.noise for n, f in zip(full, cls.full))
+    return stored, peak, ms, noise
+
+
+def _floor(classes: list[_Class], owner: list[int], loss_bytes: int, input_bytes: int) -> list[_Class]:
+    """The end of forward as a class (none when it holds nothing), the first block's class
+    marked (`_Class.first`)."""
+    loss_bytes = _byte_count(loss_bytes, "loss_bytes")
+    input_bytes = _byte_count(input_bytes, "input_bytes")
+    if owner:
+        classes[owner[0]].first = True
+    return [_Class((), 1, 0, grad=loss_bytes, input_bytes=input_bytes)] if loss_bytes or input_bytes else []

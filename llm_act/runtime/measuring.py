@@ -1,0 +1,206 @@
+"""What plan "auto" measures at a tracking point, and the statistics it keeps of it.
+
+One job: the measurements of the `Adapter` (`llm_act.runtime.adapt`) and their bookkeeping.
+At a tracking point the sites are measured again on the current batch (`measure_profile`:
+bytes with the real outlier counts, compression ratios, errors; the op times only at the
+first tracking, they do not drift with the data), and every other time GACT's sensitivities,
+the coherence of biased codecs and the mini-batch sampling noise (`measure_sensitivity`),
+each reduced over the ranks (`llm_act.runtime.agreement`). The planner takes the median of
+the last `SENS_WINDOW` measurements of each figure: a two-draw estimate can be off by 10x on
+a small batch, and one wild draw must not move the plan. To keep a point cheap, every codec
+is measured on every site only every `FULL_PROFILE_EVERY` points and the sensitivities of
+`SENS_SITES_PER_TRACK` site types in rotation. The gradient-fidelity report
+(`llm_act.measurement.fidelity`) is measured here too.
+
+The functions take the `Adapter` and read and update its state (`profile`, `times`,
+`c_recent`, `sensitivity`, ...): that state is checkpointed with it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from llm_act.codecs.registry import KEEP, RECOMPUTE, UNBIASED_CODECS
+from llm_act.measurement import fidelity
+from llm_act.measurement.measure import measure_profile
+from llm_act.measurement.sensitivity import measure_sensitivity, sensitive_sites
+from llm_act.runtime import agreement
+from llm_act.sites import DEFAULT_CODECS
+
+if TYPE_CHECKING:
+    from llm_act.runtime.adapt import Adapter
+
+log = logging.getLogger("llm_act.runtime.controller")  # the adapter speaks as its controller
+#: the planner uses the median of the last this many sensitivity measurements (a two-draw
+#: estimate can be off by 10x on a small batch; one wild draw must not move the plan)
+SENS_WINDOW = 3
+#: every this many tracking points every codec is measured again on every site; in between,
+#: only the codecs whose bytes depend on the data (outlier channels) and those in force
+#: (their errors feed the noise check), the others' figures carried over
+FULL_PROFILE_EVERY = 4
+#: after the first measurement of every site type, this many types are measured again at
+#: each sensitivity point, in rotation (sparse sampling: the cost of a point stays small)
+SENS_SITES_PER_TRACK = 2
+
+
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def window_medians(recent: list[dict[str, float]]) -> dict[str, float]:
+    """site -> the median of its last SENS_WINDOW values over `recent` measurements."""
+    seen = {site for m in recent for site in m}
+    return {site: median([m[site] for m in recent if site in m][-SENS_WINDOW:]) for site in seen}
+
+
+# ---- the profile ---------------------------------------------------------------------------
+def track_profile(a: "Adapter", probe: Callable[[], Any], g: Any) -> tuple[Any, dict[str, dict]]:
+    """The sites measured at this tracking point, agreed over the ranks (`MeasuredProfile`),
+    and the statistics a shift is looked for in (outlier rates, channels)."""
+    c = a.controller
+    refresh = a.profile is None or a.track_count % FULL_PROFILE_EVERY == 0
+    fresh = None if refresh else sorted(data_codecs(a))
+    profile = measure_profile(c, probe, times_from=a.times, codecs=fresh, keep_from=a.profile)
+    if not refresh:
+        profile.carry_options(a.profile)
+    profile = agreement.agree_profile(profile, g)
+    if a.times is None:
+        a.times = profile.times()
+    stats = {"outlier": profile.outlier_rates(),
+             "channels": {site: st.shape[-1] for (_, site), st in profile.sites.items() if st.shape}}
+    return profile, stats
+
+
+def data_codecs(a: "Adapter") -> set[str]:
+    """Codecs re-measured at every tracking point (see FULL_PROFILE_EVERY)."""
+    c = a.controller
+    return {"outlier_int4"} | ({n for choice in c.plan.values() for n in choice.values()}
+                               - {KEEP, RECOMPUTE})
+
+
+# ---- the sensitivities ---------------------------------------------------------------------
+def track_sensitivity(a: "Adapter", probe: Callable[[], Any], profile: Any, stats: dict[str, dict],
+                      g: Any) -> None:
+    """Every other tracking point (with `ActConfig.sensitivity`): measure the sensitivities,
+    coherences and sampling noise, keep their window medians on `a`, and add the sensitivities
+    and each site's share of the predicted noise to `stats`."""
+    if not (a.config.sensitivity and a.track_count % 2 == 0):
+        return
+    c = a.controller
+    named = named_params(a)
+    sites = sensitivity_sites(a)
+    sens = measure_sensitivity(c, probe, [p for _, p in named], seed=a.config.seed + c.iteration,
+                               sites=sites, groups=[fidelity.group_name(n) for n, _ in named],
+                               biased=coherence_codecs(a, sites))
+    world = g.world if g else None
+    fresh = agreement.reduce_dict(sens.c, "mean", world)
+    a.c_recent = (a.c_recent + [fresh])[-SENS_WINDOW * sens_rounds(a):]
+    a.sensitivity = window_medians(a.c_recent)
+    if charges_biased(a):
+        kappa = agreement.reduce_dict(sens.coherence, "mean", world)
+        a.coherence_recent = (a.coherence_recent + [kappa])[-SENS_WINDOW * sens_rounds(a):]
+        a.coherence = window_medians(a.coherence_recent)
+    sn = agreement.reduce_dict({} if sens.sampling_noise is None else {"s": sens.sampling_noise},
+                               "mean", world)
+    if "s" in sn:  # one micro-batch's halves: a rough estimate, hence the median
+        a.sampling_recent = (a.sampling_recent + [sn["s"]])[-SENS_WINDOW:]
+    a.sampling_noise = median(a.sampling_recent) if a.sampling_recent else None
+    stats["c"] = dict(a.sensitivity)
+    by_site = profile.noise_by_site(c.plan, a.sensitivity, a.coherence)
+    total = sum(by_site.values())
+    stats["share"] = {s: v / total for s, v in by_site.items()} if total > 0 else {}
+
+
+def sensitivity_sites(a: "Adapter") -> Optional[list[str]]:
+    """The site types whose c is measured at this tracking point: `SENS_SITES_PER_TRACK`
+    in rotation (GACT's c is stable along training; each measured type costs two
+    forward/backward passes), all of them the first time when a noise budget
+    (`variance_budget`) makes the plan depend on every c."""
+    every = sensitive_sites(a.controller)
+    first = not a.sensitivity and noise_bounded(a)
+    if first or len(every) <= SENS_SITES_PER_TRACK:
+        return every
+    start = a.sens_next % len(every)
+    a.sens_next = start + SENS_SITES_PER_TRACK
+    return [every[(start + i) % len(every)] for i in range(SENS_SITES_PER_TRACK)]
+
+
+def sens_rounds(a: "Adapter") -> int:
+    """Measurements it takes for every site type to be measured SENS_WINDOW times."""
+    return max(1, -(-len(sensitive_sites(a.controller)) // SENS_SITES_PER_TRACK))
+
+
+def noise_bounded(a: "Adapter") -> bool:
+    """Whether plans are held to a noise budget (given, or a fraction of the sampling
+    noise): then every site's sensitivity is measured at the first tracking."""
+    cfg = a.config
+    return cfg.sensitivity and (cfg.variance_budget is not None or cfg.noise_fraction is not None)
+
+
+def charges_biased(a: "Adapter") -> bool:
+    """Whether biased codecs are charged their measured coherence (under a noise budget)."""
+    return noise_bounded(a) and a.config.biased_codecs == "charge"
+
+
+def coherence_codecs(a: "Adapter", sites: Optional[list[str]]) -> Optional[dict[str, str]]:
+    """site -> the biased codec whose coherence is measured there (with `charges_biased`):
+    the one the plan in force uses at that site, else the site's default codec when it
+    is biased, else int4_channel (fewbit3 at the activation's input)."""
+    if not charges_biased(a):
+        return None
+    c = a.controller
+    out = {}
+    for site in sites or sensitive_sites(c):
+        in_force = [ch[site] for ch in c.plan.values() if ch.get(site) not in (None, KEEP, RECOMPUTE)]
+        biased = [n for n in in_force if n not in UNBIASED_CODECS]
+        default = DEFAULT_CODECS.get(site)
+        out[site] = (biased[0] if biased else default if default and default not in UNBIASED_CODECS
+                     else "fewbit3" if site == "mlp.act_input" else "int4_channel")
+    return out
+
+
+# ---- the gradient fidelity -----------------------------------------------------------------
+def report_fidelity(a: "Adapter", probe: Optional[Callable[[], Any]]) -> None:
+    """The gradient-fidelity report of the iteration just ended (`llm_act.measurement.fidelity`),
+    when one is due: logged, kept in `a.fidelity`, averaged over the ranks."""
+    c = a.controller
+    if not a.fidelity_due(c.iteration):  # the iteration that has just ended
+        return
+    g = agreement.groups()
+    probe = probe_on_every_rank(a, probe, g)
+    if probe is None:
+        return
+    a.fidelity_requested = False
+    lossy = fidelity.lossy_sites(c.plan)
+    sites = [lossy[(a.fidelity_next + i) % len(lossy)]
+             for i in range(min(fidelity.SITES_PER_REPORT, len(lossy)))]
+    a.fidelity_next += len(sites)
+    start = time.perf_counter()
+    try:
+        named = named_params(a)
+        sums = fidelity.measure_sums(c, probe, named, c.plan, sites, seed=a.config.seed + 31 * c.iteration)
+        sums = agreement.reduce_dict(sums, "mean", g.world if g else None)
+    finally:
+        a.measure_seconds += time.perf_counter() - start
+    report = fidelity.FidelityReport.from_sums(c.iteration, sums)
+    a.fidelity = (a.fidelity + [report])[-fidelity.HISTORY:]
+    log.info("llm_act: %s", report.format())
+
+
+def probe_on_every_rank(a: "Adapter", probe: Optional[Callable[[], Any]],
+                        g: Any) -> Optional[Callable[[], Any]]:
+    """`probe`, else the recorded step's; None unless every rank has one (every rank
+    measures or none does: the collectives inside must pair up)."""
+    probe = probe or a.replay.probe()
+    if g is not None:
+        have = agreement.reduce_dict({"p": float(probe is not None)}, "min", g.world)["p"]
+        probe = probe if have else None
+    return probe
+
+
+def named_params(a: "Adapter") -> list:
+    """(name, parameter) of the watched model, the parameters measuring counts."""
+    return fidelity.named_params(a.replay.roots, a.controller.probe_params())

@@ -1,0 +1,162 @@
+"""Plan "auto"'s decision at a tracking point: the MILP over the measured profile.
+
+One job: turn the measured profile into a plan. `problem` builds the planner's blocks (the
+sites `ActConfig.codecs` pins are left out, their bytes counted as static); `default_budget`
+is the budget where the user gives none (on a GPU the memory this process can use after the
+first iteration minus `GPU_MARGIN`, on CPU static + the memory of the "compress" plan);
+`decide` solves on one rank per pipeline stage, with the output loss chosen beside the plan
+(`llm_act.runtime.output_choice`), and broadcasts the decision so every rank switches at the
+same step boundary. The noise budget is `ActConfig.variance_budget`, else `noise_fraction`
+of the measured sampling noise.
+
+A budget no plan fits: a user-given budget is refused at the first tracking (the decision
+carries `refused`; the adapter raises `BudgetTooSmall` on every rank), unless the first
+step's check (`budget_check.FirstForward`) accepted it against the analytic minimum; a
+derived budget, or a user budget that stops fitting later, gets the tightest plan and one
+warning. Any other solver failure is returned as `failure`: a re-planning step never ends a
+run. The functions take the `Adapter` (`llm_act.runtime.adapt`) and read its state.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Optional
+
+from llm_act.plan import plan_from
+from llm_act.planner import evaluate_plan, InfeasibleVariance, solve_plan
+from llm_act.planner.milp import TIME_RESOLUTION, InfeasibleBudget
+from llm_act.runtime import agreement, memory, output_choice
+from llm_act.runtime.measuring import noise_bounded
+
+if TYPE_CHECKING:
+    from llm_act.runtime.adapt import Adapter
+
+#: the share of device memory left free when the budget comes from the free memory
+GPU_MARGIN = 0.05
+
+
+def offers_biased(a: "Adapter") -> bool:
+    """Whether the planner may choose a biased codec: not under a noise budget with
+    `biased_codecs="exclude"`."""
+    return not (noise_bounded(a) and a.config.biased_codecs == "exclude")
+
+
+def noise_budget(a: "Adapter") -> Optional[float]:
+    """The summed gradient noise a plan may add: `ActConfig.variance_budget`, else
+    `noise_fraction` times the measured mini-batch sampling noise (median of the last
+    measurements); None when neither applies or nothing is measured yet."""
+    cfg = a.config
+    if cfg.variance_budget is not None:
+        return cfg.variance_budget
+    if cfg.noise_fraction is None or not a.sensitivity or not a.sampling_noise:
+        return None
+    if not math.isfinite(a.sampling_noise):
+        return None
+    return cfg.noise_fraction * a.sampling_noise
+
+
+def problem(a: "Adapter", profile: Any) -> tuple[list, int]:
+    """(blocks, static bytes) of the MILP for `profile`: the pinned sites are left out of
+    the blocks and their stored bytes (all micro-batches in flight) count as static,
+    with what is not activations and what no planned site owns."""
+    pins = a.pins()
+    inflight = memory.inflight()
+    blocks = profile.blocks(a.sensitivity or None, inflight=inflight, recompute=True, exclude=pins,
+                            coherence=a.coherence, unbiased_only=not offers_biased(a))
+    pinned = sum(st.stored(pins[site]) for (_, site), st in profile.sites.items() if site in pins)
+    return blocks, a._static_bytes() + profile.other_bytes + inflight * pinned
+
+
+def solve_alone(a: "Adapter", profile: Any, budget: int):
+    """The plan this rank would choose from `profile` alone (no agreement): the planner's
+    answer over `problem(profile)`, for diagnostics and tests."""
+    blocks, static = problem(a, profile)
+    sol = solve_plan(blocks, budget, static_bytes=static, variance_budget=noise_budget(a),
+                     time_resolution=TIME_RESOLUTION)
+    return profile.plan_from(sol)
+
+
+def default_budget(a: "Adapter", profile: Any, static: int) -> int:
+    """The budget of this tracking point: the user's; else the one fixed at the first
+    tracking: the free memory minus `GPU_MARGIN` on a GPU, `static` + the "compress" plan's
+    bytes on CPU."""
+    if a.config.budget is not None:
+        return int(a.config.budget)
+    if a.budget is not None:
+        return a.budget
+    free = agreement.device_free_bytes()
+    if free is not None:
+        budget = int(free[0] + free[1] - GPU_MARGIN * memory.device_memory_bytes())
+    else:
+        c = a.controller
+        compress = plan_from("compress", c.num_layers, c.layers, c.no_fewbit_layers())
+        pins = a.pins()
+        # all micro-batches in flight on this stage, as the planner counts them
+        # (`problem`): stage 0 of PP=2 holds two, and "compress" must fit there too
+        blocks = profile.blocks(inflight=memory.inflight(), exclude=pins)
+        choice = [{s: n for s, n in ch.items() if s not in pins} for ch in profile.choice_for(compress)]
+        budget = static + evaluate_plan(blocks, choice).activation_bytes
+    return budget
+
+
+def decide(a: "Adapter", profile: Any, blocks: list, static: int, budget: int, reasons: list[str],
+           g: Any) -> dict[str, Any]:
+    """The decision of this tracking point, the same on every rank: the source rank chooses
+    the output loss (`output_choice.decide`, "auto") and the plan (`solve`), and broadcasts."""
+    decision = None
+    if agreement.is_source(g):
+        # output_loss "auto": stock or chunked output loss, with the plan (`output_choice`)
+        out = output_choice.decide(a.controller, blocks, static, budget, noise_budget(a), memory.inflight())
+        decision = solve(a, profile, blocks, static if out is None else out.static_bytes, budget, reasons)
+        decision["output_loss"] = None if out is None or decision["plan"] is None else out.choice
+        decision["output"] = None if out is None else out.to_dict()
+    return agreement.broadcast(decision, g)
+
+
+def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
+          reasons: list[str]) -> dict[str, Any]:
+    """The decision of the source rank, as plain data for the broadcast: a plan, or
+    None with why (`refused`: a user budget too small at the first tracking; `failure`:
+    the solver broke). Never raises: every rank must learn the outcome."""
+    out: dict[str, Any] = {"plan": None, "budget": budget, "reasons": reasons,
+                           "predicted_bytes": 0, "activation_bytes": 0, "overhead_ms": 0.0,
+                           "refused": None, "failure": None}
+    it = a.controller.iteration
+
+    noise = noise_budget(a)
+
+    def solve_at(b: int):
+        try:
+            return solve_plan(blocks, b, static_bytes=static, variance_budget=noise,
+                              time_resolution=TIME_RESOLUTION)
+        except InfeasibleVariance as err:
+            # memory is the hard limit: the least noisy plan that fits it, said once
+            a._warn_once("variance", "llm_act: iteration %d: no plan within the memory budget meets "
+                         "the noise budget (%s); using the least noisy plan that fits (said once). "
+                         "Fix: a larger budget, or a larger noise_fraction / variance_budget", it, err)
+            return solve_plan(blocks, b, static_bytes=static, objective="variance",
+                              time_resolution=TIME_RESOLUTION)
+
+    try:
+        try:
+            sol = solve_at(budget)
+        except InfeasibleBudget as err:
+            # a budget the first step accepted against the analytic minimum is not refused
+            # again here (the measured minimum can be a little higher: the real outlier
+            # counts): it gets the tightest plan and one warning
+            accepted = a.first.result is not None and a.first.result.get("min") is not None
+            if a.config.budget is not None and not a._run_tracks and not accepted:
+                out["refused"] = (int(err.budget_bytes), int(err.static_bytes), int(err.min_budget_bytes))
+                return out
+            a._warn_once("tightest", "llm_act: iteration %d: no plan fits the %s budget of %d bytes "
+                         "(%.3f GiB); using the tightest plan, %d bytes (%.3f GiB) (said once)", it,
+                         "given" if a.config.budget is not None else "derived", budget,
+                         budget / 2**30, err.min_budget_bytes, err.min_budget_bytes / 2**30)
+            sol = solve_at(err.min_budget_bytes)
+    except Exception as err:  # a re-planning step must never end the run
+        out["failure"] = f"{type(err).__name__}: {err}"
+        return out
+    a.solution = sol
+    out.update(plan=profile.plan_from(sol), predicted_bytes=sol.activation_bytes + static,
+               noise=float(sol.variance) if a.sensitivity else None, noise_budget=noise,
+               activation_bytes=sol.activation_bytes, overhead_ms=sol.overhead_ms)
+    return out

@@ -15,6 +15,7 @@ parallelism "auto" stays stock (the chunked loss does not support it yet).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -30,7 +31,7 @@ from llm_act.planner.analytic import (
     static_bytes,
 )
 from llm_act.planner.milp import InfeasibleBudget, InfeasibleVariance, evaluate_plan, solve_plan
-from llm_act.sites import DEFAULT_CODECS
+from llm_act.sites import DEFAULT_CODECS, QKV_SITES
 
 #: the act_input codec of the reference plan where few-bit does not apply (gated units)
 _GLU_ACT_CODEC = "outlier_int4"
@@ -138,6 +139,13 @@ def output_loss_choice(shape: ModelShape, stage: int, blocks, budget: int, stati
     return choose(trial, stock, "stock", sizes, shape.pp - stage, estimate_gemm_ms(sizes, device)).choice
 
 
+def _layers_recompute(block):
+    """`block` with "recompute" at q, k and v only with the whole block, as the layers run
+    them (a plan that names one of them alone is refused at run time)."""
+    return dataclasses.replace(block, sites=tuple(
+        dataclasses.replace(s, forward_ms=None) if s.name in QKV_SITES else s for s in block.sites))
+
+
 def peak_terms(shape: ModelShape, stage: int, device: DeviceModel, output_loss: str) -> dict[str, int]:
     """`solve_plan`'s `loss_bytes` and `input_bytes` for `stage` of `shape`: the end of
     forward, with the output loss `output_loss` on the last stage (one memory model: the
@@ -158,7 +166,7 @@ def plan_stages(shape: ModelShape, budget: int, *, zero_stage: int = 0, dp: int 
     device = device or DeviceModel()
     results = []
     for k in range(shape.pp):
-        blocks = stage_blocks(shape, k, device, gradients=True)
+        blocks = [_layers_recompute(b) for b in stage_blocks(shape, k, device, gradients=True)]
         static = static_bytes(shape, zero_stage, dp, stage=k)
         if variance_budget == "compress":
             vb = reference_variance(blocks)

@@ -118,3 +118,14 @@ def test_unknown_model_is_an_argparse_error(capsys):
         main(["plan", "--model", "gpt-9b", "--budget", "20GB"])
     err = capsys.readouterr().err
     assert "--model" in err and "gpt-7b" in err
+
+
+def test_q_k_v_are_recomputed_only_with_the_whole_block(capsys):
+    """At the least budget the plan never names q, k or v "recompute" alone: the layers
+    refuse that (they rebuild q, k, v only with the whole block)."""
+    code, out = _plan(capsys, "--budget", "10GB")
+    need = int(re.search(r"every stage is (\d+) bytes", out).group(1))
+    code, out = _plan(capsys, "--budget", str(need))
+    assert code == 0, out
+    rows = dict(re.findall(r"^  (attn\.[qkv])\s+(\S+)", out, re.M))
+    assert set(rows) == {"attn.q", "attn.k", "attn.v"} and "recompute" not in rows.values(), rows

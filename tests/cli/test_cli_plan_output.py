@@ -50,14 +50,16 @@ def test_auto_picks_chunked_at_a_tight_budget_and_prints_both(capsys, tmp_path):
     m = _OUTSIDE.search(out)
     assert m and m.group(1) == "chunked"
     saving = stock_need - chunked_need
-    # at the least budget the end of forward binds: the two differ by their loss events (the
-    # stock loss: its fp32 softmax and the 16-bit logits beside it)
+    # at the least budget the stock loss's end of forward binds: the two differ by at most
+    # their loss events (the stock loss: its fp32 softmax and the 16-bit logits beside it;
+    # less where a block's backward binds the chunked loss's least budget), at least by what
+    # the stock loss stores
     shape = model_shape("gpt2-medium", seq_length=1024, micro_batch_size=16)
     events = loss_bytes(shape, output_loss="stock") - loss_bytes(shape, output_loss="chunked")
-    assert saving == pytest.approx(events, abs=2**21)  # the noise budget's bisection: 1 MiB steps
     stored = sum(outer_bytes(shape, 0, "stock").values()) - sum(outer_bytes(shape, 0, "chunked").values())
+    assert stored < saving <= events + 2**21  # the noise budget's bisection: 1 MiB steps
     assert float(m.group(2)) - float(m.group(3)) == pytest.approx(stored / 2**30, abs=2e-3)
-    assert saving > stored > 3 * 2**30  # the fp32 logits of 16k tokens at vocab 50k
+    assert stored > 3 * 2**30  # the fp32 logits of 16k tokens at vocab 50k
     # between the two: stock does not fit, "auto" (the default) picks the chunked loss
     budget = str((stock_need + chunked_need) // 2)
     code, out = _run(capsys, "--budget", budget, "--output-loss", "stock")

@@ -24,6 +24,7 @@ import torch
 from llm_act import cpu
 from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
 from llm_act.ledger import SavedTensorLedger
+from llm_act.measurement.measured_profile import RECOMPUTABLE
 from llm_act.patches.megatron.recompute import bind_with
 from llm_act.plan import recompute_layer, selective_layer
 from llm_act.planner import BlockProfile, InfeasibleBudget, InfeasibleVariance, SiteProfile, solve_plan
@@ -38,8 +39,9 @@ GACT_BITS = 4
 #: the GACT scheme chooses among these per site (its per-tensor bit widths)
 GACT_CODECS = ("int1", "int2", "int4", "int8")
 #: sites llm_act can recompute alone (q/k/v only with the whole block; attn.out with the
-#: core-attention region, which the memory-efficient attention replaces)
-SITE_RECOMPUTABLE = ("attn.qkv_input", "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input")
+#: core-attention region, which the memory-efficient attention replaces): the measured
+#: profile's set, in site order
+SITE_RECOMPUTABLE = tuple(s for s in SITES if s in RECOMPUTABLE)
 #: the planner's budgets, as fractions of the stock block's analytic bytes
 PLANNER_BUDGETS = {"loose": 0.35, "middle": 0.2, "tight": 0.12}
 #: plans are solved for a stack of this many identical blocks (the MILP's transient peak,

@@ -5,7 +5,6 @@ fills it from probe passes over the real model; the planner reads only the block
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
@@ -14,7 +13,7 @@ import torch
 
 from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
-from llm_act.planner.transient import transient_bytes
+from llm_act.planner.transient import transient_bytes, whole_block_bytes
 from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, SITES
 
 if TYPE_CHECKING:
@@ -43,9 +42,7 @@ def runtime_block(block: BlockProfile) -> BlockProfile:
     """`block` (e.g. an analytic one, which prices every producer) with "recompute" offered
     only where the layers recompute a site alone (`RECOMPUTABLE`), as a measured profile
     offers it; the whole-block option stays."""
-    return dataclasses.replace(block, sites=tuple(
-        dataclasses.replace(s, forward_ms=s.forward_ms if s.name in RECOMPUTABLE else None)
-        for s in block.sites))
+    return block.recomputing_only(RECOMPUTABLE)
 #: the key of the whole block's forward time in `MeasuredProfile.times()` (not a site)
 BLOCK_TIME = "block"
 
@@ -168,9 +165,7 @@ class MeasuredProfile:
             picks = [choice.get(s, KEEP) for s in names]
             nbytes = [self.sites[layer, s].keep_bytes for s in names]
             if CHECKPOINT_SITE in names and all(c == RECOMPUTE for s, c in zip(names, picks) if s != CHECKPOINT_SITE):
-                ckpt = names.index(CHECKPOINT_SITE)
-                layer_peak = sum(n for s, n in zip(names, nbytes) if s != CHECKPOINT_SITE) + (
-                    nbytes[ckpt] if picks[ckpt] != KEEP else 0)
+                layer_peak = whole_block_bytes(nbytes, names, choice.get(CHECKPOINT_SITE, KEEP))
             else:
                 layer_peak = transient_bytes(nbytes, picks, names)
             peak = max(peak, layer_peak)

@@ -1,8 +1,10 @@
 """Stock or chunked output loss: the byte counts of each choice and the rule that picks one.
 
 `OutputSizes` gives what each choice stores for backward per micro-batch (the op's own
-`stored_bytes` and `stock_logits_bytes`); `choose` picks, given a solver `trial(static)` that
-returns the best plan of the blocks (or None when none fits) with `static` bytes besides them:
+`stored_bytes` and `stock_logits_bytes`); `choose` picks, given a solver `trial(static,
+output_loss)` that returns the best plan of the blocks (or None when none fits) with `static`
+bytes besides them under that output loss (a solver that prices the loss's own events, as
+`llm-act plan` does, reads which; the runtime's needs only the bytes):
 
 - the stock loss's plan first; where it adds no more time than the chunked loss's extra
   logits GEMM, stock (the chunked plan cannot be cheaper);
@@ -94,10 +96,11 @@ def estimate_gemm_ms(sizes: OutputSizes, device: Any) -> float:
     return float(device.gemm_ms(sizes.gemm_flops))
 
 
-def choose(trial: Callable[[int], Any], static_now: int, mode_now: str, sizes: OutputSizes,
+def choose(trial: Callable[[int, str], Any], static_now: int, mode_now: str, sizes: OutputSizes,
            inflight: int, gemm_ms: float) -> OutputChoice:
     """Stock or chunked (see the module docstring). `static_now`: the static bytes measured
-    under `mode_now`, the output loss in force; `trial(static)` a solved plan or None."""
+    under `mode_now`, the output loss in force; `trial(static, output_loss)` a solved plan or
+    None."""
     stock_bytes, chunked_bytes = inflight * sizes.stock_bytes, inflight * sizes.chunked_bytes
     base = static_now - (stock_bytes if mode_now == STOCK else chunked_bytes)
     static_stock, static_chunked = base + stock_bytes, base + chunked_bytes
@@ -106,16 +109,16 @@ def choose(trial: Callable[[int], Any], static_now: int, mode_now: str, sizes: O
         return OutputChoice(choice, static_stock if choice == STOCK else static_chunked, stock_bytes,
                             chunked_bytes, stock_ms, chunked_ms, float(gemm_ms), why)
 
-    stock = trial(static_stock)
+    stock = trial(static_stock, STOCK)
     if stock is None:
-        chunked = trial(static_chunked)
+        chunked = trial(static_chunked, CHUNKED)
         return out(CHUNKED, "only it fits the budget" if chunked is not None else
                    "no plan fits the budget, and it needs the least memory",
                    None, None if chunked is None else chunked.overhead_ms + gemm_ms)
     if stock.overhead_ms <= gemm_ms or sizes.saving <= 0:
         return out(STOCK, "the stock plan adds no more time than the chunked loss's extra GEMM",
                    stock.overhead_ms)
-    chunked = trial(static_chunked)
+    chunked = trial(static_chunked, CHUNKED)
     chunked_ms = None if chunked is None else chunked.overhead_ms + gemm_ms
     if chunked_ms is not None and chunked_ms < stock.overhead_ms:
         return out(CHUNKED, "its plan adds less time, its extra GEMM included", stock.overhead_ms, chunked_ms)

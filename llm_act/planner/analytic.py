@@ -562,10 +562,11 @@ def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
     if sens:
         raise ValueError(f"sensitivity: sites {sorted(sens)} are not in this block "
                          f"({', '.join(p.name for p in profiles)})")
+    stages = stage_bytes(shape, device) if gradients else ()
     return BlockProfile(tuple(profiles), count=count, inflight=inflight,
                         full_ms=layer_forward_ms(shape, device),
-                        grad_bytes=grad_bytes(shape, device) if gradients else 0,
-                        stage_bytes=stage_bytes(shape, device) if gradients else ())
+                        grad_bytes=_whole_grad(shape, stages) if gradients else 0,
+                        stage_bytes=stages)
 
 
 def stage_blocks(shape: ModelShape, stage: int, device: Optional[DeviceModel] = None,
@@ -729,8 +730,12 @@ def grad_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> int:
     recomputed whole backpropagates, at its heaviest stage (`stage_bytes`): the MLP's fc2
     stage, where the rebuild has also re-run the block's output, n*e more (n = the rows of an
     [s, b, h] tensor times h, e bytes per element), or the stock attention's softmax stage."""
-    device = device or DeviceModel()
-    stages = dict(stage_bytes(shape, device))
+    return _whole_grad(shape, stage_bytes(shape, device))
+
+
+def _whole_grad(shape: ModelShape, stages) -> int:
+    """`grad_bytes` from the block's `stage_bytes`."""
+    stages = dict(stages)
     n_hid = shape.local_seq * shape.micro_batch_size * shape.hidden_size
     return max(stages["mlp"] + n_hid * shape.elem_bytes, stages["attention"])
 

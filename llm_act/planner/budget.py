@@ -15,7 +15,6 @@ parallelism "auto" stays stock (the chunked loss does not support it yet).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -128,22 +127,15 @@ def output_loss_choice(shape: ModelShape, stage: int, blocks, budget: int, stati
         return "stock"
     stock = static + sum(outer_bytes(shape, stage, "stock").values())
 
-    def trial(static_bytes: int):  # `choose` gives the stock figure for the stock loss
+    def trial(_static_bytes: int, choice: str):  # the loss is priced as the end of forward
         try:
             return solve_plan(blocks, budget, static_bytes=static, variance_budget=variance_budget,
-                              **peak_terms(shape, stage, device, "stock" if static_bytes == stock else "chunked"))
+                              **peak_terms(shape, stage, device, choice))
         except (InfeasibleBudget, InfeasibleVariance):
             return None
 
     sizes = _output_sizes(shape)
     return choose(trial, stock, "stock", sizes, shape.pp - stage, estimate_gemm_ms(sizes, device)).choice
-
-
-def _layers_recompute(block):
-    """`block` with "recompute" at q, k and v only with the whole block, as the layers run
-    them (a plan that names one of them alone is refused at run time)."""
-    return dataclasses.replace(block, sites=tuple(
-        dataclasses.replace(s, forward_ms=None) if s.name in QKV_SITES else s for s in block.sites))
 
 
 def peak_terms(shape: ModelShape, stage: int, device: DeviceModel, output_loss: str) -> dict[str, int]:
@@ -166,7 +158,9 @@ def plan_stages(shape: ModelShape, budget: int, *, zero_stage: int = 0, dp: int 
     device = device or DeviceModel()
     results = []
     for k in range(shape.pp):
-        blocks = [_layers_recompute(b) for b in stage_blocks(shape, k, device, gradients=True)]
+        # "recompute" at q, k and v only with the whole block, as the layers run them
+        blocks = [b.recomputing_only({s.name for s in b.sites} - set(QKV_SITES))
+                  for b in stage_blocks(shape, k, device, gradients=True)]
         static = static_bytes(shape, zero_stage, dp, stage=k)
         if variance_budget == "compress":
             vb = reference_variance(blocks)

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE
 from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
-from llm_act.planner.transient import transient_bytes
+from llm_act.planner.transient import transient_bytes, whole_block_bytes
 from llm_act.sites import CHECKPOINT_SITE
 
 
@@ -137,10 +137,10 @@ def _full_options(block: BlockProfile, options: list[list[_Option]], resolution:
     if block.full_ms is None:
         return []
     names = [s.name for s in block.sites]
+    nbytes = [s.nbytes for s in block.sites]
     ci = names.index(CHECKPOINT_SITE)
-    rest = sum(s.nbytes for s in block.sites if s.name != CHECKPOINT_SITE)
     return [_Option(full_name(o.name), o.stored, _rounded(block.full_ms, resolution) + o.cost_ms, o.noise,
-                    rest + (block.sites[ci].nbytes if o.name != KEEP else 0))
+                    whole_block_bytes(nbytes, names, o.name))
             for o in options[ci] if o.name == KEEP or o.name in CHECKPOINT_CODECS]
 
 

@@ -271,13 +271,14 @@ class _Model:
                 self.prob += z >= rec[i] + (live[j] if j in live else rec[j]) - 1, f"carry_{k}_{t}_{i}"
                 live[i] = z
             base = pulp.lpSum([nb[i] * rec[i] for i in here] + [nb[i] * z for i, z in live.items()]) + grad / _MIB
+            # the rebuilds of this stage, each with its indicator
+            readers = [(i, rec[i]) for i in here if can[i]] + list(live.items())
             for g, group in enumerate(groups):
                 d = pulp.lpSum(nb[i] * dec[i] for i in group)
                 if any(i in here for i in group):
                     self.prob += self.peak >= base + d, f"peak_{k}_{t}_{g}"
                     continue
                 # decoded while a rebuild in this stage reads it: big-M on that rebuild
-                readers = [(i, rec[i]) for i in here if can[i]] + list(live.items())
                 for i, on in readers:
                     if any(names[m] in cls.sites[i].inputs for m in group):
                         self.prob += (self.peak >= base + d - sum(nb[m] for m in group) * (1 - on),

@@ -193,6 +193,12 @@ class BlockProfile:
                                  f"{CHECKPOINT_SITE!r}, which is not a site of the block")
             object.__setattr__(self, "full_ms", _non_negative(self.full_ms, "BlockProfile.full_ms"))
 
+    def recomputing_only(self, names) -> "BlockProfile":
+        """This block with "recompute" offered only at the sites in `names` (what the layers
+        can rebuild alone); the whole-block option stays."""
+        return dataclasses.replace(self, sites=tuple(
+            s if s.name in names else dataclasses.replace(s, forward_ms=None) for s in self.sites))
+
     def scaled(self, factor: float) -> "BlockProfile":
         """This block with every site's sensitivity times `factor`: a layer whose
         compression noise matters more (> 1) or less (< 1) to the gradient."""

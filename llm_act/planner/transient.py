@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
+from llm_act.sites import CHECKPOINT_SITE
 
 #: sites whose decoded copies one backward op needs at once (any other site is its own group)
 DECODE_GROUPS: tuple[frozenset[str], ...] = (frozenset({"attn.q", "attn.k", "attn.v", "attn.out"}),)
@@ -91,6 +92,15 @@ def transient_bound(nbytes: Sequence[int], names: Sequence[str], inputs: Sequenc
         dec = max((sum(nbytes[i] for i in g if decoded[i]) for g in here), default=0)
         peak = max(peak, grad + sum(nbytes[i] for i in live | rebuilt) + dec)
     return peak
+
+
+def whole_block_bytes(nbytes: Sequence[int], names: Sequence[str], checkpoint: str) -> int:
+    """The transient of a block recomputed whole from its checkpoint (`CHECKPOINT_SITE`,
+    stored under `checkpoint`): every other site rebuilt at full precision, and the
+    checkpoint decoded when it is encoded."""
+    ckpt = list(names).index(CHECKPOINT_SITE)
+    rest = sum(n for i, n in enumerate(nbytes) if i != ckpt)
+    return rest + (nbytes[ckpt] if checkpoint != KEEP else 0)
 
 
 def transient_bytes(nbytes: Sequence[int], choices: Sequence[str], names: Sequence[str],

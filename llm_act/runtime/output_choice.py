@@ -12,7 +12,7 @@ that choice at every tracking point, on its source rank, together with the plan
   last pipeline stage, come on top of the static memory the MILP is given (the measured
   `profile.other_bytes` holds the choice in force; the other one is derived from it by the
   difference of the two byte counts, `OutputSizes.saving`);
-- the best plan with the stock loss (`trial(static_stock)`) and, unless that one already adds
+- the best plan with the stock loss (`trial(static_stock, "stock")`) and, unless that one already adds
   no more time than the extra GEMM, the best plan with the chunked loss;
 - chunked wins when only it fits, or when its plan's added time plus the extra GEMM is
   lower than the stock plan's added time. Where neither fits, chunked (the smaller static
@@ -78,8 +78,8 @@ def measure_gemm_ms(weight: torch.Tensor, sizes: OutputSizes, repeats: int = 3) 
     return one * chunks
 
 
-def trial_solver(blocks: list, budget: int, noise: Optional[float]) -> Callable[[int], Any]:
-    """`trial(static)`: the plan the adapter would choose under `budget` with `static` bytes
+def trial_solver(blocks: list, budget: int, noise: Optional[float]) -> Callable[[int, str], Any]:
+    """`trial(static, output_loss)`: the plan the adapter would choose under `budget` with `static` bytes
     besides the blocks (as `Adapter._solve` solves: at the measured profiles' time resolution,
     and the least noisy plan that fits when the noise budget cannot be met), or None when no
     plan fits. Warns about nothing."""
@@ -88,7 +88,7 @@ def trial_solver(blocks: list, budget: int, noise: Optional[float]) -> Callable[
     # the adapter's resolution of measured times, where the planner has one
     kw = {"time_resolution": milp.TIME_RESOLUTION} if hasattr(milp, "TIME_RESOLUTION") else {}
 
-    def trial(static: int) -> Any:
+    def trial(static: int, output_loss: str) -> Any:  # the loss counts in `static` alone here
         try:
             try:
                 return solve_plan(blocks, budget, static_bytes=static, variance_budget=noise, **kw)

@@ -107,7 +107,7 @@ class _Plan:
 
 def _trial(need_static_at_most, ms_at):
     """A fake solver: fits while static <= need_static_at_most, adding ms_at(static)."""
-    return lambda static: _Plan(ms_at(static)) if static <= need_static_at_most else None
+    return lambda static, _loss: _Plan(ms_at(static)) if static <= need_static_at_most else None
 
 
 SIZES = OutputSizes(tokens=TOKENS, hidden=HIDDEN, vocab_local=VOCAB, elem_bytes=4)

@@ -50,69 +50,43 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.nn.modules import module as _nn_module
 
-from llm_act.sites import COUNTED_SITES, OUTER_SITES, SITES
+from llm_act.sites import (
+    BLOCK,
+    COUNTED_SITES,
+    EMBEDDING_DROPOUT_MASK,
+    EMBEDDING_OUTPUT,
+    LOSS_LOGITS,
+    OUTER_SITES,
+    SITES,
+    SLOTS_WITHOUT_SITE,
+)
 
 OTHER = "other"
 SiteKey = tuple[Optional[int], str]
 
-#: Submodules of a transformer layer (paths relative to the layer) -> the site that owns
-#: what is saved inside them by default. None: nothing by default (goes to "other").
+# The ledger's tables, derived from the schema's tags (`llm_act.sites.Tag`). Roles are
+# paths relative to the layer; an MoE layer's modules get "moe" roles (`_moe_role`; local
+# experts share one role "*").
+
+#: role -> the site that owns what is saved inside it by default. None: nothing by default
+#: (goes to "other").
 _ROLE_SITES: dict[str, Optional[str]] = {
-    "input_layernorm": "ln1.input",
-    # saved by SelfAttention itself: RoPE's cos/sin tables for q and k (computed per call
-    # from the positions alone). They stay whatever Q and K store, and go only when the
-    # whole block is recomputed, as Q does: they are booked with Q, beside every codec there
-    "self_attention": "attn.q",
-    "self_attention.linear_qkv": "attn.qkv_input",
-    "self_attention.q_layernorm": "attn.q_norm_input",
-    "self_attention.k_layernorm": "attn.k_norm_input",
-    "self_attention.core_attention": None,
-    # the masked softmax: its output and the boolean causal mask the torch path saves (built
-    # per call, so one per layer)
-    "self_attention.core_attention.scale_mask_softmax": "attn.softmax",
-    "self_attention.core_attention.attention_dropout": "attn.dropout_mask",
-    "self_attention.linear_proj": "attn.out",
-    "pre_mlp_layernorm": "ln2.input",
-    "mlp": "mlp.act_input",
-    "mlp.linear_fc1": "mlp.fc1_input",
-    "mlp.linear_fc2": "mlp.fc2_input",
-    # an MoE layer's modules get "moe" roles (`_moe_role`; local experts share one role "*"):
-    # the layer itself and the router keep the routing (scores, top-k and permutation
-    # indices, the routing map); an expert keeps its activation input and output
-    "moe": "moe.routing",
-    "moe.router": "moe.routing",
-    "moe.experts": "moe.routing",
-    "moe.experts.*": "moe.act_input",
-    "moe.experts.*.linear_fc1": "moe.fc1_input",
-    "moe.experts.*.linear_fc2": "moe.fc2_input",
+    **{tag.slot: site.name for site in BLOCK for tag in site.tags if tag.how == "owns"},
+    **dict.fromkeys(SLOTS_WITHOUT_SITE),
 }
-#: Roles whose first positional input(s) are tagged with a site (pre-hook).
+#: Roles whose first positional input(s) are tagged with a site (pre-hook), in argument order.
 _INPUT_TAGS: dict[str, tuple[str, ...]] = {
-    "input_layernorm": ("ln1.input",),
-    "self_attention.linear_qkv": ("attn.qkv_input",),
-    "self_attention.q_layernorm": ("attn.q_norm_input",),
-    "self_attention.k_layernorm": ("attn.k_norm_input",),
-    "self_attention.core_attention": ("attn.q", "attn.k", "attn.v"),
-    "self_attention.linear_proj": ("attn.out",),
-    "pre_mlp_layernorm": ("ln2.input",),
-    "mlp.linear_fc1": ("mlp.fc1_input",),
-    "mlp.linear_fc2": ("mlp.fc2_input",),
-    "moe.router": ("moe.router_input",),
-    # an expert's forward(tokens, per-token probabilities)
-    "moe.experts.*": ("moe.fc1_input", "moe.routing"),
-    "moe.experts.*.linear_fc1": ("moe.fc1_input",),
-    "moe.experts.*.linear_fc2": ("moe.fc2_input",),
-}
+    role: tuple(name for _, name in sorted((tag.arg, site.name) for site in BLOCK for tag in site.tags
+                                           if tag.how == "input" and tag.slot == role))
+    for role in dict.fromkeys(tag.slot for site in BLOCK for tag in site.tags if tag.how == "input")}
 #: Roles whose output is tagged (post-hook): the attention probabilities, before and
 #: after dropout, are what the probs @ V product saves.
-_OUTPUT_TAGS: dict[str, str] = {
-    "self_attention.core_attention.scale_mask_softmax": "attn.softmax",
-    "self_attention.core_attention.attention_dropout": "attn.softmax",
-}
+_OUTPUT_TAGS: dict[str, str] = {tag.slot: site.name for site in BLOCK for tag in site.tags
+                                if tag.how == "output"}
 #: Saved directly in the layer (the bias-dropout-add): the dropout mask after the last
-#: finished sublayer.
-_AFTER_SUBLAYER = (("mlp", "mlp.hidden_dropout_mask"), ("moe", "mlp.hidden_dropout_mask"),
-                   ("self_attention", "attn.hidden_dropout_mask"))
+#: finished sublayer (the later sublayer first).
+_AFTER_SUBLAYER: tuple[tuple[str, str], ...] = tuple(
+    (tag.slot, site.name) for site in reversed(BLOCK) for tag in site.tags if tag.how == "after")
 _SITE_RANK = {s: i for i, s in enumerate(SITES)}
 
 #: autograd nodes that only re-view, copy or cast their input (used to see that a saved
@@ -480,14 +454,14 @@ class SavedTensorLedger:
                 continue
             if role == "lm":  # the language model itself: the loss after the output layer
                 if "head" in frame.done and t.is_floating_point():
-                    return (None, "loss.logits")
+                    return (None, LOSS_LOGITS)
                 return (None, OTHER)
             if role == "lm.head":
-                return (None, "loss.logits") if t.is_floating_point() else (None, OTHER)
+                return (None, LOSS_LOGITS) if t.is_floating_point() else (None, OTHER)
             if role.startswith("lm.embedding"):
                 if role.endswith("dropout"):
-                    return (None, "embedding.dropout_mask")
-                return (None, "embedding.output") if t.is_floating_point() else (None, OTHER)
+                    return (None, EMBEDDING_DROPOUT_MASK)
+                return (None, EMBEDDING_OUTPUT) if t.is_floating_point() else (None, OTHER)
             if role == "":  # directly in the layer: the bias-dropout-add
                 for sub, site in _AFTER_SUBLAYER:
                     if sub in frame.done:

@@ -21,9 +21,11 @@ Choices are validated by `llm_act.codecs.registry.check_choices`; which combinat
 "recompute" a layer can run is checked by `LayerRecompute.bind` when the plan is applied
 (before anything changes).
 
-The same module holds the planner's answer for one device (`Plan`, what `solve_plan`
-returns) and the JSON form of a plan (`Plan.to_json`, `load_plan_json`): one home for
-"plan", below both the planner and the runtime.
+One plan type: `LayerPlans`, {layer: {site: choice}}, with one JSON form (`plan_json`,
+read back by `load_plan_json`). Whatever a user writes (`PlanLike`) becomes it through
+`plan_from`; the planner's answer for one device (`Plan`, what `solve_plan` returns: choices
+per class of identical blocks, with its costs) gives it through `Plan.layer_plans`. One home
+for "plan", below both the planner and the runtime.
 """
 from __future__ import annotations
 
@@ -34,7 +36,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Un
 
 from llm_act.codecs.registry import KEEP, MASK_CODECS, RECOMPUTE, check_choice, check_choices
 from llm_act.config import ActConfig
-from llm_act.sites import ATTENTION_INTERNAL_SITES, CHECKPOINT_SITE, DEFAULT_CODECS, SITES
+from llm_act.sites import (
+    ATTENTION_INTERNAL_SITES,
+    CHECKPOINT_SITE,
+    DEFAULT_CODECS,
+    MLP_ACT_INPUT,
+    SITES,
+)
 
 if TYPE_CHECKING:
     from llm_act.planner.profile import BlockProfile
@@ -77,7 +85,7 @@ def compress_layer(fewbit: bool = True) -> LayerPlan:
     a value codec at `mlp.act_input` instead of the few-bit default)."""
     choice = {site: DEFAULT_CODECS[site] for site in SITES}
     if not fewbit:
-        choice["mlp.act_input"] = VALUE_ACT_CODEC
+        choice[MLP_ACT_INPUT] = VALUE_ACT_CODEC
     return choice
 
 
@@ -217,22 +225,33 @@ class Plan:
         out = [whole_layer(self.blocks[i], ckpt) for ckpt, n in sorted(full.items()) for _ in range(n)]
         return out + [dict(self.choice[i]) for _ in range(count - len(out))]
 
+    def layer_plans(self, first_layer: int = 0) -> LayerPlans:
+        """The plan in the one form the runtime applies: block i covers the next
+        `blocks[i].count` layers from `first_layer`."""
+        choices = [choice for i in range(len(self.blocks)) for choice in self.layer_choices(i)]
+        return {first_layer + n: choice for n, choice in enumerate(choices)}
+
     def to_dict(self, first_layer: int = 0) -> dict[str, Any]:
-        """The JSON plan; block i covers the next `blocks[i].count` layers from
-        `first_layer`, and contiguous layers with equal choices are merged."""
-        runs: list[dict[str, Any]] = []
-        layer = first_layer
-        for i in range(len(self.blocks)):
-            for choice in self.layer_choices(i):
-                if runs and runs[-1]["choice"] == choice:
-                    runs[-1]["layers"][1] = layer
-                else:
-                    runs.append({"layers": [layer, layer], "choice": dict(choice)})
-                layer += 1
-        return {"version": 1, "blocks": runs}
+        """The JSON plan (`plan_json`) of `layer_plans(first_layer)`."""
+        return plan_json(self.layer_plans(first_layer))
 
     def to_json(self, first_layer: int = 0, indent: Optional[int] = None) -> str:
         return json.dumps(self.to_dict(first_layer), indent=indent)
+
+
+def plan_json(plan: LayerPlans) -> dict[str, Any]:
+    """The JSON form of a plan, `{"version": 1, "blocks": [{"layers": [first, last],
+    "choice": {site: choice}}]}` (layers inclusive, contiguous layers with equal choices
+    merged): what `load_plan_json` reads back, `llm-act plan --json` prints and a controller's
+    checkpoint state holds."""
+    runs: list[dict[str, Any]] = []
+    for layer in sorted(plan):
+        choice = plan[layer]
+        if runs and runs[-1]["choice"] == choice and runs[-1]["layers"][1] == layer - 1:
+            runs[-1]["layers"][1] = layer
+        else:
+            runs.append({"layers": [layer, layer], "choice": dict(choice)})
+    return {"version": 1, "blocks": runs}
 
 
 def whole_layer(block: "BlockProfile", checkpoint: str = KEEP) -> LayerPlan:
@@ -251,11 +270,10 @@ def is_whole(choice: Mapping[str, str], block: "BlockProfile") -> bool:
         choice.get(s, KEEP) == RECOMPUTE for s in names if s != CHECKPOINT_SITE)
 
 
-def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> list[dict[str, str]]:
-    """Read and validate a JSON plan `{"version": 1, "blocks": [{"layers": [a, b],
-    "choice": {site: name}}]}` (layers inclusive); returns one choice dict per layer.
-    Every layer in [0, num_layers) must be covered exactly once; sites a block does not
-    name are kept."""
+def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> LayerPlans:
+    """Read and validate a JSON plan (`plan_json`'s form) from a path or its dict; returns
+    {layer: choices}. Every layer in [0, num_layers) must be covered exactly once; sites a
+    block does not name are kept."""
     _check_num_layers(num_layers)
     data = _read(source)
     if not isinstance(data, dict):
@@ -291,7 +309,7 @@ def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> li
     missing = [i for i, c in enumerate(layers) if c is None]
     if missing:
         raise ValueError(f"plan blocks: layers {spans(missing)} of {num_layers} have no plan")
-    return layers  # type: ignore[return-value]
+    return dict(enumerate(layers))  # type: ignore[arg-type]
 
 
 def _read(source) -> Any:

@@ -20,7 +20,7 @@ pytest.importorskip("megatron.core")
 from llm_act.bench import gpu as G  # noqa: E402
 from llm_act.bench.memory import _still_allocated  # noqa: E402
 
-SHAPE = G.GpuShape(layers=2, hidden=64, heads=2, seq=32, vocab=128)
+SHAPE = G.gpt_shape(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=32, vocab_size=128)
 #: recompute the MLP's chain (fc1's input and the activation's output): the plan an H200
 #: run picked at micro-batch 64 and leaked under
 CHAIN = {"mlp.fc1_input": "recompute", "mlp.fc2_input": "recompute", "attn.dropout_mask": "regen"}
@@ -45,8 +45,8 @@ def _left_after_failed_step(scheme_name: str, choice=None, ledger: bool = False,
 
     if fail:
         head.register_forward_hook(out_of_memory)
-    ids = torch.randint(0, SHAPE.vocab, (16, SHAPE.seq))
-    pos = torch.arange(SHAPE.seq).unsqueeze(0).expand(16, -1)
+    ids = torch.randint(0, SHAPE.vocab_size, (16, SHAPE.seq_length))
+    pos = torch.arange(SHAPE.seq_length).unsqueeze(0).expand(16, -1)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         try:
             if ledger:

@@ -30,6 +30,7 @@ from llm_act.attention import _common as C
 from llm_act.attention._stash import Report, Stash, restore
 from llm_act.codecs.bitmask import BitMask
 from llm_act.codecs.regen import dropout_keep_mask
+from llm_act.sites import ATTN_DROPOUT_MASK, ATTN_K, ATTN_OUT, ATTN_Q, ATTN_V
 
 DEFAULT_CHUNK = 128
 MASK_STORAGES = ("regen", "bitmask")
@@ -197,13 +198,13 @@ class _ChunkedAttention(torch.autograd.Function):
             state = gen.get_state()
             keep = draw_mask(gen, p, q, k.shape[0])
         out, lse = chunked_forward(q, k, v, causal, p, scale, keep, cq, ck)
-        for site, x in (("attn.q", q), ("attn.k", k), ("attn.v", v), ("attn.out", out),
-                        ("attn.out", lse)):
+        for site, x in ((ATTN_Q, q), (ATTN_K, k), (ATTN_V, v), (ATTN_OUT, out),
+                        (ATTN_OUT, lse)):
             stash.add(site, x)
         if p > 0.0 and mask_storage == "bitmask":
-            stash.add("attn.dropout_mask", keep, BitMask())
+            stash.add(ATTN_DROPOUT_MASK, keep, BitMask())
         elif p > 0.0:
-            stash.add("attn.dropout_mask", state)
+            stash.add(ATTN_DROPOUT_MASK, state)
         stash.save(ctx)
         ctx.conf = (causal, p, scale, cq, ck, mask_storage, q.device)
         return out

@@ -48,10 +48,19 @@ from llm_act.attention.unfused import unfused_attention
 from llm_act.codecs.base import Codec
 from llm_act.codecs.regen import generator_as_default
 from llm_act.codecs.registry import KEEP, make_codec
+from llm_act.sites import (
+    ATTN_DROPOUT_MASK,
+    ATTN_K,
+    ATTN_LSE,
+    ATTN_OUT,
+    ATTN_Q,
+    ATTN_SOFTMAX,
+    ATTN_V,
+)
 
 BACKENDS = ("auto", "sdpa", "chunked", "unfused")
-CODEC_SITES = ("attn.q", "attn.k", "attn.v", "attn.softmax", "attn.dropout_mask")
-QKV = ("attn.q", "attn.k", "attn.v")
+CODEC_SITES = (ATTN_Q, ATTN_K, ATTN_V, ATTN_SOFTMAX, ATTN_DROPOUT_MASK)
+QKV = (ATTN_Q, ATTN_K, ATTN_V)
 LOSSY_BACKWARDS = ("auto", "stored", "recompute")
 #: what lossy_backward="auto" runs (chosen by the measured gradient errors, see the module doc)
 DEFAULT_LOSSY_BACKWARD = "recompute"
@@ -99,7 +108,7 @@ def _stash_inputs(report, q, k, v, qkv_codecs, p, generator):
     gen = None
     if p > 0.0:
         gen = C.resolve_generator(generator, q.device)
-        stash.add("attn.dropout_mask", gen.get_state())
+        stash.add(ATTN_DROPOUT_MASK, gen.get_state())
     return stash, gen
 
 
@@ -202,12 +211,12 @@ class _BackwardFromStored(torch.autograd.Function):
         stash, gen = _stash_inputs(report, q, k, v, qkv_codecs, p, generator)
         out, lse, rng = _forward_lse(impl, q, k, v, causal, p, scale, gen, cq, ck)
         for t in rng:
-            stash.add("attn.dropout_mask", t)
+            stash.add(ATTN_DROPOUT_MASK, t)
         if out_source is None:
-            stash.add("attn.out", out)  # the memory the output projection keeps too
+            stash.add(ATTN_OUT, out)  # the memory the output projection keeps too
         else:
             out_source.expect(out)
-        stash.add("attn.lse", lse)
+        stash.add(ATTN_LSE, lse)
         stash.save(ctx)
         ctx.conf = (impl, causal, p, scale, cq, ck, len(rng), out_source)
         return out
@@ -248,7 +257,7 @@ def _report_plain(report: Optional[Report], q, k, v, out) -> None:
     if report is None:
         return
     stash = Stash(report)
-    for site, x in (("attn.q", q), ("attn.k", k), ("attn.v", v), ("attn.out", out)):
+    for site, x in ((ATTN_Q, q), (ATTN_K, k), (ATTN_V, v), (ATTN_OUT, out)):
         stash.add(site, x)
 
 
@@ -288,11 +297,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     chosen = pick_backend(backend, p, q.device)
     cs = _codecs(codecs)
     qkv_codecs = tuple(cs.get(site) for site in QKV)
-    if chosen != "unfused" and (cs.get("attn.softmax") is not None):
+    if chosen != "unfused" and (cs.get(ATTN_SOFTMAX) is not None):
         raise ValueError(f"codecs['attn.softmax'] applies only to the unfused backend, not {chosen!r}")
     if chosen == "unfused":
-        return unfused_attention(q, k, v, causal, p, softmax_codec=cs.get("attn.softmax"),
-                                 mask_codec=cs.get("attn.dropout_mask"), scale=scale,
+        return unfused_attention(q, k, v, causal, p, softmax_codec=cs.get(ATTN_SOFTMAX),
+                                 mask_codec=cs.get(ATTN_DROPOUT_MASK), scale=scale,
                                  generator=generator,
                                  qkv_codecs=tuple(c if is_lossy(c) else None for c in qkv_codecs),
                                  report=report)
@@ -314,7 +323,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         return _RecomputeFromEncoded.apply(q, k, v, chosen, causal, p, scale, generator, cq, ck,
                                            qkv_codecs, report)
     if chosen == "chunked":
-        mask_codec = cs.get("attn.dropout_mask")
+        mask_codec = cs.get(ATTN_DROPOUT_MASK)
         if mask_codec is not None and mask_codec.name == "bitmask":
             mask_storage = "bitmask"
         return chunked_attention(q, k, v, causal, p, scale, generator, chunk_size, mask_storage,

@@ -23,6 +23,7 @@ from llm_act.attention import _common as C
 from llm_act.attention._stash import Report, Stash, restore
 from llm_act.codecs.base import Codec
 from llm_act.codecs.regen import dropout_keep_mask
+from llm_act.sites import ATTN_DROPOUT_MASK, ATTN_K, ATTN_Q, ATTN_SOFTMAX, ATTN_V
 
 MASK_CODEC_NAMES = ("bitmask", "regen")
 
@@ -50,19 +51,19 @@ class _UnfusedAttention(torch.autograd.Function):
         probs = torch.softmax(scores, dim=-1).to(q.dtype)  # stored as the model dtype (stock)
         del scores
         stash = Stash(report)
-        for site, x, codec in zip(("attn.q", "attn.k", "attn.v"), (q, k, v), qkv_codecs):
+        for site, x, codec in zip((ATTN_Q, ATTN_K, ATTN_V), (q, k, v), qkv_codecs):
             stash.add(site, x, codec)
-        stash.add("attn.softmax", probs, softmax_codec)
+        stash.add(ATTN_SOFTMAX, probs, softmax_codec)
         weights = probs.to(acc).view(b, g, r * s, s_k)
         if p > 0.0:
             gen = C.resolve_generator(generator, q.device)
             shape = (b, h, s, s_k)
             if mask_codec is not None and mask_codec.name == "regen":
                 keep, enc = mask_codec.sample(shape, p, gen, q.device, like_dtype=q.dtype)
-                stash.add_encoded("attn.dropout_mask", mask_codec, enc)
+                stash.add_encoded(ATTN_DROPOUT_MASK, mask_codec, enc)
             else:
                 keep = dropout_keep_mask(shape, p, gen, q.device, q.dtype)
-                stash.add("attn.dropout_mask", keep, mask_codec)
+                stash.add(ATTN_DROPOUT_MASK, keep, mask_codec)
             weights = weights * keep.view(b, g, r * s, s_k) * (1.0 / (1.0 - p))
         out = torch.matmul(weights, vf)
         stash.save(ctx)

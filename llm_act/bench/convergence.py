@@ -33,15 +33,32 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from llm_act.bench import memory as M
+from llm_act.planner.model_shape import ModelShape
 from llm_act.planner.transient import DECODE_GROUPS
-from llm_act.sites import MASK_SITES, SITES
+from llm_act.sites import (
+    ATTN_DROPOUT_MASK,
+    ATTN_HIDDEN_DROPOUT_MASK,
+    ATTN_K,
+    ATTN_OUT,
+    ATTN_Q,
+    ATTN_QKV_INPUT,
+    ATTN_V,
+    CHECKPOINT_SITE,
+    LN2_INPUT,
+    MASK_SITES,
+    MLP_ACT_INPUT,
+    MLP_FC1_INPUT,
+    MLP_FC2_INPUT,
+    MLP_HIDDEN_DROPOUT_MASK,
+    SITES,
+)
 from llm_act.train import parallel
 from llm_act.train.args import build_parser, check
 from llm_act.train.data import embedded_corpus
@@ -51,38 +68,50 @@ from llm_act.train.trainer import Trainer
 
 @dataclass(frozen=True)
 class Model:
-    """A GPT of the bench: layers, hidden, heads, sequence, micro-batch (bf16, RoPE,
-    dropout 0.1, AdamW lr 2e-3 cosine to 2e-4, vocab 256)."""
+    """A GPT of the bench: its name and its `ModelShape` (made by `gpt`)."""
 
     name: str
-    layers: int
-    hidden: int
-    heads: int
-    seq: int
-    micro_batch: int
+    shape: ModelShape
 
     def describe(self, precision: str = "bf16", lr: float = 2e-3) -> str:
-        return (f"GPT {self.layers} layers, hidden {self.hidden}, {self.heads} heads, seq {self.seq}, "
-                f"micro-batch {self.micro_batch}, {precision}, dropout 0.1, RoPE, AdamW lr {lr:g} cosine")
+        s = self.shape
+        return (f"GPT {s.num_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads, "
+                f"seq {s.seq_length}, micro-batch {s.micro_batch_size}, {precision}, dropout {s.dropout}, "
+                f"RoPE, AdamW lr {lr:g} cosine")
 
-    def shape(self) -> "M.Shape":
-        return M.Shape(s=self.seq, b=self.micro_batch, h=self.hidden, a=self.heads, dropout=0.1)
+
+def gpt(name: str, num_layers: int, hidden_size: int, num_attention_heads: int, seq_length: int,
+        micro_batch_size: int) -> Model:
+    """A GPT of the bench: RoPE, bias on, dropout 0.1, vocab 256 (the corpus's bytes), trained
+    with AdamW lr 2e-3 cosine to 2e-4. Its dtype (bf16) is what the GACT scheme's analytic
+    profile assumes; each run's precision is its `Setting`'s."""
+    return Model(name, ModelShape(num_layers=num_layers, hidden_size=hidden_size,
+                                  num_attention_heads=num_attention_heads, seq_length=seq_length,
+                                  micro_batch_size=micro_batch_size, vocab_size=256, dropout=0.1,
+                                  position_embedding="rope"))
 
 
-MODELS = (Model("small", 2, 128, 4, 128, 8), Model("large", 4, 256, 4, 256, 2))
+def model_record(model: Model) -> dict:
+    """What a result keeps of the model: {name, layers, hidden, heads, seq, micro_batch}."""
+    s = model.shape
+    return {"name": model.name, "layers": s.num_layers, "hidden": s.hidden_size,
+            "heads": s.num_attention_heads, "seq": s.seq_length, "micro_batch": s.micro_batch_size}
+
+
+MODELS = (gpt("small", 2, 128, 4, 128, 8), gpt("large", 4, 256, 4, 256, 2))
 #: `--quick` (CI): bf16 matmuls run ~20x slower than fp32 on a CPU without bf16 units, so
 #: the smoke run's model is small enough for its six runs to take under a minute
-QUICK_MODEL = Model("quick", 2, 64, 4, 64, 4)
+QUICK_MODEL = gpt("quick", 2, 64, 4, 64, 4)
 AUTO_FRACTIONS = (0.10, 0.15, 0.25)
 #: a fixed plan that trades time for bits: 8-bit stochastic rounding where a value is
 #: stored, recompute where the input is there anyway (the price of exactness, measured)
-INT8_RECOMPUTE = {"ln1.input": "int8", "attn.qkv_input": "recompute", "attn.q": "int8", "attn.k": "int8",
-                  "attn.v": "int8", "attn.dropout_mask": "regen", "attn.out": "int8",
-                  "attn.hidden_dropout_mask": "regen", "ln2.input": "int8", "mlp.fc1_input": "recompute",
-                  "mlp.act_input": "int8", "mlp.fc2_input": "recompute", "mlp.hidden_dropout_mask": "regen"}
+INT8_RECOMPUTE = {CHECKPOINT_SITE: "int8", ATTN_QKV_INPUT: "recompute", ATTN_Q: "int8", ATTN_K: "int8",
+                  ATTN_V: "int8", ATTN_DROPOUT_MASK: "regen", ATTN_OUT: "int8",
+                  ATTN_HIDDEN_DROPOUT_MASK: "regen", LN2_INPUT: "int8", MLP_FC1_INPUT: "recompute",
+                  MLP_ACT_INPUT: "int8", MLP_FC2_INPUT: "recompute", MLP_HIDDEN_DROPOUT_MASK: "regen"}
 #: the positive control's plan: stochastic INT2 wherever a value is stored
 INT2_PLAN = {site: "regen" if site in MASK_SITES else "int2"
-             for site in SITES[:SITES.index("mlp.hidden_dropout_mask") + 1]}
+             for site in SITES[:SITES.index(MLP_HIDDEN_DROPOUT_MASK) + 1]}
 #: stock again with one torch thread: the same model and batches, only the order of the
 #: floating-point reductions differs -- how far a run moves without any compression (the
 #: floor under which a paired difference means nothing)
@@ -138,7 +167,7 @@ BF16 = Setting("bf16", True, 2e-3, 300, STOCK_AGAIN, PLANS, MODELS, SEEDS)
 #: start moves the final loss by ~1e-6), 10 paired seeds on two sizes
 LOW_FLOOR = Setting("fp32", False, 2e-3, 300, STOCK_ULP,
                     (STOCK_ULP, "compress", GACT, VERDICT_PLAN, f"{VERDICT_PLAN} unbiased", INT2_EVERYWHERE),
-                    (QUICK_MODEL, Model("mid", 2, 128, 4, 64, 8)), tuple(range(1234, 1244)))
+                    (QUICK_MODEL, gpt("mid", 2, 128, 4, 64, 8)), tuple(range(1234, 1244)))
 SETTINGS = {s.name: s for s in (BF16, LOW_FLOOR)}
 #: the sites the planner decodes together in backward: one layer's worth of them at full
 #: precision is the transient an "auto" budget reserves
@@ -216,16 +245,16 @@ def train_args(steps: int, seed: int, quick: bool, extra=(), model: Optional[Mod
     """The flags of `model` (default: the small bench GPT; `quick`: micro-batch 4) in
     `setting` (precision, learning rate cosine to a tenth of it); `extra`: more flags, e.g.
     `--act-compress`."""
-    m = model or (QUICK_MODEL if quick else MODELS[0])
+    m = (model or (QUICK_MODEL if quick else MODELS[0])).shape
     p = build_parser()
-    argv = ["--num-layers", str(m.layers), "--hidden-size", str(m.hidden),
-            "--num-attention-heads", str(m.heads), "--seq-length", str(m.seq),
-            "--micro-batch-size", str(m.micro_batch), "--position-embedding-type", "rope",
+    argv = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
+            "--num-attention-heads", str(m.num_attention_heads), "--seq-length", str(m.seq_length),
+            "--micro-batch-size", str(m.micro_batch_size), "--position-embedding-type", "rope",
             *(["--bf16"] if setting.bf16 else []),
             "--train-iters", str(steps), "--lr", str(setting.lr), "--min-lr", str(setting.lr / 10),
             "--lr-warmup-iters", str(max(2, steps // 20)), "--eval-iters", "4",
-            "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--seed", str(seed),
-            "--log-interval", "1000000", "--vocab-size", "256", *extra]
+            "--hidden-dropout", str(m.dropout), "--attention-dropout", str(m.dropout), "--seed", str(seed),
+            "--log-interval", "1000000", "--vocab-size", str(m.vocab_size), *extra]
     return check(p, p.parse_args(argv), world_size=1)
 
 
@@ -251,7 +280,7 @@ def _flags(plan: str, budget: Optional[int], model: Model, folder: str) -> tuple
     if fixed is not None:
         path = os.path.join(folder, "fixed_plan.json")
         with open(path, "w") as f:
-            json.dump({"version": 1, "blocks": [{"layers": [0, model.layers - 1], "choice": fixed}]}, f)
+            json.dump({"version": 1, "blocks": [{"layers": [0, model.shape.num_layers - 1], "choice": fixed}]}, f)
         return ("--act-compress", "--act-compress-plan", path)
     return ("--act-compress", "--act-compress-plan", plan)
 
@@ -281,7 +310,7 @@ def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Opti
     if plan == STOCK_ULP:
         perturb_one_ulp(trainer, seed)
     if plan.startswith("GACT"):
-        scheme = M.gact_scheme(model.shape())
+        scheme = M.gact_scheme(model.shape)
         for layer in _layers(trainer):
             M.bind_layer(layer, int(layer.layer_number) - 1, scheme)
     eval_every = max(1, steps // 10)
@@ -352,7 +381,7 @@ def run(steps: Optional[int] = None, quick: bool = False, seeds=None, plans=None
     parallel.init(train_args(steps, seeds[0], quick, model=models[0], setting=setting))
     try:
         for model in models:
-            entry = result["models"].setdefault(model.name, {"model": asdict(model), "runs": {}})
+            entry = result["models"].setdefault(model.name, {"model": model_record(model), "runs": {}})
             entry["describe"] = model.describe(setting.precision, setting.lr)
             runs = entry["runs"]
             for seed in seeds:

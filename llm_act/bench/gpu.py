@@ -1,7 +1,7 @@
 """GPU: throughput and the largest micro-batch, stock and Megatron's recompute modes against ours.
 
-The comparison of issue 17. A megatron-core GPT of ~1.3B parameters (default `GpuShape`: 24
-layers, hidden 2048, 16 heads, seq 2048, bf16) on one GPU trains forward+backward under each
+The comparison of issue 17. A megatron-core GPT of ~1.3B parameters (default `SHAPE`, a
+`ModelShape`: 24 layers, hidden 2048, 16 heads, seq 2048, bf16) on one GPU trains forward+backward under each
 scheme of `SCHEMES`:
 
 - "stock": megatron-core as built (local spec), its core attention in SDPA mode;
@@ -54,7 +54,7 @@ import gc
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -65,25 +65,43 @@ from llm_act.bench.timing import machine_line, median_ms
 from llm_act.ledger import SavedTensorLedger
 from llm_act.plan import recompute_layer, selective_layer
 from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
-from llm_act.planner.analytic import block_profile, ModelShape
+from llm_act.planner.analytic import block_profile
 from llm_act.planner.budget import min_budget, reference_variance
+from llm_act.planner.model_shape import ModelShape
 from llm_act.train import parallel, small_gpt
+from llm_act.sites import ATTN_DROPOUT_MASK, CHECKPOINT_SITE
 
 
-@dataclass(frozen=True)
-class GpuShape:
-    layers: int = 24
-    hidden: int = 2048
-    heads: int = 16
-    seq: int = 2048
-    vocab: int = 50304
+def gpt_shape(num_layers: int = 24, hidden_size: int = 2048, num_attention_heads: int = 16,
+              seq_length: int = 2048, vocab_size: int = 50304) -> ModelShape:
+    """The bench's GPT as a `ModelShape`: bf16, RoPE, bias on, no dropout, the core attention
+    in SDPA mode (every scheme but megatron-core's own). Its micro-batch size (1) is a
+    placeholder: each measurement sets its own (`shape.with_(micro_batch_size=mbs)`)."""
+    return ModelShape(num_layers=num_layers, hidden_size=hidden_size,
+                      num_attention_heads=num_attention_heads, seq_length=seq_length,
+                      micro_batch_size=1, vocab_size=vocab_size, position_embedding="rope",
+                      attention="sdpa")
 
-    def params(self) -> int:
-        return 12 * self.layers * self.hidden ** 2 + self.vocab * self.hidden
 
-    def describe(self) -> str:
-        return (f"GPT {self.layers} layers, hidden {self.hidden}, {self.heads} heads, seq {self.seq}, "
-                f"vocab {self.vocab}, bf16 (~{self.params() / 1e9:.2f}B parameters)")
+#: the default model: GPT ~1.3B (24 layers, hidden 2048, 16 heads, seq 2048, vocab 50304)
+SHAPE = gpt_shape()
+
+
+def params(shape: ModelShape) -> int:
+    """Parameters, roughly: 12 h^2 per layer plus the (tied) embedding."""
+    return 12 * shape.num_layers * shape.hidden_size ** 2 + shape.vocab_size * shape.hidden_size
+
+
+def describe(shape: ModelShape) -> str:
+    return (f"GPT {shape.num_layers} layers, hidden {shape.hidden_size}, {shape.num_attention_heads} heads, "
+            f"seq {shape.seq_length}, vocab {shape.vocab_size}, {shape.dtype} "
+            f"(~{params(shape) / 1e9:.2f}B parameters)")
+
+
+def shape_record(shape: ModelShape) -> dict:
+    """The dimensions gpu.json keeps: {layers, hidden, heads, seq, vocab}."""
+    return {"layers": shape.num_layers, "hidden": shape.hidden_size, "heads": shape.num_attention_heads,
+            "seq": shape.seq_length, "vocab": shape.vocab_size}
 
 
 STOCK, SELECTIVE, FULL = "stock", "megatron selective", "megatron full"
@@ -150,22 +168,19 @@ def _scheme(name: str, choice=None) -> M.Scheme:
 
 
 @functools.lru_cache(maxsize=256)
-def _analytic_block(shape: GpuShape, mbs: int):
-    ms = ModelShape(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                    seq_length=shape.seq, micro_batch_size=mbs, vocab_size=shape.vocab,
-                    position_embedding="rope", attention="sdpa")
-    return block_profile(ms, count=shape.layers)
+def _analytic_block(shape: ModelShape, mbs: int):
+    return block_profile(shape.with_(micro_batch_size=mbs), count=shape.num_layers)
 
 
-def full_activation_bytes(shape: GpuShape, mbs: int) -> int:
+def full_activation_bytes(shape: ModelShape, mbs: int) -> int:
     """Analytic activation bytes of full recompute: every block's kept input plus one block
     rebuilt at once in backward (the MILP's transient peak)."""
     block = _analytic_block(shape, mbs)
-    ln1 = next(s.nbytes for s in block.sites if s.name == "ln1.input")
-    return shape.layers * ln1 + sum(s.nbytes for s in block.sites)
+    ln1 = next(s.nbytes for s in block.sites if s.name == CHECKPOINT_SITE)
+    return shape.num_layers * ln1 + sum(s.nbytes for s in block.sites)
 
 
-def ours_choice(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0):
+def ours_choice(shape: ModelShape, mbs: int, budget: int, static_bytes: int = 0):
     """The MILP's choice for this micro-batch size within `budget` bytes of which
     `static_bytes` are not activations: one {site: choice} for every layer, or one per layer
     when the plan recomputes some of them whole (None: nothing fits)."""
@@ -173,7 +188,7 @@ def ours_choice(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0):
     return None if note else choice
 
 
-def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
+def _solve(shape: ModelShape, mbs: int, budget: int, static_bytes: int = 0,
            least: bool = False) -> tuple[Optional[dict], Optional[str]]:
     """(choice, None), or (None, why there is none); `least`: when the budget is infeasible,
     solve at the least feasible budget instead and say so in the note."""
@@ -193,17 +208,17 @@ def _solve(shape: GpuShape, mbs: int, budget: int, static_bytes: int = 0,
             return None, f"MILP infeasible (needs {_size(need)})"
         note = (f"infeasible at this budget: solved at the MILP's least, {_size(need)} "
                 f"({_size(need - budget)} more)")
-    layers = [{"attn.dropout_mask": "regen", **c} for c in plan.layer_choices(0)]
+    layers = [{ATTN_DROPOUT_MASK: "regen", **c} for c in plan.layer_choices(0)]
     return (layers[0] if all(c == layers[0] for c in layers) else layers), note
 
 
-def _model(shape: GpuShape, device: torch.device, seed: int = 1234, **config):
+def _model(shape: ModelShape, device: torch.device, seed: int = 1234, **config):
     """The bench's GPT; `config`: more TransformerConfig fields (a native scheme's `NATIVE`)."""
-    cfg = small_gpt.small_config(hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                                 num_layers=shape.layers, dtype=torch.bfloat16, dropout=0.0,
+    cfg = small_gpt.small_config(hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+                                 num_layers=shape.num_layers, dtype=shape.torch_dtype, dropout=shape.dropout,
                                  use_cpu_initialization=device.type == "cpu", **config)
     torch.manual_seed(seed)
-    model = small_gpt.gpt_model(cfg, vocab_size=shape.vocab, max_sequence_length=shape.seq).to(device)
+    model = small_gpt.gpt_model(cfg, vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length).to(device)
     # as Megatron-LM under --bf16: every parameter in bf16 (on CUDA megatron-core's torch
     # LayerNorm fallback builds fp32 weights, which CUDA's layer_norm refuses beside bf16 input)
     from megatron.core.transformer.module import Float16Module
@@ -263,14 +278,14 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _measure(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int,
+def _measure(model, shape: ModelShape, mbs: int, device: torch.device, repeat: int,
              capacity: Optional[int], after_step: Optional[Callable[[], None]] = None) -> dict:
     """One cell: {"ms", "tokens_per_s", "mem_bytes"}; repeat=0: one step for memory only.
     Raises `_Failed` when it does not fit (memory freed first). `after_step`: called after
     every forward-backward (what megatron-core's schedules do after one)."""
     cuda = device.type == "cuda"
-    ids = torch.randint(0, shape.vocab, (mbs, shape.seq), device=device)
-    pos = torch.arange(shape.seq, device=device).unsqueeze(0).expand(mbs, -1)
+    ids = torch.randint(0, shape.vocab_size, (mbs, shape.seq_length), device=device)
+    pos = torch.arange(shape.seq_length, device=device).unsqueeze(0).expand(mbs, -1)
 
     def step(ledger: Optional[SavedTensorLedger] = None):
         if ledger is None:
@@ -308,7 +323,7 @@ def _measure(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int
             ms = first_ms if (not cuda and repeat == 1) else median_ms(
                 step, device, warmup=1 if cuda else 0, repeat=repeat,
                 min_total_ms=TIMED_MS if cuda else 0.0, max_repeat=MAX_REPEAT)
-            out.update(ms=ms, tokens_per_s=mbs * shape.seq / ms * 1e3)
+            out.update(ms=ms, tokens_per_s=mbs * shape.seq_length / ms * 1e3)
     except torch.cuda.OutOfMemoryError as err:
         oom, why = True, _first_line(err)
     except RuntimeError as err:  # allocation failures outside the caching allocator
@@ -332,7 +347,7 @@ def _measure(model, shape: GpuShape, mbs: int, device: torch.device, repeat: int
     return out
 
 
-def run(shape: GpuShape = GpuShape(), device: Optional[str] = None, sizes=None, repeat: int = 3,
+def run(shape: ModelShape = SHAPE, device: Optional[str] = None, sizes=None, repeat: int = 3,
         search: Optional[bool] = None, capacity_bytes: Optional[int] = None,
         max_mbs: int = 1024, time_budget_s: Optional[float] = None, resolution: Optional[float] = None,
         schemes=ORDER, log: Callable[[str], None] = lambda m: None,
@@ -458,7 +473,7 @@ def _native_step_hooks(name: str) -> tuple[Optional[Callable[[], None]], Optiona
 @dataclass(frozen=True)
 class _Sweep:
     """What every scheme's measurement shares (picklable: it crosses into a child process)."""
-    shape: GpuShape
+    shape: ModelShape
     device: str
     sizes: tuple
     repeat: int
@@ -871,7 +886,7 @@ def headline(result: dict) -> str:
 def markdown(result: dict, kernel_rows: Optional[list[dict]] = None, kernel_header: str = "") -> str:
     sh = result["shape"]
     cap = result.get("capacity")
-    lines = [f"{sh.describe()} on one device: {result['machine']}. Megatron's recompute is here in "
+    lines = [f"{describe(sh)} on one device: {result['machine']}. Megatron's recompute is here in "
              f"two kinds: \"{SELECTIVE}\" and \"{FULL}\" are our emulations (Megatron's plans on our "
              "sites, run by our recompute machinery, with SDPA for the core attention as every scheme of "
              f"ours and stock); \"{NATIVE_FULL}\" (recompute_granularity full, uniform, 1 layer per "
@@ -911,7 +926,7 @@ def plot(result: dict, path: str) -> str:
         ax.set_xlabel("micro-batch size")
         ax.set_ylabel(label)
     a.legend(fontsize=7)
-    fig.suptitle(f"{result['shape'].describe()}; {result['machine']}", fontsize=8)
+    fig.suptitle(f"{describe(result['shape'])}; {result['machine']}", fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -927,7 +942,7 @@ def save(result: dict, output_dir: str, text: str, kernel_rows: Optional[list[di
     with open(paths["md"], "w") as f:
         f.write(text + "\n")
     data = {k: v for k, v in result.items() if k != "shape"}
-    data["shape"] = asdict(result["shape"])
+    data["shape"] = shape_record(result["shape"])
     data["kernels"] = kernel_rows
     data["static"] = {str(k): v for k, v in result.get("static", {}).items()}
     with open(paths["json"], "w") as f:

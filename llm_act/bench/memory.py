@@ -28,10 +28,20 @@ from llm_act.measurement.measured_profile import RECOMPUTABLE
 from llm_act.patches.megatron.recompute import bind_with
 from llm_act.plan import recompute_layer, selective_layer
 from llm_act.planner import BlockProfile, InfeasibleBudget, InfeasibleVariance, SiteProfile, solve_plan
-from llm_act.planner.analytic import block_profile, ModelShape
+from llm_act.planner.analytic import block_profile
 from llm_act.planner.budget import min_budget, reference_variance
-from llm_act.runtime.controller import codec_seed
-from llm_act.sites import DEFAULT_CODECS, MASK_SITES, MOE_SITES, QK_NORM_SITES, SITES
+from llm_act.planner.model_shape import ModelShape
+from llm_act.runtime.seeds import codec_seed
+from llm_act.sites import (
+    ATTN_DROPOUT_MASK,
+    ATTN_SOFTMAX,
+    DEFAULT_CODECS,
+    MASK_SITES,
+    MLP_ACT_INPUT,
+    MOE_SITES,
+    QK_NORM_SITES,
+    SITES,
+)
 from llm_act.train import parallel, rng, small_gpt
 
 #: bits per element GACT's adaptive allocation averages (the paper's headline setting)
@@ -49,24 +59,26 @@ PLANNER_BUDGETS = {"loose": 0.35, "middle": 0.2, "tight": 0.12}
 STACK = 24
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The block measured: sequence, micro-batch, hidden, heads, dropout, dtype."""
+def block_shape(s: int = 256, b: int = 2, h: int = 512, a: int = 8, dropout: float = 0.0,
+                dtype: str = "bf16") -> ModelShape:
+    """The block measured, as a `ModelShape`: one layer of sequence `s`, micro-batch `b`,
+    hidden `h`, `a` heads, `dropout`, `dtype` ("bf16", "fp16" or "fp32"), RoPE, bias on; the
+    rest as ModelShape's defaults (LayerNorm, GELU, ffn 4h, attention "auto": `analytic_shape`
+    sets the mode a scheme runs)."""
+    return ModelShape(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=s,
+                      micro_batch_size=b, dtype=dtype, dropout=dropout, position_embedding="rope")
 
-    s: int = 256
-    b: int = 2
-    h: int = 512
-    a: int = 8
-    dropout: float = 0.0
-    dtype: torch.dtype = torch.bfloat16
 
-    @property
-    def sbh(self) -> int:
-        return self.s * self.b * self.h
+def sbh(shape: ModelShape) -> int:
+    """s*b*h of the block: what the bench's bytes are given per."""
+    return shape.seq_length * shape.micro_batch_size * shape.hidden_size
 
-    def describe(self) -> str:
-        return (f"s={self.s} b={self.b} h={self.h} a={self.a} "
-                f"{str(self.dtype).replace('torch.', '')} dropout {self.dropout}")
+
+def describe(shape: ModelShape) -> str:
+    """"s=256 b=2 h=512 a=8 bfloat16 dropout 0.0": the block's dimensions in one line."""
+    return (f"s={shape.seq_length} b={shape.micro_batch_size} h={shape.hidden_size} "
+            f"a={shape.num_attention_heads} {str(shape.torch_dtype).replace('torch.', '')} "
+            f"dropout {shape.dropout}")
 
 
 @dataclass
@@ -104,10 +116,10 @@ def fixed_schemes() -> list[Scheme]:
                note="whole block recomputed from its kept input"),
         Scheme("ActNN int2", "ActNN", _every("int2", masks="bitmask"), convert_attention=True,
                note="per-group (128) INT2 stochastic at every value site, 1-bit masks"),
-        Scheme("DIVISION dual2", "DIVISION", _every("dual2", skip=("attn.softmax",)),
+        Scheme("DIVISION dual2", "DIVISION", _every("dual2", skip=(ATTN_SOFTMAX,)),
                convert_attention=True, attention="auto",
                note="dual precision (pooled LFC + 2-bit HFC) at every value site"),
-        Scheme("Few-bit GELU 3-bit", "Few-Bit Backward", {"mlp.act_input": "fewbit3"},
+        Scheme("Few-bit GELU 3-bit", "Few-Bit Backward", {MLP_ACT_INPUT: "fewbit3"},
                note="3-bit GELU derivative at mlp.act_input, the rest stock"),
         Scheme("compress (Adacc)", "Adacc / ours", compress_choice(), convert_attention=True,
                attention="auto",
@@ -115,26 +127,26 @@ def fixed_schemes() -> list[Scheme]:
     ]
 
 
-def analytic_shape(shape: Shape, attention: str):
-    dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[shape.dtype]
-    return ModelShape(num_layers=1, hidden_size=shape.h, num_attention_heads=shape.a,
-                      seq_length=shape.s, micro_batch_size=shape.b, dtype=dt,
-                      dropout=shape.dropout, position_embedding="rope", attention=attention)
+def analytic_shape(shape: ModelShape, attention: str) -> ModelShape:
+    """`shape` with the core-attention mode `attention` (as in ActConfig)."""
+    return shape.with_(attention=attention)
 
 
 def restricted_block(block, codecs: Optional[dict] = None, recompute: tuple = SITE_RECOMPUTABLE):
     """`block` with each site's options limited (`codecs`: site -> allowed names, None =
-    all) and "recompute" offered only at `recompute` sites (what the bench can bind)."""
+    all) and "recompute" offered only at `recompute` sites (what the bench can bind); with
+    no `recompute` site the whole-block recompute goes too (a scheme that never recomputes)."""
     sites = []
     for st in block.sites:
         allowed = None if codecs is None else codecs.get(st.name)
         opts = tuple(o for o in st.codecs if allowed is None or o.name in allowed)
         fwd = st.forward_ms if st.name in recompute else None
         sites.append(SiteProfile(st.name, st.nbytes, fwd, st.inputs, opts, st.sensitivity))
-    return BlockProfile(tuple(sites), count=block.count, inflight=block.inflight, full_ms=block.full_ms)
+    return BlockProfile(tuple(sites), count=block.count, inflight=block.inflight,
+                        full_ms=block.full_ms if recompute else None)
 
 
-def gact_scheme(shape: Shape) -> Scheme:
+def gact_scheme(shape: ModelShape) -> Scheme:
     """GACT: per-tensor bit widths minimising the summed noise (objective="variance") under
     a budget of `GACT_BITS` bits per element on average (masks at 1 bit), on the analytic
     profile of this block with megatron's stock attention (GACT compresses the softmax),
@@ -155,12 +167,12 @@ def gact_scheme(shape: Shape) -> Scheme:
                   predicted={"bytes": plan.activation_bytes, "budget": budget})
 
 
-def _numel(site, shape: Shape) -> int:
-    e = torch.empty((), dtype=shape.dtype).element_size()
+def _numel(site, shape: ModelShape) -> int:
+    e = shape.elem_bytes
     return site.nbytes if site.name in MASK_SITES else site.nbytes // e
 
 
-def planner_schemes(shape: Shape) -> list[Scheme]:
+def planner_schemes(shape: ModelShape) -> list[Scheme]:
     """Our MILP (objective "time") on the analytic profile of the block with the
     memory-efficient attention, for a stack of `STACK` blocks, at the budgets of
     `PLANNER_BUDGETS` (fractions of the stock stack's analytic bytes) and the noise budget
@@ -182,14 +194,14 @@ def planner_schemes(shape: Shape) -> list[Scheme]:
         choice = dict(plan.choice[0])
         # the memory-efficient attention stores no softmax and draws its dropout mask
         # from the generator (the analytic profile has no such sites)
-        choice.setdefault("attn.dropout_mask", "regen")
+        choice.setdefault(ATTN_DROPOUT_MASK, "regen")
         out.append(Scheme(f"planner {label}", "ours", choice, convert_attention=True, attention="auto",
                           note=note, predicted={"bytes": plan.activation_bytes, "budget": budget,
                                                 "overhead_ms": plan.overhead_ms, "stack": STACK}))
     return out
 
 
-def all_schemes(shape: Shape) -> list[Scheme]:
+def all_schemes(shape: ModelShape) -> list[Scheme]:
     schemes = fixed_schemes()
     schemes.insert(4, gact_scheme(shape))
     return schemes + planner_schemes(shape)
@@ -206,7 +218,7 @@ def codec_factory(layer_index: int, seed: int = 1234) -> Callable[[str, str], ob
     def codec_of(site: str, name: str):
         key = (site, name)
         if key not in cache:
-            kw = {"activation": "gelu"} if site == "mlp.act_input" else {}
+            kw = {"activation": "gelu"} if site == MLP_ACT_INPUT else {}
             cache[key] = make_codec(name, seed=codec_seed(seed, layer_index, site), **kw)
         return cache[key]
 
@@ -225,9 +237,9 @@ def bind_layer(layer: torch.nn.Module, index: int, scheme: Scheme, seed: int = 1
     bind_with(layer.act_recompute, scheme.choice, codec_factory(index, seed))
 
 
-def build_layer(shape: Shape, seed: int = 0):
-    cfg = small_gpt.small_config(hidden_size=shape.h, num_attention_heads=shape.a, dtype=shape.dtype,
-                                 dropout=shape.dropout, num_layers=1, add_bias_linear=True)
+def build_layer(shape: ModelShape, seed: int = 0):
+    cfg = small_gpt.small_config(hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+                                 dtype=shape.torch_dtype, dropout=shape.dropout, num_layers=1, add_bias_linear=True)
     torch.manual_seed(seed)
     return small_gpt.transformer_layer(cfg, layer_number=1)
 
@@ -287,16 +299,16 @@ def ledger_and_held(forward: Callable[[], torch.Tensor], runs: int = 3):
     return led, held
 
 
-def measure(shape: Shape, scheme: Scheme, process: bool = False) -> dict:
+def measure(shape: ModelShape, scheme: Scheme, process: bool = False) -> dict:
     """{"total", "by_site", "held"} of one forward of the block under `scheme`."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     layer = build_layer(shape)
     bind_layer(layer, 0, scheme)
-    rope = RotaryEmbedding(kv_channels=shape.h // shape.a, rotary_percent=1.0, use_cpu_initialization=True)
-    emb = rope(shape.s)
-    x0 = torch.randn(shape.s, shape.b, shape.h, dtype=shape.dtype, requires_grad=True,
-                     generator=torch.Generator().manual_seed(1))
+    rope = RotaryEmbedding(kv_channels=shape.head_dim, rotary_percent=1.0, use_cpu_initialization=True)
+    emb = rope(shape.seq_length)
+    x0 = torch.randn(shape.seq_length, shape.micro_batch_size, shape.hidden_size, dtype=shape.torch_dtype,
+                     requires_grad=True, generator=torch.Generator().manual_seed(1))
 
     def forward():
         return layer(x0 * 1, attention_mask=None, rotary_pos_emb=emb)[0]
@@ -314,7 +326,7 @@ def measure(shape: Shape, scheme: Scheme, process: bool = False) -> dict:
     return {"total": led.total_bytes, "by_site": led.by_site(), "held": held}
 
 
-def run(shapes: list[Shape], process_for=("stock", "compress (Adacc)"),
+def run(shapes: list[ModelShape], process_for=("stock", "compress (Adacc)"),
         log: Callable[[str], None] = lambda m: None) -> list[dict]:
     """Every scheme on every shape; rows {scheme, source, note, shape, total, per_sbh, ratio,
     held_per_sbh, by_site, predicted}."""
@@ -330,12 +342,12 @@ def run(shapes: list[Shape], process_for=("stock", "compress (Adacc)"),
                     stock_total = r["total"]
                 rows.append({
                     "scheme": scheme.name, "source": scheme.source, "note": scheme.note,
-                    "shape": shape, "total": r["total"], "per_sbh": r["total"] / shape.sbh,
+                    "shape": shape, "total": r["total"], "per_sbh": r["total"] / sbh(shape),
                     "ratio": r["total"] / stock_total,
-                    "held_per_sbh": None if r["held"] is None else r["held"] / shape.sbh,
+                    "held_per_sbh": None if r["held"] is None else r["held"] / sbh(shape),
                     "by_site": r["by_site"], "choice": scheme.choice, "predicted": scheme.predicted,
                 })
-                log(f"  {shape.describe()}: {scheme.name:<22} {r['total'] / shape.sbh:8.3f} B/sbh")
+                log(f"  {describe(shape)}: {scheme.name:<22} {r['total'] / sbh(shape):8.3f} B/sbh")
     finally:
         parallel.destroy_parallel()
     return rows
@@ -368,7 +380,7 @@ def plans_table(rows: list[dict]) -> str:
     drop = max(r["shape"].dropout for r in rows)
     picked = [r for r in rows if r["shape"].dropout == drop]
     sites = [s for s in SITES if s not in MOE_SITES  # the bench's blocks are dense
-             and (s not in QK_NORM_SITES or getattr(picked[0]["shape"], "qk_layernorm", False))]
+             and (s not in QK_NORM_SITES or picked[0]["shape"].qk_layernorm)]
     lines = ["| scheme | " + " | ".join(sites) + " |", "|---|" + "---|" * len(sites)]
     for r in picked:
         c = r["choice"]

@@ -28,6 +28,7 @@ from llm_act.bench import memory as M
 from llm_act.planner import BlockProfile, evaluate_plan, milp, solve_plan
 from llm_act.planner.analytic import block_profile
 from llm_act.planner.budget import reference_variance
+from llm_act.planner.model_shape import ModelShape
 from llm_act.planner.presets import model_shape
 from llm_act.train import parallel
 
@@ -155,7 +156,7 @@ def reproducibility(n: int = 96, model: str = MODEL, seed: int = 0, repeats: int
     for _ in range(repeats):
         measured = [jittered(b, rng, noise_level) for b in blocks]
         plan = solve_plan(measured, budget, variance_budget=noise, time_resolution=TIME_RESOLUTION)
-        layers = [c for i in range(len(blocks)) for c in plan.layer_choices(i)]
+        layers = list(plan.layer_plans().values())
         plans.add(json.dumps(layers, sort_keys=True))
         costs.append(evaluate_plan(blocks, layers).overhead_ms)
     return {"layers": n, "repeats": repeats, "noise": noise_level, "plans": len(plans),
@@ -187,12 +188,12 @@ def distinct_solve_times(depths=DISTINCT_DEPTHS, model: str = MODEL,
     return rows
 
 
-def _analytic_block(shape: M.Shape, scheme: M.Scheme):
+def _analytic_block(shape: ModelShape, scheme: M.Scheme):
     attention = scheme.attention if scheme.convert_attention else "stock"
     return block_profile(M.analytic_shape(shape, attention))
 
 
-def predicted_block_bytes(shape: M.Shape, scheme: M.Scheme) -> int:
+def predicted_block_bytes(shape: ModelShape, scheme: M.Scheme) -> int:
     """Stored bytes of one block under `scheme` by the analytic profile (no peak)."""
     block = _analytic_block(shape, scheme)
     names = {s.name for s in block.sites}
@@ -201,7 +202,7 @@ def predicted_block_bytes(shape: M.Shape, scheme: M.Scheme) -> int:
     return plan.activation_bytes - plan.peak_bytes
 
 
-def compare(shape: M.Shape, rows: Optional[list[dict]] = None,
+def compare(shape: ModelShape, rows: Optional[list[dict]] = None,
             names=COMPARED, log: Callable[[str], None] = lambda m: None) -> list[dict]:
     """[{scheme, predicted, measured, error}] per block for `names`; `rows`: memory-bench rows
     of this shape to reuse (measured here otherwise)."""
@@ -227,7 +228,7 @@ def compare(shape: M.Shape, rows: Optional[list[dict]] = None,
         pred = predicted_block_bytes(shape, schemes[n])
         out.append({"scheme": n, "predicted": pred, "measured": measured[n],
                     "error": pred / measured[n] - 1 if measured[n] else float("nan"),
-                    "sbh": shape.sbh})
+                    "sbh": M.sbh(shape)})
     return out
 
 

@@ -72,7 +72,7 @@ def memory_plot(rows: list[dict], path: str) -> str:
     ax.set_xticks([i + w * (len(drops) - 1) / 2 for i in range(len(names))])
     ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("bytes per s*b*h (ledger)")
-    ax.set_title(f"saved activations of one GPT block: {rows[0]['shape'].describe()}", fontsize=9)
+    ax.set_title(f"saved activations of one GPT block: {M.describe(rows[0]['shape'])}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -86,7 +86,7 @@ def memory_section(rows: list[dict], command: str, wall_s: float, plot: Optional
     lines = [
         "## 1. Memory per layer (ledger)", "",
         provenance(command, wall_s), "",
-        f"One megatron-core TransformerLayer ({shape.describe().rsplit(' dropout', 1)[0]}, local "
+        f"One megatron-core TransformerLayer ({M.describe(shape).rsplit(' dropout', 1)[0]}, local "
         "spec, RoPE, bias on), the same weights and input for every scheme. Bytes held for "
         "backward at the end of forward by the `SavedTensorLedger`, per s*b*h (RoPE tables "
         "and the causal mask included, as in the ledger test), and the ratio to stock. "
@@ -252,10 +252,10 @@ def run_memory(quick: bool, output_dir: str, command: str, log=print) -> tuple[l
     import time
 
     t0 = time.perf_counter()
-    base = M.Shape(s=128, b=2, h=256, a=8) if quick else M.Shape()
-    shapes = [base] if quick else [base, M.Shape(dropout=0.1)]
+    base = M.block_shape(s=128, b=2, h=256, a=8) if quick else M.block_shape()
+    shapes = [base] if quick else [base, M.block_shape(dropout=0.1)]
     if quick:
-        shapes.append(M.Shape(s=128, b=2, h=256, a=8, dropout=0.1))
+        shapes.append(M.block_shape(s=128, b=2, h=256, a=8, dropout=0.1))
     rows = M.run(shapes, log=log)
     plot = memory_plot(rows, os.path.join(output_dir, "memory_per_layer.png"))
     text = memory_section(rows, command, time.perf_counter() - t0, plot)
@@ -316,12 +316,12 @@ def run_planner(quick: bool, command: str, memory_rows: Optional[list[dict]] = N
     jittered = (P.jittered_solve_times(P.DEPTHS[:1], time_limit=2.0) if quick
                 else P.jittered_solve_times((24, 96, 192)))
     repeat = P.reproducibility(24 if quick else 96, repeats=3 if quick else P.REPEATS)
-    shape = (M.Shape(s=128, b=2, h=256, a=8, dropout=0.1) if quick else M.Shape(dropout=0.1))
+    shape = (M.block_shape(s=128, b=2, h=256, a=8, dropout=0.1) if quick else M.block_shape(dropout=0.1))
     names = ("stock", "megatron full", "compress (Adacc)", "planner middle") if quick else P.COMPARED
     comp = P.compare(shape, memory_rows, names=names, log=log)
 
     over = O.run(steps=20 if quick else 300, quick=quick)
-    text = planner_section(solve, comp, command, time.perf_counter() - t0, shape.describe(), distinct, over,
+    text = planner_section(solve, comp, command, time.perf_counter() - t0, M.describe(shape), distinct, over,
                            jittered, repeat)
     log(text)
     return {"solve": solve, "distinct": distinct, "compare": comp, "shape": shape, "overhead": over,

@@ -13,22 +13,26 @@ import torch
 from llm_act import cpu
 from llm_act.codecs import make_codec
 from llm_act.codecs.fewbit import derivative
-from llm_act.sites import DEFAULT_CODECS
+from llm_act.sites import BLOCK, DEFAULT_CODECS
 from llm_act.train import parallel, small_gpt
 
-# site -> (module path inside a TransformerLayer, which tensor of the call)
-_CAPTURE = {
-    "ln1.input": ("input_layernorm", "in0"),
-    "attn.qkv_input": ("self_attention.linear_qkv", "in0"),
-    "attn.q": ("self_attention.core_attention", "in0"),
-    "attn.k": ("self_attention.core_attention", "in1"),
-    "attn.v": ("self_attention.core_attention", "in2"),
-    "attn.out": ("self_attention.linear_proj", "in0"),
-    "ln2.input": ("pre_mlp_layernorm", "in0"),
-    "mlp.fc1_input": ("mlp.linear_fc1", "in0"),
-    "mlp.act_input": ("mlp.linear_fc1", "out_plus_bias"),
-    "mlp.fc2_input": ("mlp.linear_fc2", "in0"),
-}
+def _capture_table() -> dict[str, tuple[str, str]]:
+    """site -> (module path inside a TransformerLayer, which tensor of the call), from the
+    schema: a site's first input tag, else the output of the module that makes it. The
+    dense block's value sites only (no masks, attention internals, qk-norm or MoE)."""
+    out = {}
+    for site in BLOCK:
+        if site.family not in ("block", "qkv", "dense_mlp"):
+            continue
+        tag = next((t for t in site.tags if t.how == "input"), None)
+        if tag is not None:
+            out[site.name] = (tag.slot, f"in{tag.arg}")
+        elif site.made_by is not None:
+            out[site.name] = (site.made_by, "out_plus_bias")
+    return out
+
+
+_CAPTURE = _capture_table()
 
 
 def capture_sites(layer: torch.nn.Module, hidden: torch.Tensor, mask=None) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ Conventions shared by all codecs:
   (few-bit derivatives) set `keeps_nonfinite = False` and document their own rule.
 - Stochastic rounding draws from the codec's own generator (one per device, seeded from
   `seed` alone), never from torch's global one, so compression changes no dropout mask.
-  Who builds codecs picks the seed (`llm_act.runtime.controller.codec_seed`): equal on the
+  Who builds codecs picks the seed (`llm_act.runtime.seeds.codec_seed`): equal on the
   tensor-parallel ranks only where they store the same tensor (`sites.tp_replicated`),
   different wherever the data differ (TP-split sites, SP shards, data-parallel replicas).
 - Integer and complex tensors raise `TypeError` naming the codec and the dtype.

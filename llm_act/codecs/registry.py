@@ -11,7 +11,7 @@ from llm_act.codecs.fp8 import FP8
 from llm_act.codecs.int_quant import IntQuant
 from llm_act.codecs.outlier import OutlierInt4
 from llm_act.codecs.regen import RegenMask
-from llm_act.sites import MASK_SITES, check_site
+from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, MLP_ACT_INPUT, check_site
 
 #: Choices that are not codecs.
 KEEP, RECOMPUTE = "keep", "recompute"
@@ -115,9 +115,9 @@ def check_choice(site: str, name: str) -> str:
             f"site {site!r} holds a dropout mask: choose keep, recompute, bitmask or regen, "
             f"not {name!r}"
         )
-    if name in FEWBIT_CODECS and site != "mlp.act_input":
+    if name in FEWBIT_CODECS and site != MLP_ACT_INPUT:
         raise ValueError(f"codec {name!r} applies only to 'mlp.act_input', not {site!r}")
-    if name == RECOMPUTE and site == "ln1.input":
+    if name == RECOMPUTE and site == CHECKPOINT_SITE:
         raise ValueError(
             "'ln1.input' is the block's checkpoint: keep or compress it, it cannot be recomputed"
         )

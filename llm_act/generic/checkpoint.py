@@ -22,7 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from llm_act import ledger as _ledger
 from llm_act.generic.hooks import SavedTensorCompression
-from llm_act.runtime.controller import codec_seed
+from llm_act.runtime.seeds import codec_seed
+from llm_act.sites import CHECKPOINT_SITE
 
 _MARK = "_llm_act_checkpointed"
 
@@ -69,8 +70,8 @@ def checkpoint_blocks(blocks: Iterable[torch.nn.Module], codec: Optional[str] = 
             # the block input is an activation even when it does not require grad (the
             # model's input), and is encoded whatever its size
             hooks = SavedTensorCompression(block, codec, require_grad=False, min_numel=1,
-                                           seed=codec_seed(seed, layer, "ln1.input"), layer=layer,
-                                           site="ln1.input")
+                                           seed=codec_seed(seed, layer, CHECKPOINT_SITE), layer=layer,
+                                           site=CHECKPOINT_SITE)
         handle.hooks.append(hooks)
         block.forward = _wrap(block.forward, hooks, layer, preserve_rng_state)
     return handle
@@ -80,7 +81,7 @@ def _wrap(forward, hooks, layer: int, preserve_rng_state: bool):
     def checkpointed(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        context = hooks if hooks is not None else _ledger.scope(layer, "ln1.input")
+        context = hooks if hooks is not None else _ledger.scope(layer, CHECKPOINT_SITE)
         with context:
             return checkpoint(forward, *args, use_reentrant=False,
                               preserve_rng_state=preserve_rng_state, **kwargs)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from llm_act import sites as schema  # BLOCK and its tables, as `declare` leaves them
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.fewbit import derivative
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, check_choice, make_codec
@@ -44,9 +45,16 @@ from llm_act.layer_contract import LayerBinder, binder_of
 from llm_act.ledger import SavedTensorLedger
 from llm_act.measurement import probing
 from llm_act.measurement.controlled import ControlledModel
-from llm_act.measurement.measured_profile import (
-    BLOCK_TIME, RECOMPUTABLE, MeasuredProfile, OptionStats, SiteStats)
-from llm_act.sites import MASK_SITES, QKV_SITES, SITES
+from llm_act.measurement.measured_profile import BLOCK_TIME, MeasuredProfile, OptionStats, SiteStats
+from llm_act.sites import (
+    ATTN_OUT,
+    ATTN_Q,
+    ATTN_QKV_INPUT,
+    CHECKPOINT_SITE,
+    LN2_INPUT,
+    MLP_ACT_INPUT,
+    MLP_FC2_INPUT,
+)
 
 _MEASURE_SEED = 20240611
 
@@ -89,7 +97,7 @@ def site_codec_names(controller: ControlledModel, layer: int, site: str, x: torc
     """The codecs `site` of `layer` admits: the registry's rule, few-bit codecs only where
     the MLP's activation has a fitted derivative, mask codecs on boolean masks."""
     names = []
-    act = getattr(controller.module(layer, site), "act_activation", None) if site == "mlp.act_input" else None
+    act = getattr(controller.module(layer, site), "act_activation", None) if site == MLP_ACT_INPUT else None
     for name in CODEC_NAMES:
         try:
             check_choice(site, name)
@@ -105,7 +113,7 @@ def site_codec_names(controller: ControlledModel, layer: int, site: str, x: torc
 
 def _activation_name(controller: ControlledModel, layer: int) -> str:
     try:
-        name = getattr(controller.module(layer, "mlp.act_input"), "act_activation", None)
+        name = getattr(controller.module(layer, MLP_ACT_INPUT), "act_activation", None)
     except KeyError:
         name = None
     return name if isinstance(name, str) else "gelu"
@@ -242,12 +250,12 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
     planned = set(captured)
     other = sum(n for key, n in keep.items() if key not in planned)
     sites: dict[tuple[int, str], SiteStats] = {}
-    for key in sorted(captured, key=lambda k: (k[0], SITES.index(k[1]))):
+    for key in sorted(captured, key=lambda k: (k[0], schema.SITES.index(k[1]))):
         layer, site = key
         x = captured[key]
         # q/k/v: a codec encodes the view alone (the QKV buffer behind a view is freed), so
         # what the site holds beyond its tensor's whole storage is side bytes (RoPE's tables)
-        own = x.untyped_storage().nbytes() if site in QKV_SITES else x.numel() * x.element_size()
+        own = x.untyped_storage().nbytes() if site in schema.QKV_SITES else x.numel() * x.element_size()
         side = max(0, held.get(key, 0) - own)
         sites[key] = SiteStats(layer, site, tuple(x.shape), x.dtype, keep.get(key, 0), side)
     profile = MeasuredProfile(sites, other, str(probing.device_of(controller)),
@@ -264,7 +272,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
             xs = token_sample(x)
             timed = times_from is None and layer in groups_first
             power = _power(xs) if x.is_floating_point() else 1.0
-            few = site == "mlp.act_input" and any(n in FEWBIT_CODECS
+            few = site == MLP_ACT_INPUT and any(n in FEWBIT_CODECS
                                                  for n in site_codec_names(controller, layer, site, x))
             dpower = derivative_power(xs, activation[layer]) if few else 1.0
             for name in site_codec_names(controller, layer, site, x):
@@ -316,23 +324,35 @@ def _layer_of(controller: ControlledModel, layer: int):
 def _qkv_by_hook(controller: ControlledModel, layer: int, site: str) -> bool:
     """Whether `site` is captured by `_qkv_hooks`: q, k, v stored by a core-attention module
     (the generic path's saved-tensor hooks see them as any other site)."""
-    return site in QKV_SITES and isinstance(controller.module(layer, site), torch.nn.Module)
+    return site in schema.QKV_SITES and isinstance(controller.module(layer, site), torch.nn.Module)
+
+
+#: megatron-core's core attention's forward: the names of its positional inputs
+_CORE_ARG_NAMES = ("query", "key", "value")
+
+
+def _core_arg(site: str) -> int:
+    """Which input of the core attention (its slot) holds `site` (the schema's "input" tag)."""
+    spec = schema.SITE_OF[site]
+    return next(t.arg for t in spec.tags if t.how == "input" and t.slot == spec.slot)
 
 
 def _qkv_hooks(controller: ControlledModel, sink: dict) -> list:
     """Forward pre-hooks that capture the core attention's q, k, v (after rotary; GQA K/V
-    un-expanded) into `sink[(layer, "attn.q")]` etc. for the layers that plan those sites."""
+    un-expanded) into `sink[(layer, ATTN_Q)]` etc. for the layers that plan those sites."""
     handles = []
     for layer in controller.layers:
-        planned = [s for s in QKV_SITES if s in controller.sites(layer) and _qkv_by_hook(controller, layer, s)]
+        planned = [s for s in schema.QKV_SITES
+                   if s in controller.sites(layer) and _qkv_by_hook(controller, layer, s)]
         if not planned:
             continue
         core = controller.module(layer, planned[0])
+        args_of = {site: _core_arg(site) for site in planned}
 
-        def pre(module, args, kwargs, layer=layer, planned=planned):
-            qkv = list(args[:3]) + [kwargs.get(n) for n in ("query", "key", "value")[len(args[:3]):]]
-            for site, x in zip(QKV_SITES, qkv):
-                if site in planned and torch.is_tensor(x) and x.requires_grad:
+        def pre(module, args, kwargs, layer=layer, args_of=args_of):
+            for site, i in args_of.items():
+                x = args[i] if i < len(args) else kwargs.get(_CORE_ARG_NAMES[i])
+                if torch.is_tensor(x) and x.requires_grad:
                     sink.setdefault((layer, site), x)
 
         handles.append(core.register_forward_pre_hook(pre, with_kwargs=True))
@@ -341,7 +361,7 @@ def _qkv_hooks(controller: ControlledModel, sink: dict) -> list:
 
 def _whole(profile: MeasuredProfile, layer: int) -> bool:
     """Whether `layer` can be recomputed whole (it has a recompute binder)."""
-    return set(profile.no_recompute.get(layer, ())) != RECOMPUTABLE
+    return set(profile.no_recompute.get(layer, ())) != schema.RECOMPUTABLE
 
 
 def _block_timer(controller: ControlledModel, sink: dict[int, float]) -> list:
@@ -375,29 +395,45 @@ def _binder(controller: ControlledModel, layer: int) -> Optional[LayerBinder]:
     return binder_of(controller.module(layer, sites[0])) if sites else None
 
 
+def _rebuilt_from(sites) -> tuple[str, ...]:
+    """Sites of `RECOMPUTABLE` whose rebuild reads one of `sites`."""
+    return tuple(s.name for s in schema.BLOCK
+                 if s.alone and set(s.recomputed_from + s.rebuild_reads) & set(sites))
+
+
 def _no_recompute(controller: ControlledModel, layer: int) -> tuple[str, ...]:
     """Sites of `RECOMPUTABLE` the layer cannot recompute alone: none without a megatron
-    layer and its binder (`LayerRecompute`); `mlp.fc2_input` when the MLP keeps only a mask
-    of its activation input (ReLU); `ln2.input` when megatron's fused bias-dropout-add would
-    need the hidden-dropout mask kept."""
+    layer and its binder (`LayerRecompute`); those rebuilt from the MLP's activation input
+    (`mlp.fc2_input`) when the MLP keeps only a mask of it (ReLU); those whose rebuild
+    replays a dropout mask (`ln2.input`) when megatron's fused bias-dropout-add would need
+    the hidden-dropout mask kept."""
     owner, tl = _binder(controller, layer), _layer_of(controller, layer)
     if owner is None or tl is None:
-        return tuple(sorted(RECOMPUTABLE))
+        return tuple(sorted(schema.RECOMPUTABLE))
     out = []
     try:
         if owner.mlp_kind() == "mask":
-            out.append("mlp.fc2_input")
+            out += _rebuilt_from((MLP_ACT_INPUT,))
     except Exception:
-        out.append("mlp.fc2_input")
+        out += _rebuilt_from((MLP_ACT_INPUT,))
     if getattr(tl.config, "bias_dropout_fusion", False) and float(getattr(tl, "hidden_dropout", 0) or 0) > 0:
-        out.append("ln2.input")
+        out += _rebuilt_from(schema.MASK_SITES)
     return tuple(out)
 
 
+def _submodule(tl: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
+    """The layer's submodule at the schema's dotted `path` (a `Site.slot` or `made_by`), or None."""
+    try:
+        return tl.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def _attention_hooks(controller: ControlledModel, sink: dict[int, tuple]) -> list:
+    """Forward pre-hooks that record each layer's core-attention call (the slot holding q)."""
     handles = []
     for layer, tl in controller.layer_modules.items():
-        core = getattr(getattr(tl, "self_attention", None), "core_attention", None)
+        core = _submodule(tl, schema.SITE_OF[ATTN_Q].slot)
         if core is None:
             continue
 
@@ -410,40 +446,41 @@ def _attention_hooks(controller: ControlledModel, sink: dict[int, tuple]) -> lis
 
 def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: dict, attn_call: dict,
                  repeats: int) -> Optional[float]:
-    """Forward time of the op that produces `site`, re-run on its captured input."""
+    """Forward time of the op that produces `site`, re-run on its captured input: the schema's
+    `made_by` submodule where it names one, else the special producers below."""
     tl = _layer_of(controller, layer)
     x_of = lambda s: captured.get((layer, s))  # noqa: E731
     dev = probing.device_of(controller)
     t = lambda fn: probing.time_ms(fn, dev, repeats)  # noqa: E731
-    if site == "ln1.input":
+    if site == CHECKPOINT_SITE:
         return None
-    if site in MASK_SITES:
+    if site in schema.MASK_SITES:
         m = x_of(site)
         return t(lambda: torch.rand(m.shape, device=m.device) >= 0.5)
     if tl is None:
         return None
-    if site == "attn.qkv_input" and x_of("ln1.input") is not None:
-        return t(lambda: tl.input_layernorm(x_of("ln1.input")))
-    if site == "mlp.fc1_input" and x_of("ln2.input") is not None:
-        return t(lambda: tl.pre_mlp_layernorm(x_of("ln2.input")))
-    if site == "mlp.act_input" and x_of("mlp.fc1_input") is not None:
-        return t(lambda: tl.mlp.linear_fc1(x_of("mlp.fc1_input")))
-    if site == "mlp.fc2_input" and x_of("mlp.act_input") is not None:
+    spec = schema.SITE_OF.get(site)
+    if spec is not None and spec.made_by:
+        producer, x = _submodule(tl, spec.made_by), x_of(spec.recomputed_from[0])
+        return None if producer is None or x is None else t(lambda: producer(x))
+    if site == MLP_FC2_INPUT and x_of(MLP_ACT_INPUT) is not None:
         owner = _binder(controller, layer)
         fn = owner.mlp_activation() if owner is not None else None
-        return None if fn is None else t(lambda: fn(x_of("mlp.act_input")))
-    if site == "ln2.input" and x_of("attn.out") is not None and x_of("ln1.input") is not None:
+        return None if fn is None else t(lambda: fn(x_of(MLP_ACT_INPUT)))
+    if site == LN2_INPUT and x_of(ATTN_OUT) is not None and x_of(CHECKPOINT_SITE) is not None:
         p = float(getattr(tl, "hidden_dropout", 0.0) or 0.0)
-        res = x_of("ln1.input")
+        res = x_of(CHECKPOINT_SITE)
+        proj = _submodule(tl, schema.SITE_OF[ATTN_OUT].slot)  # linear_proj, which attn.out enters
 
         def run():
-            y, _ = tl.self_attention.linear_proj(x_of("attn.out"))
+            y, _ = proj(x_of(ATTN_OUT))
             return torch.nn.functional.dropout(y, p, True) + res
 
         return t(run)
-    if site == "attn.out" and x_of("attn.qkv_input") is not None:
+    if site == ATTN_OUT and x_of(ATTN_QKV_INPUT) is not None:
         call = attn_call.get(layer)
-        qkv = t(lambda: tl.self_attention.linear_qkv(x_of("attn.qkv_input")))
+        linear_qkv = _submodule(tl, schema.SITE_OF[ATTN_QKV_INPUT].slot)
+        qkv = t(lambda: linear_qkv(x_of(ATTN_QKV_INPUT)))
         if call is None:
             return qkv
         module, args, kwargs = call

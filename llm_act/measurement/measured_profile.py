@@ -14,35 +14,30 @@ import torch
 from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
 from llm_act.planner.transient import transient_bytes, whole_block_bytes
-from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, SITES
+from llm_act.sites import (
+    BLOCK,
+    RECOMPUTABLE,
+    CHECKPOINT_SITE,
+    MASK_SITES,
+    SITES,
+)
 
 if TYPE_CHECKING:
     from llm_act.plan import Plan
 
 #: site -> the sites its producer reads, as the planner's `SiteProfile.inputs` states it (what a
-#: recomputation needs available; the binder's own table is `patches.megatron.recompute_producers`)
+#: recomputation needs available: `Site.recomputed_from` and `Site.rebuild_reads`). MoE sites
+#: have none here: a measured profile recomputes them only with the whole block.
 PROFILE_INPUTS: dict[str, tuple[str, ...]] = {
-    "attn.qkv_input": ("ln1.input",),
-    "attn.out": ("attn.q", "attn.k", "attn.v", "attn.qkv_input"),
-    "ln2.input": ("attn.out", "ln1.input", "attn.hidden_dropout_mask"),
-    "mlp.fc1_input": ("ln2.input",),
-    "mlp.act_input": ("mlp.fc1_input",),
-    "mlp.fc2_input": ("mlp.act_input",),
-}
-#: sites the planner may choose "recompute" for one by one (`LayerRecompute.bind` rebuilds
-#: each from its producer's inputs). Not offered: `attn.q/k/v` (recomputed only with the
-#: whole block), `attn.out`, `attn.softmax`, `attn.dropout_mask` (the core attention is
-#: recomputed as one region: plan "recompute" or a JSON plan asks for it), and the hidden
-#: dropout masks ("recompute" there is the `regen` codec, which is offered).
-RECOMPUTABLE: frozenset[str] = frozenset(
-    {"attn.qkv_input", "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input"})
-
+    s.name: s.recomputed_from + s.rebuild_reads for s in BLOCK if s.recomputed_from and s.family != "moe"}
 
 def runtime_block(block: BlockProfile) -> BlockProfile:
     """`block` (e.g. an analytic one, which prices every producer) with "recompute" offered
     only where the layers recompute a site alone (`RECOMPUTABLE`), as a measured profile
     offers it; the whole-block option stays."""
     return block.recomputing_only(RECOMPUTABLE)
+
+
 #: the key of the whole block's forward time in `MeasuredProfile.times()` (not a site)
 BLOCK_TIME = "block"
 

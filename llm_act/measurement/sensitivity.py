@@ -59,7 +59,7 @@ from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.fewbit import derivative
 from llm_act.codecs.registry import FEWBIT_CODECS, make_codec
 from llm_act.measurement import probing
-from llm_act.sites import MASK_SITES, SITES
+from llm_act.sites import ATTN_SOFTMAX, MASK_SITES, MLP_ACT_INPUT, SITES
 
 #: the codec whose random draws measure c at value sites
 PROBE_CODEC = "int4"
@@ -160,7 +160,7 @@ class _Recording(Codec):
 
 
 def _probe(controller: ControlledModel, layer: int, site: str, seed: int, record: list) -> Codec:
-    if site == "mlp.act_input":
+    if site == MLP_ACT_INPUT:
         act = getattr(controller.module(layer, site), "act_activation", None)
         if isinstance(act, str) and act != "relu":
             return _DerivativeProbe(seed, act, record)
@@ -175,9 +175,9 @@ def sensitive_sites(controller: ControlledModel) -> list[str]:
         for site in controller.sites(layer):
             if site in MASK_SITES or site in out:
                 continue
-            if site == "mlp.act_input" and getattr(controller.module(layer, site), "act_activation", None) == "relu":
+            if site == MLP_ACT_INPUT and getattr(controller.module(layer, site), "act_activation", None) == "relu":
                 continue
-            if site == "attn.softmax" and getattr(controller.module(layer, site), "act_attention",
+            if site == ATTN_SOFTMAX and getattr(controller.module(layer, site), "act_attention",
                                                   "stock") not in ("stock", "unfused"):
                 continue  # the memory-efficient attention stores no probabilities
             out.append(site)
@@ -266,7 +266,7 @@ def _coherence(controller: ControlledModel, forward: Callable[[], Any], params: 
         for layer in controller.layers:
             if site not in controller.sites(layer):
                 continue
-            act = getattr(controller.module(layer, site), "act_activation", None) if site == "mlp.act_input" else None
+            act = getattr(controller.module(layer, site), "act_activation", None) if site == MLP_ACT_INPUT else None
             act = act if isinstance(act, str) and name in FEWBIT_CODECS else None
             inner = make_codec(name, seed=seed + 7919 * layer, activation=act or "gelu")
             codecs[(layer, site)] = _Recording(inner, act, record)

@@ -1,6 +1,6 @@
 """The per-block MILP planner: keep, compress or recompute each saved tensor at the least
 added step time that fits a memory budget and a gradient-noise budget."""
-from llm_act.plan import Plan, load_plan_json
+from llm_act.plan import Plan, load_plan_json, plan_json
 from llm_act.planner.milp import (
     OBJECTIVES,
     InfeasibleBudget,
@@ -22,5 +22,6 @@ __all__ = [
     "SolverError",
     "evaluate_plan",
     "load_plan_json",
+    "plan_json",
     "solve_plan",
 ]

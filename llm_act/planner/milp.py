@@ -140,7 +140,7 @@ def solve_plan(
     one definition for every plan (`evaluate_plan` takes it too). `input_bytes`: the stage's
     input, which the model holds until its forward returns (GPTModel's embedding output):
     added to `loss_bytes` when the first block stores its checkpoint encoded (kept, it is that
-    stored tensor); `analytic.input_bytes` gives both for a model shape.
+    stored tensor); `static_memory.input_bytes` gives both for a model shape.
     """
     start = time.perf_counter()
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) \

@@ -5,7 +5,7 @@ seq_length or tp.
 """
 from __future__ import annotations
 
-from llm_act.planner.analytic import ModelShape
+from llm_act.planner.model_shape import ModelShape
 
 
 def _gpt(layers, h, heads, seq=2048, **kw) -> ModelShape:

@@ -14,7 +14,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from llm_act.planner.transient import BACKWARD_STAGES
+from llm_act.sites import BACKWARD_STAGES
 from llm_act.sites import CHECKPOINT_SITE
 
 

@@ -18,22 +18,13 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
-from llm_act.sites import CHECKPOINT_SITE
-
-#: sites whose decoded copies one backward op needs at once (any other site is its own group)
-DECODE_GROUPS: tuple[frozenset[str], ...] = (frozenset({"attn.q", "attn.k", "attn.v", "attn.out"}),)
-
-#: the block's backward stages in the order they run, each with the prefixes of the sites it
-#: consumes; a site that matches none is counted in every stage
-BACKWARD_STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("mlp", ("ln2.", "mlp.", "moe.")),
-    ("attention", ("ln1.", "attn.")),
-)
-
+from llm_act.sites import CHECKPOINT_SITE, DECODE_GROUPS, SITE_OF
 
 def stage_of(name: str) -> Optional[str]:
-    """The backward stage that consumes site `name` (None: unknown, counted in every stage)."""
-    return next((stage for stage, prefixes in BACKWARD_STAGES if name.startswith(prefixes)), None)
+    """The backward stage that consumes site `name` (`Site.stage`; None: not a block site,
+    counted in every stage)."""
+    site = SITE_OF.get(name)
+    return None if site is None else site.stage
 
 
 def decode_groups(names: Sequence[str]) -> list[list[int]]:

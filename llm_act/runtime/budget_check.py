@@ -32,9 +32,10 @@ from llm_act.codecs.fewbit import ACTIVATIONS
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.ledger import current_ledger, SavedTensorLedger
 from llm_act.measurement.measure import measure_profile
-from llm_act.planner.analytic import block_profile, DeviceModel, DTYPES, ModelShape
+from llm_act.planner.analytic import block_profile
 from llm_act.planner.budget import min_budget
 from llm_act.planner.milp import InfeasibleBudget
+from llm_act.planner.model_shape import DeviceModel, DTYPES, ModelShape
 from llm_act.runtime import agreement, memory
 
 if TYPE_CHECKING:

@@ -25,6 +25,9 @@ iteration and the gradient its backward sends into the output (`llm_act.measurem
 measure the first forward with the ledger for the budget check (`budget_check.FirstForward`), and
 where nothing else advances the controller, any torch `optimizer.step()` after a training
 forward of the watched model is the step boundary: no loop needs a call of ours.
+
+The codecs' seeds are computed in `llm_act.runtime.seeds`, and the controller's checkpoint
+(`state_dict`, `load_state_dict`) in `llm_act.runtime.controller_state`.
 """
 from __future__ import annotations
 
@@ -39,58 +42,16 @@ from llm_act.layer_contract import binder_of
 from llm_act.measurement.probing import params_of
 from llm_act.plan import (LayerPlans, PlanLike, describe as describe_plan, is_keep, keep_layer, plan_from, resolve,
                           spans)
-from llm_act.runtime import agreement
+from llm_act.runtime import agreement, controller_state
 from llm_act.runtime.adapt import Adapter
-from llm_act.runtime.agreement import data_parallel_rank, tensor_parallel_rank
 from llm_act.runtime.logs import default_handler, speaks_for_stage
-from llm_act.sites import SITES, tp_replicated
+from llm_act.runtime.seeds import codec_seed
+from llm_act.sites import ATTN_Q, MLP_ACT_INPUT, SITES
 
 log = logging.getLogger(__name__)
 
-#: distance between the codec seeds of consecutive layers (more than the number of sites)
-SEED_STRIDE = 1000
-#: distance between the codec seeds of data-parallel replicas (more than any layer count's)
-DP_SEED_STRIDE = 10_000_000
-#: distance between the codec seeds of tensor-parallel ranks at a site whose stored tensor
-#: differs across them (more than any data-parallel replica's offset, below 100 000 replicas)
-TP_SEED_STRIDE = 1_000_000_000_000
 #: `Controller.boundary` where any torch optimizer's step advances it (`watch`)
 ANY_OPTIMIZER = "optimizer.step() (any torch optimizer after a training forward)"
-
-
-def replica_seed(base: int, dp_rank: Optional[int] = None) -> int:
-    """`base` moved to this data-parallel replica's own range (`dp_rank` default: this
-    process's, from `agreement.data_parallel_rank`). Replicas see different data, and with
-    different stochastic-rounding draws their compression noise is independent, so it
-    averages out in the gradient all-reduce instead of adding up coherently. TP ranks of a
-    replica share it; `codec_seed` moves it apart again wherever they store different data."""
-    if dp_rank is None:
-        dp_rank = data_parallel_rank()
-    return int(base) + DP_SEED_STRIDE * int(dp_rank)
-
-
-def codec_seed(base: int, layer: int, site: str, dp_rank: Optional[int] = None,
-               tp_rank: Optional[int] = None, sequence_parallel: bool = False) -> int:
-    """The seed of the codec at (layer, site): stable across runs, restarts and plan
-    switches (it depends on nothing else). Equal only where the stored tensor is equal:
-
-    - per data-parallel replica (`replica_seed`);
-    - per tensor-parallel rank (`tp_rank` default: this process's, from
-      `agreement.tensor_parallel_rank`) wherever the TP ranks store different data: their
-      heads or hidden slice, and under `sequence_parallel` their token shard at every site
-      (`sites.tp_replicated`), so the shards' rounding noise is independent;
-    - the same on every TP rank of a replica where they all store the same tensor (the
-      norms' and column-parallel linears' inputs without sequence parallelism): the
-      replicated parameters' gradients (the norms' weights), which each rank computes from
-      its own copy, stay bit-identical across the ranks.
-
-    TP rank 0 keeps the seeds it had before the TP offset existed."""
-    seed = replica_seed(base, dp_rank) + SEED_STRIDE * int(layer) + SITES.index(site)
-    if tp_replicated(site, sequence_parallel):
-        return seed
-    if tp_rank is None:
-        tp_rank = tensor_parallel_rank()
-    return seed + TP_SEED_STRIDE * int(tp_rank)
 
 
 def _sequence_parallel(modules) -> bool:
@@ -457,7 +418,7 @@ class Controller:
     def set_attention_mode(self, mode: str) -> None:
         """Put every controlled core attention in `mode` (until the next plan is applied)."""
         for stored in self._modules.values():
-            core = stored.get("attn.q")
+            core = stored.get(ATTN_Q)
             if core is not None and hasattr(core, "set_attention_mode"):
                 core.set_attention_mode(mode)
 
@@ -472,7 +433,7 @@ class Controller:
     def new_codec(self, layer: int, site: str, name: str, seed: int) -> Codec:
         """A codec `name` for (layer, site) with its own generator seeded `seed` (the plan's
         are built here once; the fidelity report builds fresh ones)."""
-        kwargs = {"activation": self._activation(layer, site)} if site == "mlp.act_input" else {}
+        kwargs = {"activation": self._activation(layer, site)} if site == MLP_ACT_INPUT else {}
         return make_codec(name, seed=seed, **kwargs)
 
     def _codec_seed(self, layer: int, site: str) -> int:
@@ -486,7 +447,7 @@ class Controller:
         `act_activation = None`): "compress" gives them a value codec there."""
         out = set()
         for layer, stored in self._modules.items():
-            module = stored.get("mlp.act_input")
+            module = stored.get(MLP_ACT_INPUT)
             if module is not None and hasattr(module, "act_activation") and module.act_activation is None:
                 out.add(layer)
         return out
@@ -496,24 +457,11 @@ class Controller:
         name = getattr(self._modules[layer][site], "act_activation", None)
         return name if isinstance(name, str) else "gelu"
 
-    # ---- checkpoints ---------------------------------------------------------------------
+    # ---- checkpoints (`llm_act.runtime.controller_state`) --------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Iteration, the `ActConfig` it ran under, plan (in force and pending), the adaptive
         planner's state and every codec's generator state."""
-        return {
-            "version": 1,
-            "iteration": self.iteration,
-            "config": self.config.to_dict(),
-            "plan": _plan_to_state(self._plan),
-            "pending": None if self._pending is None else _plan_to_state(self._pending),
-            "adapt": self.adapter.state_dict(),
-            "output_loss": self.output_loss,
-            "pending_output_loss": self._pending_output,
-            "codecs": {
-                f"{layer}/{site}/{name}": codec.state_dict()
-                for (layer, site, name), codec in self._codecs.items()
-            },
-        }
+        return controller_state.state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> list[str]:
         """Restore what `state_dict()` saved where it agrees with this controller's config:
@@ -529,83 +477,9 @@ class Controller:
 
         Changes take effect now, between iterations. Returns the lines it logs (logger
         "llm_act.runtime.controller", INFO): what was restored and what was replaced."""
-        if self._in_step:
-            raise RuntimeError("load_state_dict: not allowed inside controller.step()")
-        if not isinstance(state, Mapping) or state.get("version") != 1:
-            raise ValueError("state: expected a Controller.state_dict() (version 1)")
-        self.iteration = int(state["iteration"])
-        notes = [f"act controller: restored iteration {self.iteration}"]
-        if self.enabled:
-            notes.append(self._load_codecs(state.get("codecs", {})))
-            notes.append(self._load_plan(state))
-        for note in notes:
-            log.info(note)
-        return notes
-
-    def _load_codecs(self, saved: Mapping[str, Any]) -> str:
-        """Restore the saved codec generators whose seed is this run's (see load_state_dict)."""
-        restored, foreign = 0, 0
-        for key, codec_state in saved.items():
-            layer, site, name = key.split("/")
-            if site not in self._modules.get(int(layer), {}):
-                continue  # another pipeline stage's layer
-            if codec_state.get("seed") != self._codec_seed(int(layer), site):
-                foreign += 1
-                continue
-            self._get_codec(int(layer), site, name).load_state_dict(codec_state)
-            restored += 1
-        note = f"act codecs: restored the random streams of {restored} codecs"
-        if foreign:
-            note += (f"; {foreign} replaced by fresh streams (seeded for another seed or data-parallel "
-                     f"rank than this run's seed {self.config.seed})")
-        return note
-
-    def _load_plan(self, state: Mapping[str, Any]) -> str:
-        """Restore the saved plans and planner state if the config is unchanged (see
-        load_state_dict); the line saying which plan is in force."""
-        saved = state.get("config")
-        if saved is None:
-            return (f"act plan: the checkpoint holds no act config (saved by an older llm_act), so "
-                    f"its plan may not match this run's flags -> the plan of the current flags "
-                    f"({self.config.plan!r})")
-        changes = _config_changes(saved, self.config.to_dict())
-        if changes:
-            return (f"act plan: {'; '.join(changes)} -> the plan of the current flags; the "
-                    "checkpoint's plan and adaptive-planner state are not restored")
-        if state.get("adapt") is not None:
-            self.adapter.load_state_dict(state["adapt"])
-        self._apply(plan_from(_plan_from_state(state["plan"]), self.num_layers, self._modules))
-        pending = state.get("pending")
-        self._pending = (
-            None if pending is None
-            else plan_from(_plan_from_state(pending), self.num_layers, self._modules)
-        )
-        if self.output is not None and state.get("output_loss") in ("stock", "chunked"):
-            self.output.set(state["output_loss"])
-            self._pending_output = state.get("pending_output_loss")
-        return (f"act plan: restored the checkpoint's plan in force (act config unchanged, plan "
-                f"{self.config.plan!r}, {len(self.adapter.history)} adaptive changes so far)")
+        return controller_state.load_state_dict(self, state)
 
     def __repr__(self) -> str:
         if not self.enabled:
             return f"Controller(disabled, iteration={self.iteration})"
         return f"Controller(iteration={self.iteration}, layers={list(self.layers)},\n{describe_plan(self._plan)})"
-
-
-def _config_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """"field: checkpoint X, now Y" for every ActConfig field but `seed` (the codecs'
-    business) that differs between a saved config dict and the current one. A field the
-    checkpoint predates counts as its default (a field added later changes no old run)."""
-    defaults = ActConfig().to_dict()
-    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
-    return [f"{key}: checkpoint {saved.get(key)!r}, now {now.get(key)!r}"
-            for key in sorted(set(saved) | set(now))
-            if key != "seed" and saved.get(key) != now.get(key)]
-
-
-def _plan_to_state(plan: LayerPlans) -> dict[str, dict[str, str]]:
-    return {str(i): dict(c) for i, c in plan.items()}
-
-
-def _plan_from_state(plan: Mapping[str, Mapping[str, str]]) -> dict[int, dict[str, str]]:
-    return {int(i): dict(c) for i, c in plan.items()}

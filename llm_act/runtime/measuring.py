@@ -26,7 +26,7 @@ from llm_act.measurement import fidelity
 from llm_act.measurement.measure import measure_profile
 from llm_act.measurement.sensitivity import measure_sensitivity, sensitive_sites
 from llm_act.runtime import agreement
-from llm_act.sites import DEFAULT_CODECS
+from llm_act.sites import DEFAULT_CODECS, MLP_ACT_INPUT
 
 if TYPE_CHECKING:
     from llm_act.runtime.adapt import Adapter
@@ -158,7 +158,7 @@ def coherence_codecs(a: "Adapter", sites: Optional[list[str]]) -> Optional[dict[
         biased = [n for n in in_force if n not in UNBIASED_CODECS]
         default = DEFAULT_CODECS.get(site)
         out[site] = (biased[0] if biased else default if default and default not in UNBIASED_CODECS
-                     else "fewbit3" if site == "mlp.act_input" else "int4_channel")
+                     else "fewbit3" if site == MLP_ACT_INPUT else "int4_channel")
     return out
 
 

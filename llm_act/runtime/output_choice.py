@@ -38,6 +38,9 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from llm_act.output.choice import CHUNKED, STOCK, OutputChoice, OutputSizes, choose, estimate_gemm_ms
+from llm_act.measurement.probing import time_ms
+from llm_act.planner.model_shape import DeviceModel
+from llm_act.planner import InfeasibleBudget, InfeasibleVariance, milp, solve_plan
 
 __all__ = ["CHUNKED", "STOCK", "OutputChoice", "OutputSizes", "OutputSwitch", "choose", "decide",
            "estimate_gemm_ms", "measure_gemm_ms", "stock_static", "switch_of", "trial_solver"]
@@ -64,8 +67,6 @@ def measure_gemm_ms(weight: torch.Tensor, sizes: OutputSizes, repeats: int = 3) 
     `weight` (its dtype and device), median of `repeats` after a warm-up, scaled to every
     chunk of the micro-batch. A weight that is not whole here ([vocab_local, hidden]; a
     ZeRO-3 partition) falls back to `estimate_gemm_ms` on the device's model."""
-    from llm_act.measurement.probing import time_ms
-    from llm_act.planner.analytic import DeviceModel
 
     if tuple(weight.shape) != (sizes.vocab_local, sizes.hidden) or not weight.is_floating_point():
         return estimate_gemm_ms(sizes, DeviceModel() if weight.is_cuda else DeviceModel.cpu())
@@ -83,7 +84,6 @@ def trial_solver(blocks: list, budget: int, noise: Optional[float]) -> Callable[
     besides the blocks (as `Adapter._solve` solves: at the measured profiles' time resolution,
     and the least noisy plan that fits when the noise budget cannot be met), or None when no
     plan fits. Warns about nothing."""
-    from llm_act.planner import InfeasibleBudget, InfeasibleVariance, milp, solve_plan
 
     # the adapter's resolution of measured times, where the planner has one
     kw = {"time_resolution": milp.TIME_RESOLUTION} if hasattr(milp, "TIME_RESOLUTION") else {}

@@ -44,31 +44,47 @@ from llm_act.generic.hooks import SavedTensorCompression
 from llm_act.layer_contract import LayerBinder
 from llm_act.patches.deepspeed import recompute as recompute_lib
 from llm_act.plan import recompute_layer
-from llm_act.runtime.controller import SEED_STRIDE, Controller, replica_seed
-from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, MOE_SITES, SITES
+from llm_act.runtime.controller import Controller
+from llm_act.runtime.seeds import SEED_STRIDE, replica_seed
+from llm_act.sites import (
+    ATTN_DROPOUT_MASK,
+    ATTN_HIDDEN_DROPOUT_MASK,
+    ATTN_OUT,
+    ATTN_Q,
+    ATTN_QKV_INPUT,
+    CHECKPOINT_SITE,
+    LN2_INPUT,
+    MASK_SITES,
+    MLP_ACT_INPUT,
+    MLP_FC1_INPUT,
+    MLP_FC2_INPUT,
+    MLP_HIDDEN_DROPOUT_MASK,
+    MOE_SITES,
+    SITES,
+)
 
 #: last path component of a submodule of a block -> the site of what it saves
 SITE_OF: dict[str, str] = {
     **dict.fromkeys(("input_layernorm", "ln_1", "ln1", "attention_norm", "self_attn_layer_norm",
-                     "norm1"), "ln1.input"),
+                     "norm1"), CHECKPOINT_SITE),
     **dict.fromkeys(("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value",
-                     "Wqkv", "wq", "wk", "wv", "query", "key", "value"), "attn.qkv_input"),
-    **dict.fromkeys(("o_proj", "out_proj", "wo", "dense"), "attn.out"),
+                     "Wqkv", "wq", "wk", "wv", "query", "key", "value"), ATTN_QKV_INPUT),
+    **dict.fromkeys(("o_proj", "out_proj", "wo", "dense"), ATTN_OUT),
     **dict.fromkeys(("post_attention_layernorm", "ln_2", "ln2", "ffn_norm", "final_layer_norm",
-                     "norm2"), "ln2.input"),
+                     "norm2"), LN2_INPUT),
     **dict.fromkeys(("gate_proj", "up_proj", "gate_up_proj", "c_fc", "fc1", "w1", "w3",
-                     "dense_h_to_4h"), "mlp.fc1_input"),
-    **dict.fromkeys(("act_fn", "act", "activation_fn", "activation"), "mlp.act_input"),
-    **dict.fromkeys(("down_proj", "fc2", "w2", "dense_4h_to_h"), "mlp.fc2_input"),
-    **dict.fromkeys(("attn_dropout", "attention_dropout"), "attn.dropout_mask"),
-    **dict.fromkeys(("resid_dropout",), "attn.hidden_dropout_mask"),
+                     "dense_h_to_4h"), MLP_FC1_INPUT),
+    **dict.fromkeys(("act_fn", "act", "activation_fn", "activation"), MLP_ACT_INPUT),
+    **dict.fromkeys(("down_proj", "fc2", "w2", "dense_4h_to_h"), MLP_FC2_INPUT),
+    **dict.fromkeys(("attn_dropout", "attention_dropout"), ATTN_DROPOUT_MASK),
+    **dict.fromkeys(("resid_dropout",), ATTN_HIDDEN_DROPOUT_MASK),
 }
 #: containers: what they save themselves (SDPA's q, k, v, out; a gated unit's product inputs)
 _ATTENTION = ("self_attn", "attn", "attention", "self_attention")
 _MLP = ("mlp", "feed_forward", "ffn")
 #: submodule names whose meaning depends on the container (GPT-2's c_proj, dropout)
-_BY_PARENT = {("attn", "c_proj"): "attn.out", ("mlp", "c_proj"): "mlp.fc2_input",
-              ("mlp", "dropout"): "mlp.hidden_dropout_mask"}
+_BY_PARENT = {("attn", "c_proj"): ATTN_OUT, ("mlp", "c_proj"): MLP_FC2_INPUT,
+              ("mlp", "dropout"): MLP_HIDDEN_DROPOUT_MASK}
 
 
 def site_of(path: str) -> Optional[str]:
@@ -81,9 +97,9 @@ def site_of(path: str) -> Optional[str]:
     if parts[-1] in SITE_OF:
         return SITE_OF[parts[-1]]
     if len(parts) == 1 and parts[0] in _ATTENTION:
-        return "attn.q"
+        return ATTN_Q
     if len(parts) == 1 and parts[0] in _MLP:
-        return "mlp.act_input"
+        return MLP_ACT_INPUT
     return None
 
 

@@ -31,6 +31,7 @@ import torch
 from llm_act import ledger as _ledger
 from llm_act.codecs.registry import KEEP
 from llm_act.generic.checkpoint import checkpoint_blocks
+from llm_act.sites import CHECKPOINT_SITE
 
 _MARK = "_llm_act_checkpointed"
 
@@ -119,7 +120,7 @@ def checkpointed_forward(forward, layer: int, rng: Optional[tuple] = None):
             return forward(*args, **kwargs)
         first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is not None:  # DeepSpeed holds it outside autograd: count it here
-            _ledger.report(layer, "ln1.input", first, first.numel() * first.element_size())
+            _ledger.report(layer, CHECKPOINT_SITE, first, first.numel() * first.element_size())
         if rng is None:
             return deepspeed.checkpointing.checkpoint(forward, *args, **kwargs)
         capture, replay = rng

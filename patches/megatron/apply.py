@@ -39,6 +39,8 @@ import torch
 
 from llm_act._imports import require
 from llm_act.config import ActConfig
+from llm_act.patches.megatron import controller_state, cpu_required, output, unsupported
+from llm_act.patches.megatron.swap import convert_layer
 from llm_act.runtime import agreement
 from llm_act.runtime.controller import Controller
 
@@ -120,7 +122,6 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
         agreement.agree_setup(controller)
         return controller
     require("megatron.core", "llm_act.patches.megatron.apply")
-    from llm_act.patches.megatron import cpu_required, unsupported
 
     layers = transformer_layers(roots)
     if not layers:
@@ -143,13 +144,11 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     cpu_required.check_model(_all_modules(roots), tconfigs.values(), "apply")
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from llm_act.patches.megatron import output
 
     output_mode = config.output_loss_mode()
     gpt = output.check_output([m for m in _all_modules(roots) if isinstance(m, GPTModel)], output_mode)
     num_layers = max(int(getattr(c, "num_layers", 0) or 0) for c in tconfigs.values())
 
-    from llm_act.patches.megatron.swap import convert_layer
 
     modules: dict[int, dict[str, Any]] = {}
     for layer in layers:
@@ -172,7 +171,6 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
         controller.output.set("chunked")
     agreement.agree_setup(controller)
     controller.watch(roots, layers)  # the budget check of the first step (adapt.FirstForward)
-    from llm_act.patches.megatron import controller_state
 
     controller_state.attach(roots, controller, layers)  # the state rides in the model's checkpoints
     return controller

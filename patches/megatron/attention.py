@@ -60,7 +60,15 @@ from llm_act.config import ATTENTION_MODES
 from llm_act.patches.megatron import cpu_required
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
 from llm_act.patches.megatron.dropout import StoredMaskDropout
-from llm_act.sites import QKV_SITES
+from llm_act.sites import (
+    ATTN_DROPOUT_MASK,
+    ATTN_K,
+    ATTN_OUT,
+    ATTN_Q,
+    ATTN_SOFTMAX,
+    ATTN_V,
+    QKV_SITES,
+)
 
 require("megatron.core", "llm_act.patches.megatron.attention")
 from megatron.core import tensor_parallel  # noqa: E402
@@ -70,7 +78,7 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 #: what `set_attention_mode` takes: a user's `ActConfig.attention`, or "unfused" (megatron's
 #: math with the stored mask, which the runtime itself selects, never a user setting)
 RUNTIME_ATTENTION_MODES = ATTENTION_MODES + ("unfused",)
-ATTENTION_SITES = ("attn.q", "attn.k", "attn.v", "attn.softmax", "attn.dropout_mask", "attn.out")
+ATTENTION_SITES = (ATTN_Q, ATTN_K, ATTN_V, ATTN_SOFTMAX, ATTN_DROPOUT_MASK, ATTN_OUT)
 
 
 class _StoredMaskAttentionDropout(torch.nn.Dropout):
@@ -88,7 +96,7 @@ class _StoredMaskAttentionDropout(torch.nn.Dropout):
             return super().forward(x)
 
         codec, owner = spec
-        return StoredMaskDropout.apply(x, p, codec, owner, "attn.dropout_mask")
+        return StoredMaskDropout.apply(x, p, codec, owner, ATTN_DROPOUT_MASK)
 
 
 class ActCoreAttention(ActModule, DotProductAttention):
@@ -139,13 +147,13 @@ class ActCoreAttention(ActModule, DotProductAttention):
         self._act_out_source = None if module is None else weakref.ref(module)
 
     def _out_codec(self, *tensors: torch.Tensor) -> Optional[Codec]:
-        own = self.act_codec("attn.out", *tensors, stores=tensors[0])
+        own = self.act_codec(ATTN_OUT, *tensors, stores=tensors[0])
         if own is not None or self._act_out_source is None:
             return own
         if not (self.training and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return None
         linear = self._act_out_source()
-        codec = None if linear is None else linear.act_codecs.get("attn.out")
+        codec = None if linear is None else linear.act_codecs.get(ATTN_OUT)
         if codec is not None and not codec_within_raw(codec, tensors[0]):
             return None  # never more than stock (the linear keeps its input too)
         return codec
@@ -167,22 +175,22 @@ class ActCoreAttention(ActModule, DotProductAttention):
         probs = (b, heads, sq, key.shape[0])
         # stock dropout keeps a bool mask on CUDA (native_dropout), the float noise on CPU
         mask_dtype = torch.bool if query.is_cuda else query.dtype
-        stores = {"attn.q": query, "attn.k": key, "attn.v": value, "attn.out": query,
-                  "attn.softmax": (probs, query.dtype), "attn.dropout_mask": (probs, mask_dtype)}
+        stores = {ATTN_Q: query, ATTN_K: key, ATTN_V: value, ATTN_OUT: query,
+                  ATTN_SOFTMAX: (probs, query.dtype), ATTN_DROPOUT_MASK: (probs, mask_dtype)}
         codecs = {site: self.act_codec(site, query, key, value, stores=stores[site])
                   for site in ATTENTION_SITES}
-        codecs["attn.out"] = self._out_codec(query, key, value)
+        codecs[ATTN_OUT] = self._out_codec(query, key, value)
         stock_args = (query, key, value, attention_mask, attn_mask_type, attention_bias,
                       packed_seq_params)
-        stored = any(codecs[s] is not None for s in QKV_SITES + ("attn.softmax",))
+        stored = any(codecs[s] is not None for s in QKV_SITES + (ATTN_SOFTMAX,))
         if self.act_attention == "stock" and not stored:
-            return self._stock(codecs["attn.dropout_mask"], *stock_args)
+            return self._stock(codecs[ATTN_DROPOUT_MASK], *stock_args)
         causal, why = self._mask_kind(query, key, attention_mask, attn_mask_type,
                                       attention_bias, packed_seq_params)
         if why is not None:
             warnings.warn(f"llm_act core attention (layer {self._layer()}): {why}; running the "
                           "stock megatron-core attention instead", stacklevel=2)
-            return self._stock(codecs["attn.dropout_mask"], *stock_args)
+            return self._stock(codecs[ATTN_DROPOUT_MASK], *stock_args)
         return self._efficient(query, key, value, causal, codecs)
 
     def _stock(self, mask_codec: Optional[Codec], *args):
@@ -228,10 +236,10 @@ class ActCoreAttention(ActModule, DotProductAttention):
         p = float(self.attention_dropout.p) if self.training else 0.0
         backend = "unfused" if mode in ("stock", "unfused") else pick_backend(mode, p, query.device)
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
-        use = {site: codecs[site] for site in QKV_SITES + ("attn.dropout_mask",)}
+        use = {site: codecs[site] for site in QKV_SITES + (ATTN_DROPOUT_MASK,)}
         if backend == "unfused":
-            use["attn.softmax"] = codecs["attn.softmax"]
-        recompute_out = backend != "unfused" and codecs["attn.out"] is not None
+            use[ATTN_SOFTMAX] = codecs[ATTN_SOFTMAX]
+        recompute_out = backend != "unfused" and codecs[ATTN_OUT] is not None
         grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         out_source = self._out_source(codecs, grads and recompute_out)
         layer = self._layer()
@@ -244,7 +252,7 @@ class ActCoreAttention(ActModule, DotProductAttention):
             # what SDPA saves internally (logsumexp; its math path's s x s tensors with
             # dropout off CUDA) goes to the site that owns it
             math_path = backend == "sdpa" and p > 0.0 and query.device.type != "cuda"
-            where = ledger.scope(layer, "attn.softmax" if math_path else "attn.out")
+            where = ledger.scope(layer, ATTN_SOFTMAX if math_path else ATTN_OUT)
         fork = contextlib.nullcontext()
         if p > 0.0 and not self.config.sequence_parallel:
             cpu_required.require("attention dropout (megatron's RNG tracker forks the CUDA generator)",
@@ -264,9 +272,9 @@ class ActCoreAttention(ActModule, DotProductAttention):
         (`act_record_tap`), or None (no linked projection encoding it, exact Q/K/V, or the
         "recompute" choice: backward then recomputes the output)."""
         linear = self._linked_linear()
-        codec = codecs["attn.out"]
+        codec = codecs[ATTN_OUT]
         if (not wanted or linear is None or codec is None or codec.name == RECOMPUTE
-                or codec is not linear.act_codecs.get("attn.out")
+                or codec is not linear.act_codecs.get(ATTN_OUT)
                 or resolve_lossy_backward(getattr(self, "act_lossy_backward", "auto")) != "stored"
                 or not any(is_lossy(codecs[s]) for s in QKV_SITES)):
             return None
@@ -274,7 +282,7 @@ class ActCoreAttention(ActModule, DotProductAttention):
 
         def tap(site, record, replaces):
             enc = getattr(record, "enc", None)
-            if site == "attn.out" and enc is not None and enc.codec == codec.name:
+            if site == ATTN_OUT and enc is not None and enc.codec == codec.name:
                 source.offer(replaces, lambda: codec.decode(enc))
 
         linear.__dict__["act_record_tap"] = tap

@@ -20,7 +20,7 @@ masks then follow the unfused path (a different, equally valid mask stream).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -28,8 +28,10 @@ from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.regen import default_generator, dropout_keep_mask, fused_dropout
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw, count_kept
 from llm_act.patches.megatron.functions import Record, _report
+from llm_act.sites import ATTN_HIDDEN_DROPOUT_MASK, sites_where
 
-DROPOUT_SITES = ("attn.hidden_dropout_mask", "mlp.hidden_dropout_mask")
+#: the hidden-dropout masks: the sites a bias-dropout-add stores (the schema's `holder` "bda")
+DROPOUT_SITES = sites_where(holder="bda")
 
 
 def _noise(keep: torch.Tensor, dtype: torch.dtype, p: float) -> torch.Tensor:
@@ -94,7 +96,7 @@ class ActBiasDropoutAdd(ActModule, torch.nn.Module):
         self._act_init()
 
     @classmethod
-    def from_stock(cls, module: Callable, site: str = "attn.hidden_dropout_mask") -> "ActBiasDropoutAdd":
+    def from_stock(cls, module: Callable, site: str = ATTN_HIDDEN_DROPOUT_MASK) -> "ActBiasDropoutAdd":
         """Wrap a stock bda callable (already-wrapped ones are returned as they are)."""
         if isinstance(module, cls):
             return module

@@ -16,7 +16,7 @@ from llm_act._imports import require
 from llm_act.patches.megatron.act_module import ActModule
 from llm_act.patches.megatron.functions import EncodedLinear
 from llm_act.patches.megatron.sp import EncodedSPLinear
-from llm_act.sites import check_site
+from llm_act.sites import BLOCK, check_site
 
 require("megatron.core", "llm_act.patches.megatron.linear")
 from megatron.core.tensor_parallel import layers as _layers  # noqa: E402
@@ -25,7 +25,8 @@ from megatron.core.tensor_parallel.layers import (  # noqa: E402
     RowParallelLinear,
 )
 
-LINEAR_SITES = ("attn.qkv_input", "attn.out", "mlp.fc1_input", "mlp.fc2_input")
+#: the sites a parallel linear stores (its input): the schema's column and row holders
+LINEAR_SITES = tuple(site.name for site in BLOCK if site.holder in ("column", "row"))
 _IMPL_SIG = inspect.signature(_layers.linear_with_grad_accumulation_and_async_allreduce)
 _IMPL_NAMES = tuple(_IMPL_SIG.parameters)
 

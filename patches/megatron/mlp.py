@@ -25,8 +25,9 @@ from llm_act.patches.megatron.functions import EncodedRecompute, FewBitActivatio
 
 require("megatron.core", "llm_act.patches.megatron.mlp")
 from megatron.core.transformer.mlp import MLP  # noqa: E402
+from llm_act.sites import MLP_ACT_INPUT
 
-SITE = "mlp.act_input"
+SITE = MLP_ACT_INPUT
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,10 @@ from llm_act.patches.megatron.recompute_codec import _Visible, SiteRecompute
 require("megatron.core", "llm_act.patches.megatron.moe")
 from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+from llm_act.sites import MOE_ROUTER_INPUT
+from llm_act.patches.megatron.mlp import activation_of
 
-ROUTER_SITE = "moe.router_input"
+ROUTER_SITE = MOE_ROUTER_INPUT
 EXPERT_SITES = (FC1, ACT, FC2, ROUTING)
 #: expert sites a plan may recompute on their own (rebuilt inside the expert's backward);
 #: the others only with the whole block
@@ -98,7 +100,6 @@ class ActSequentialMLP(ActModule, SequentialMLP):
             return expert(x, p)[0]  # nothing routed here: nothing stored
         if not bool((p != 0).any()):  # padding only: a zero output, nothing stored
             return PaddingOnly.apply(x, p, expert.linear_fc1.weight, expert.linear_fc2.weight)
-        from llm_act.patches.megatron.mlp import activation_of
 
         n = x.shape[0]
         codecs, recompute = {}, set()

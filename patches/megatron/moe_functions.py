@@ -27,8 +27,9 @@ import torch
 
 from llm_act.codecs.base import Codec
 from llm_act.patches.megatron.functions import Record, _megatron_linear_helpers, _report, linear_param_grads
+from llm_act.sites import MOE_ACT_INPUT, MOE_FC1_INPUT, MOE_FC2_INPUT, MOE_ROUTING
 
-FC1, ACT, FC2, ROUTING = "moe.fc1_input", "moe.act_input", "moe.fc2_input", "moe.routing"
+FC1, ACT, FC2, ROUTING = MOE_FC1_INPUT, MOE_ACT_INPUT, MOE_FC2_INPUT, MOE_ROUTING
 
 
 class EncodedRouterGating(torch.autograd.Function):

@@ -35,11 +35,40 @@ from llm_act.patches.megatron.recompute_codec import SiteRecompute, _Visible
 from llm_act.patches.megatron.recompute_producers import MOE_FULL_ONLY, PRODUCER_INPUTS
 from llm_act.patches.megatron.recompute_region import _Box, _Frame, _Region, _alive
 from llm_act.patches.megatron.rng_replay import capture_rng, is_recomputing, recomputing, replay_rng
-from llm_act.sites import (ATTENTION_INTERNAL_SITES, CHECKPOINT_SITE, DENSE_MLP_SITES, MASK_SITES, MOE_SITES,
-                           QK_NORM_SITES, QKV_SITES, SITES)
+from llm_act.sites import (
+    ATTENTION_INTERNAL_SITES,
+    ATTN_HIDDEN_DROPOUT_MASK,
+    ATTN_OUT,
+    BLOCK,
+    CHECKPOINT_SITE,
+    DENSE_MLP_SITES,
+    LN2_INPUT,
+    MASK_SITES,
+    MLP_ACT_INPUT,
+    MLP_FC2_INPUT,
+    MOE_SITES,
+    QKV_SITES,
+    QK_NORM_SITES,
+    SITES,
+    Site,
+)
+from llm_act.patches.megatron.mlp import activation_of
 
 #: sites a layer may lack (no qk-layernorm; a dense MLP or an MoE layer, not both)
 OPTIONAL_SITES = frozenset(QK_NORM_SITES) | frozenset(DENSE_MLP_SITES) | frozenset(MOE_SITES)
+#: the sites one layer submodule makes from one other site (`Site.made_by`): rebuilt by
+#: calling it (`_made`); the other producers are special cases of `LayerRecompute.rebuild`
+_MADE_BY: dict[str, Site] = {site.name: site for site in BLOCK if site.made_by is not None}
+
+
+def _made(layer: torch.nn.Module, site: Site, frame: _Frame) -> torch.Tensor:
+    """`site` rebuilt by its `made_by` submodule from the one site it reads (a linear's
+    `(output, bias)` summed, as the next module in the forward would)."""
+    out = layer.get_submodule(site.made_by)(frame.value(site.recomputed_from[0]))
+    if isinstance(out, tuple):
+        out, bias = out
+        return out + bias if bias is not None else out
+    return out
 
 
 def is_full(choice: Mapping[str, str], absent: frozenset = frozenset()) -> bool:
@@ -160,44 +189,42 @@ class LayerRecompute(LayerBinder):
             raise ValueError(
                 f"{where}: the core attention is recomputed as a whole: choose 'recompute' for "
                 f"both attn.softmax and attn.dropout_mask, got {dict((s, choice[s]) for s in ATTENTION_INTERNAL_SITES)}")
-        if "attn.out" in recomputed and not inner:
+        if ATTN_OUT in recomputed and not inner:
             raise ValueError(
                 f"{where}: recomputing 'attn.out' re-runs the core attention from q, k, v: "
                 "recompute attn.softmax and attn.dropout_mask too (the 'selective' region)")
         for s in recomputed & set(PRODUCER_INPUTS):
             if s not in self.sites and s in OPTIONAL_SITES:
                 continue  # the other MLP family's site (a dense layer beside MoE layers)
-            if s not in self.sites and s not in ("attn.out",):
+            if s not in self.sites and s not in (ATTN_OUT,):
                 raise ValueError(f"{where}: site {s!r} does not exist in this layer")
             for i in PRODUCER_INPUTS[s]:
                 if not self._value_available(i, choice[i]):
                     raise ValueError(
                         f"{where}: recomputing {s!r} needs the value of {i!r}, but {i!r} = "
                         f"{choice[i]!r} stores no value (choose keep, recompute or a value codec)")
-        if ("ln2.input" in recomputed and getattr(self.layer.config, "bias_dropout_fusion", False)
-                and choice["attn.hidden_dropout_mask"] != KEEP and self.layer.hidden_dropout > 0):
+        if (LN2_INPUT in recomputed and getattr(self.layer.config, "bias_dropout_fusion", False)
+                and choice[ATTN_HIDDEN_DROPOUT_MASK] != KEEP and self.layer.hidden_dropout > 0):
             raise ValueError(
                 f"{where}: recomputing 'ln2.input' with config.bias_dropout_fusion=True needs "
                 "attn.hidden_dropout_mask kept (the fused and eager dropouts draw differently)")
 
     def _value_available(self, site: str, name: str) -> bool:
         if name in (KEEP, RECOMPUTE):
-            if site == "mlp.act_input" and name == KEEP:
+            if site == MLP_ACT_INPUT and name == KEEP:
                 return self.mlp_kind() != "mask"
             return True
         if name.startswith("fewbit"):
             return False
-        return not (site == "mlp.act_input" and self.mlp_kind() == "mask")
+        return not (site == MLP_ACT_INPUT and self.mlp_kind() == "mask")
 
     def mlp_kind(self) -> str:
         """The MLP activation's kind, "fewbit", "mask" (ReLU) or "value" (`mlp.activation_of`)."""
-        from llm_act.patches.megatron.mlp import activation_of
 
         return activation_of(self.layer.mlp.config)[0]
 
     def mlp_activation(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The activation the compressed MLP computes (`mlp.activation_of` the layer's config)."""
-        from llm_act.patches.megatron.mlp import activation_of
 
         return activation_of(self.layer.config)[1]
 
@@ -219,7 +246,7 @@ class LayerRecompute(LayerBinder):
         for module in self.sites.values():
             module.act_record_sink = self._on_record
         self._handles.append(("sink", list(self.sites.values())))
-        if self.choice["ln2.input"] == RECOMPUTE:
+        if self.choice[LN2_INPUT] == RECOMPUTE:
             proj = layer.self_attention.linear_proj
             self._handles.append(proj.register_forward_pre_hook(self._capture_proj_rng))
         if self._attention_region:
@@ -266,34 +293,29 @@ class LayerRecompute(LayerBinder):
 
     def _capture_proj_rng(self, module, args) -> None:
         if self.frame is not None:
-            self.frame.rng["ln2.input"] = capture_rng()
+            self.frame.rng[LN2_INPUT] = capture_rng()
 
     # ---- rebuilding ---------------------------------------------------------------------------
     def rebuild(self, frame: _Frame, site: str) -> torch.Tensor:
-        """The value `site` had in the forward of `frame`, recomputed (no graph)."""
+        """The value `site` had in the forward of `frame`, recomputed (no graph): by the
+        schema's `made_by` submodule where it names one, else by the producer written here."""
         layer = self.layer
         with torch.no_grad(), recomputing():
-            if site == "attn.qkv_input":
-                return layer.input_layernorm(frame.value("ln1.input"))
-            if site in ("mlp.fc1_input", "moe.router_input"):
-                return layer.pre_mlp_layernorm(frame.value("ln2.input"))
-            if site == "mlp.act_input":
-                out, bias = layer.mlp.linear_fc1(frame.value("mlp.fc1_input"))
-                return out + bias if bias is not None else out
-            if site == "mlp.fc2_input":
-                from llm_act.patches.megatron.mlp import activation_of
+            if site in _MADE_BY:
+                return _made(layer, _MADE_BY[site], frame)
+            if site == MLP_FC2_INPUT:
 
-                return activation_of(layer.mlp.config)[1](frame.value("mlp.act_input"))
-            if site == "ln2.input":
-                attn_out, residual = frame.value("attn.out"), frame.value("ln1.input")
-                with replay_rng(frame.rng["ln2.input"]):
+                return activation_of(layer.mlp.config)[1](frame.value(MLP_ACT_INPUT))
+            if site == LN2_INPUT:
+                attn_out, residual = frame.value(ATTN_OUT), frame.value(CHECKPOINT_SITE)
+                with replay_rng(frame.rng[LN2_INPUT]):
                     out_with_bias = layer.self_attention.linear_proj(attn_out)
                     bda = layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)
                     return bda(out_with_bias, residual, layer.hidden_dropout)
-            if site == "attn.out":
+            if site == ATTN_OUT:
                 if frame.attention is None:
                     raise RuntimeError(f"layer {self.index}: the core-attention region was not recorded")
-                box, call = _alive(frame.attention[0], self.index, "attn.out"), frame.attention[1]
+                box, call = _alive(frame.attention[0], self.index, ATTN_OUT), frame.attention[1]
                 qkv = [box.value(i) for i in range(3)]
                 with replay_rng(box.rng):
                     return call(*qkv)

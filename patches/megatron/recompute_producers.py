@@ -17,24 +17,15 @@ nearest stored tensor. The producers:
 `moe.fc1_input` and `moe.routing` come out of the token dispatcher (collectives under expert
 parallelism): they are recomputed only with the whole block.
 
-The table lives apart from the binder (`recompute.LayerRecompute`) because both the binder
+The table is the schema's (`llm_act.sites.Site.recomputed_from`). It is re-exported here,
+apart from the binder (`recompute.LayerRecompute`) because both the binder
 (validation) and the per-forward frame (`recompute_region._Frame`, which walks it) read it.
 """
 from __future__ import annotations
 
-from llm_act.sites import QKV_SITES
+from llm_act.sites import BLOCK, PRODUCER_INPUTS
 
-#: site -> the sites its producer reads
-PRODUCER_INPUTS: dict[str, tuple[str, ...]] = {
-    "attn.qkv_input": ("ln1.input",),
-    "attn.out": QKV_SITES,
-    "ln2.input": ("attn.out", "ln1.input"),
-    "mlp.fc1_input": ("ln2.input",),
-    "mlp.act_input": ("mlp.fc1_input",),
-    "mlp.fc2_input": ("mlp.act_input",),
-    "moe.router_input": ("ln2.input",),
-    "moe.act_input": ("moe.fc1_input",),
-    "moe.fc2_input": ("moe.act_input", "moe.routing"),
-}
+__all__ = ["MOE_FULL_ONLY", "PRODUCER_INPUTS"]
+
 #: MoE sites recomputed only with the whole block (the token dispatcher produces them)
-MOE_FULL_ONLY = ("moe.fc1_input", "moe.routing")
+MOE_FULL_ONLY: tuple[str, ...] = tuple(s.name for s in BLOCK if s.family == "moe" and not s.recomputed_from)

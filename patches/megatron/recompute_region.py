@@ -21,7 +21,7 @@ from llm_act.codecs.registry import RECOMPUTE
 from llm_act.patches.megatron.act_module import report_to_ledger
 from llm_act.patches.megatron.recompute_producers import PRODUCER_INPUTS
 from llm_act.patches.megatron.rng_replay import capture_rng, recomputing, replay_rng
-from llm_act.sites import QKV_SITES
+from llm_act.sites import ATTN_OUT, QKV_SITES
 
 if TYPE_CHECKING:
     from llm_act.patches.megatron.recompute import LayerRecompute
@@ -142,7 +142,7 @@ class _Frame:
         for table in (self.values, self.cache):
             for s in [s for s in table if s not in needed and s not in self.pending]:
                 del table[s]
-        if not (needed & set(QKV_SITES)) and "attn.out" not in needed:
+        if not (needed & set(QKV_SITES)) and ATTN_OUT not in needed:
             self.attention = None
 
 

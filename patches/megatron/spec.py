@@ -18,6 +18,14 @@ from typing import Any, Optional, Union
 
 from llm_act._imports import require
 from llm_act.config import ActConfig
+from llm_act.patches.megatron import cpu_required, unsupported
+from llm_act.patches.megatron.apply import as_config
+from llm_act.patches.megatron.attention import ActCoreAttention
+from llm_act.patches.megatron.dropout import ActBiasDropoutAdd
+from llm_act.patches.megatron.linear import ActColumnParallelLinear, ActRowParallelLinear
+from llm_act.patches.megatron.moe import ActSequentialMLP, ActTopKRouter
+from llm_act.patches.megatron.norm import act_norm
+from llm_act.sites import BLOCK, Site
 
 
 class ActNorm:
@@ -26,7 +34,6 @@ class ActNorm:
     `build_module` would return a plain function uncalled."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
-        from llm_act.patches.megatron.norm import act_norm
 
         return act_norm(config, hidden_size, eps, **kwargs)
 
@@ -54,8 +61,6 @@ def layer_spec(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from llm_act.patches.megatron import cpu_required, unsupported
-    from llm_act.patches.megatron.apply import as_config
 
     config = as_config(config)
     for key, why in _REJECTED_KWARGS.items():
@@ -69,64 +74,68 @@ def layer_spec(
         return stock
     cpu_required.check_config(transformer_config, "layer_spec")
 
-    from llm_act.patches.megatron.attention import ActCoreAttention
-    from llm_act.patches.megatron.dropout import ActBiasDropoutAdd
-    from llm_act.patches.megatron.linear import ActColumnParallelLinear, ActRowParallelLinear
-
-    def slot(module: type, site: str) -> ModuleSpec:
-        return ModuleSpec(module=module, params={"act_site": site})
 
     layer = stock.submodules
-    attn = layer.self_attention
     mlp = layer.mlp
     if mlp.module.__name__ not in ("MLP", "MoELayer"):
         raise NotImplementedError(
             f"layer_spec: the local spec's MLP is {mlp.module.__name__}; llm_act supports the dense "
             "MLP and the MoELayer")
-    # qk_layernorm: the q/k norm slots hold the spec's own norm class (an identity or L2Norm
-    # otherwise, left as they are)
-    qk_norms = {attr: slot(ActNorm, site)
-                for attr, site in (("q_layernorm", "attn.q_norm_input"), ("k_layernorm", "attn.k_norm_input"))
-                if getattr(attn.submodules, attr, None) is layer.input_layernorm}
-    attn_sub = dataclasses.replace(
-        attn.submodules,
-        linear_qkv=slot(ActColumnParallelLinear, "attn.qkv_input"),
-        core_attention=ActCoreAttention,
-        linear_proj=slot(ActRowParallelLinear, "attn.out"),
-        **qk_norms,
-    )
-    if mlp.module.__name__ == "MoELayer":
-        from llm_act.patches.megatron.moe import ActSequentialMLP, ActTopKRouter
+    moe = mlp.module.__name__ == "MoELayer"
+    # the schema's sites (`slot`, `holder`) say which slot gets which class; the core
+    # attention converts as a whole (its sites lie inside it)
+    slots: dict[str, Any] = {"self_attention.core_attention": ActCoreAttention}
+    holder_classes = {"norm": ActNorm, "column": ActColumnParallelLinear, "row": ActRowParallelLinear}
+    for site in BLOCK:
+        if ("dense" if moe else "moe") in site.needs:
+            continue  # the other MLP family's site
+        if site.holder == "bda":
+            slots[site.slot] = ModuleSpec(
+                module=ActBiasDropoutAdd, params={"stock": _stock_at(layer, site.slot), "site": site.name})
+        elif site.holder in holder_classes and _ours(layer, site):
+            slots[site.slot] = ModuleSpec(module=holder_classes[site.holder], params={"act_site": site.name})
+    if moe:
 
         # no shared experts (refused by unsupported.check_moe); the experts' linears stay
         # megatron's: ActSequentialMLP stores their inputs itself
-        mlp_sub = dataclasses.replace(
-            mlp.submodules, router=ActTopKRouter,
-            experts=dataclasses.replace(mlp.submodules.experts, module=ActSequentialMLP))
-    else:
-        mlp_sub = dataclasses.replace(
-            mlp.submodules,
-            linear_fc1=slot(ActColumnParallelLinear, "mlp.fc1_input"),
-            linear_fc2=slot(ActRowParallelLinear, "mlp.fc2_input"),
-        )
-    submodules = dataclasses.replace(
-        layer,
-        input_layernorm=slot(ActNorm, "ln1.input"),
-        self_attention=dataclasses.replace(attn, submodules=attn_sub),
-        self_attn_bda=ModuleSpec(
-            module=ActBiasDropoutAdd,
-            params={"stock": layer.self_attn_bda, "site": "attn.hidden_dropout_mask"},
-        ),
-        pre_mlp_layernorm=slot(ActNorm, "ln2.input"),
-        # the MLP class itself stays megatron's: TransformerLayer passes the TP group only to
-        # `MLP` exactly; `apply` swaps it to ActMLP in place (its site is bound there)
-        mlp=dataclasses.replace(mlp, submodules=mlp_sub),
-        mlp_bda=ModuleSpec(
-            module=ActBiasDropoutAdd,
-            params={"stock": layer.mlp_bda, "site": "mlp.hidden_dropout_mask"},
-        ),
-    )
-    return dataclasses.replace(stock, submodules=submodules)
+        slots["mlp.router"] = ActTopKRouter
+        slots["mlp.experts"] = dataclasses.replace(mlp.submodules.experts, module=ActSequentialMLP)
+    # the MLP class itself stays megatron's: TransformerLayer passes the TP group only to
+    # `MLP` exactly; `apply` swaps it to ActMLP in place (its site is bound there)
+    return dataclasses.replace(stock, submodules=_with_slots(layer, slots))
+
+
+def _stock_at(submodules: Any, slot: str) -> Any:
+    """What a layer spec's submodules hold at the dotted `slot` path (None where a step is
+    missing)."""
+    *parents, name = slot.split(".")
+    for parent in parents:
+        submodules = getattr(getattr(submodules, parent, None), "submodules", None)
+    return getattr(submodules, name, None)
+
+
+def _ours(layer: Any, site: Site) -> bool:
+    """Whether `layer_spec` puts our class in the site's slot: always for a linear; for a
+    norm only where the stock spec has the layer's own norm class (ln1's), not an identity
+    (a block without qk-layernorm) or megatron's L2Norm (`qk_l2_norm`)."""
+    return site.holder != "norm" or _stock_at(layer, site.slot) is layer.input_layernorm
+
+
+def _with_slots(submodules: Any, slots: dict[str, Any]) -> Any:
+    """A copy of a spec's `submodules` with each dotted slot path in `slots` replaced (the
+    specs on the way copied too: the stock spec is left as it was)."""
+    here: dict[str, Any] = {}
+    below: dict[str, dict[str, Any]] = {}
+    for slot, value in slots.items():
+        parent, dot, rest = slot.partition(".")
+        if dot:
+            below.setdefault(parent, {})[rest] = value
+        else:
+            here[slot] = value
+    for parent, inner in below.items():
+        spec = getattr(submodules, parent)
+        here[parent] = dataclasses.replace(spec, submodules=_with_slots(spec.submodules, inner))
+    return dataclasses.replace(submodules, **here)
 
 
 def block_spec(
@@ -147,7 +156,6 @@ def block_spec(
         get_num_layers_to_build,
     )
 
-    from llm_act.patches.megatron.apply import as_config
 
     if transformer_config is None:
         raise ValueError("transformer_config: block_spec needs the model's TransformerConfig, got None")

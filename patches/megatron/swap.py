@@ -2,10 +2,14 @@
 
 The registry `apply` uses: each stored site of a block -> the module that stores it,
 converted in place (class swap, parameters untouched), so state_dict keys do not change.
+Which module that is comes from the block schema (`llm_act.sites.BLOCK`: a site's `slot`
+and `holder`), so a new site of an existing holder kind needs no change here.
 Attention internals (q/k/v, softmax, attention dropout) stay stock unless
 `convert_layer(..., attention=True)` / `convert_attention` converts the core attention.
 """
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 
@@ -21,6 +25,22 @@ require("megatron.core", "llm_act.patches.megatron.swap")
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp  # noqa: E402
 from megatron.core.transformer.mlp import MLP  # noqa: E402
+from llm_act.sites import ATTN_OUT, BLOCK, Site  # noqa: E402
+from llm_act.patches.megatron.moe import convert_moe, is_moe
+from llm_act.patches.megatron.attention import ATTENTION_SITES, ActCoreAttention
+
+#: holder kind -> (our class, the stock class it converts) for the parallel linears
+_LINEARS = {
+    "column": (ActColumnParallelLinear, ColumnParallelLinear),
+    "row": (ActRowParallelLinear, RowParallelLinear),
+}
+#: the holder kinds converted one slot at a time (the MLP, the MoE layer and the core
+#: attention convert as a whole; the bias-dropout-adds are replaced, not converted)
+_MODULE_HOLDERS = ("norm", *_LINEARS)
+#: Within one module's tensor-parallel region the column-parallel linear runs first (it
+#: opens the region), the row-parallel one last (it closes it), what lies between (the
+#: qk-norms) in between: the order `convert_layer` returns the sites in (`_forward_order`).
+_REGION_RANK = {"column": 0, "norm": 1, "row": 2}
 
 
 def _norm(module: torch.nn.Module, site: str):
@@ -36,8 +56,8 @@ def _norm(module: torch.nn.Module, site: str):
         "llm_act converts torch.nn.LayerNorm / torch.nn.RMSNorm (megatron's WrappedTorchNorm)")
 
 
-def _linear(module: torch.nn.Module, site: str, column: bool):
-    cls, stock = (ActColumnParallelLinear, ColumnParallelLinear) if column else (ActRowParallelLinear, RowParallelLinear)
+def _linear(module: torch.nn.Module, site: str, holder: str):
+    cls, stock = _LINEARS[holder]
     if isinstance(module, cls):
         module._act_init(site=site)
         return module
@@ -60,10 +80,70 @@ def _is_l2_norm(module) -> bool:
     return isinstance(module, L2Norm)
 
 
+def _at(layer: torch.nn.Module, slot: str) -> Any:
+    """What the layer holds at the dotted `slot` path (None where a step is missing: a
+    qk-norm attribute some megatron versions lack). Not `get_submodule`: a stock
+    bias-dropout-add is a plain function."""
+    holder = layer
+    for name in slot.split("."):
+        holder = getattr(holder, name, None)
+    return holder
+
+
+def _in_mlp(site: Site) -> bool:
+    """A site of the MLP (`_convert_mlp`): only dense or only MoE layers have it."""
+    return "dense" in site.needs or "moe" in site.needs
+
+
+def _forward_order(sites: list[Site]) -> list[Site]:
+    """`sites` in the order the layer's forward reaches their slots: by the layer's child
+    that holds the slot (in the order the schema first names it), then by the place in that
+    child's tensor-parallel region (`_REGION_RANK`), then in schema order. The schema lists
+    sites as they were added, not in forward order (the qk-norms come last there)."""
+    child_rank: dict[str, int] = {}
+    for site in BLOCK:
+        child_rank.setdefault(site.slot.split(".")[0], len(child_rank))
+    return sorted(sites, key=lambda s: (child_rank[s.slot.split(".")[0]], _REGION_RANK[s.holder],
+                                        BLOCK.index(s)))
+
+
+def _convert_slot(layer: torch.nn.Module, site: Site) -> Optional[ActModule]:
+    """The module at `site.slot` converted for `site`; None for a norm slot the layer leaves
+    empty (an identity: no pre-MLP norm, no qk-layernorm) or holds megatron's L2Norm in
+    (`qk_l2_norm` in place of the qk-layernorm)."""
+    module = _at(layer, site.slot)
+    if site.holder != "norm":
+        return _linear(module, site.name, site.holder)
+    if _is_identity(module) or ("qk_layernorm" in site.needs and _is_l2_norm(module)):
+        return None
+    return _norm(module, site.name)
+
+
+def _convert_slots(layer: torch.nn.Module, sites: list[Site]) -> dict[str, ActModule]:
+    out = {}
+    for site in _forward_order(sites):
+        module = _convert_slot(layer, site)
+        if module is not None:
+            out[site.name] = module
+    return out
+
+
+def _convert_bda(layer: torch.nn.Module, site: Site) -> ActBiasDropoutAdd:
+    """The bias-dropout-add at `site.slot`, replaced by `ActBiasDropoutAdd` (a converted one
+    re-initialised): the stock one is a function factory, not a module to convert."""
+    bda = _at(layer, site.slot)
+    if isinstance(bda, ActBiasDropoutAdd):
+        bda._act_init()
+        return bda
+    bda = ActBiasDropoutAdd.from_stock(bda, site=site.name)
+    parent, _, name = site.slot.rpartition(".")
+    setattr(_at(layer, parent) if parent else layer, name, bda)
+    return bda
+
+
 def _convert_mlp(layer: torch.nn.Module) -> dict[str, ActModule]:
     """The MLP's sites: a dense MLP (`mlp.*`, ActMLP and its two linears) or an MoE layer
     (`moe.*`, `moe.convert_moe`)."""
-    from llm_act.patches.megatron.moe import convert_moe, is_moe
 
     mlp = layer.mlp
     if is_moe(mlp):
@@ -76,11 +156,10 @@ def _convert_mlp(layer: torch.nn.Module) -> dict[str, ActModule]:
         ActMLP.from_stock(mlp)
     else:
         mlp._act_init()
-    return {
-        "mlp.act_input": mlp,
-        "mlp.fc1_input": _linear(mlp.linear_fc1, "mlp.fc1_input", column=True),
-        "mlp.fc2_input": _linear(mlp.linear_fc2, "mlp.fc2_input", column=False),
-    }
+    dense = [site for site in BLOCK if "dense" in site.needs]
+    sites: dict[str, ActModule] = {site.name: mlp for site in dense if site.holder == "mlp"}
+    sites.update(_convert_slots(layer, [site for site in dense if site.holder in _MODULE_HOLDERS]))
+    return sites
 
 
 def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = False) -> dict[str, ActModule]:
@@ -92,27 +171,12 @@ def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = Fa
     """
     if isinstance(layer_index, bool) or not isinstance(layer_index, int) or layer_index < 0:
         raise ValueError(f"layer_index: expected a non-negative int, got {layer_index!r}")
-    sites: dict[str, ActModule] = {}
-    if not _is_identity(layer.input_layernorm):
-        sites["ln1.input"] = _norm(layer.input_layernorm, "ln1.input")
-    attn = layer.self_attention
-    sites["attn.qkv_input"] = _linear(attn.linear_qkv, "attn.qkv_input", column=True)
-    for attr, site in (("q_layernorm", "attn.q_norm_input"), ("k_layernorm", "attn.k_norm_input")):
-        norm = getattr(attn, attr, None)
-        if not _is_identity(norm) and not _is_l2_norm(norm):  # qk_layernorm (Qwen3, OLMo 2)
-            sites[site] = _norm(norm, site)
-    sites["attn.out"] = _linear(attn.linear_proj, "attn.out", column=False)
-    if not _is_identity(layer.pre_mlp_layernorm):
-        sites["ln2.input"] = _norm(layer.pre_mlp_layernorm, "ln2.input")
+    sites = _convert_slots(layer, [site for site in BLOCK
+                                   if site.holder in _MODULE_HOLDERS and not _in_mlp(site)])
     sites.update(_convert_mlp(layer))
-    for attr, site in (("self_attn_bda", "attn.hidden_dropout_mask"), ("mlp_bda", "mlp.hidden_dropout_mask")):
-        bda = getattr(layer, attr)
-        if isinstance(bda, ActBiasDropoutAdd):
-            bda._act_init()
-        else:
-            bda = ActBiasDropoutAdd.from_stock(bda, site=site)
-            setattr(layer, attr, bda)
-        sites[site] = bda
+    for site in BLOCK:
+        if site.holder == "bda":
+            sites[site.name] = _convert_bda(layer, site)
     if attention:
         sites.update(convert_attention(layer, layer_index))
     for module in sites.values():
@@ -130,7 +194,6 @@ def convert_attention(layer: torch.nn.Module, layer_index: int) -> dict[str, Act
     `ActCoreAttention` (mode "stock", every site kept, i.e. still stock) and link it to the
     output projection, which stores `attn.out`. Returns {site: module} for `attn.q/k/v`,
     `attn.softmax` and `attn.dropout_mask` (`attn.out` stays with the projection)."""
-    from llm_act.patches.megatron.attention import ATTENTION_SITES, ActCoreAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     if isinstance(layer_index, bool) or not isinstance(layer_index, int) or layer_index < 0:
@@ -148,4 +211,4 @@ def convert_attention(layer: torch.nn.Module, layer_index: int) -> dict[str, Act
     if isinstance(attn.linear_proj, ActModule):
         core.link_out_site(attn.linear_proj)
     core.act_layer = layer_index
-    return {site: core for site in ATTENTION_SITES if site != "attn.out"}
+    return {site: core for site in ATTENTION_SITES if site != ATTN_OUT}

@@ -73,7 +73,8 @@ def _row(rows, name, dropout):
 def test_stock_bytes_are_the_ledger_tests_figure(memory_rows, dropout):
     r = _row(memory_rows, "stock", dropout)
     sh = r["shape"]
-    want = sum(expected_per_sbh(sh.dtype, dropout, sh.s, sh.b, sh.h, sh.a).values())
+    want = sum(expected_per_sbh(sh.torch_dtype, dropout, sh.seq_length, sh.micro_batch_size, sh.hidden_size,
+                                sh.num_attention_heads).values())
     assert r["per_sbh"] == pytest.approx(want, rel=1e-9)
     assert r["ratio"] == 1.0
     assert r["held_per_sbh"] == pytest.approx(r["per_sbh"], rel=0.01)
@@ -84,20 +85,21 @@ def test_compress_sites_hold_their_codecs_nbytes(memory_rows, dropout):
     r = _row(memory_rows, "compress (Adacc)", dropout)
     sh = r["shape"]
     sites = r["by_site"]
-    qkv = make_codec("int4_channel").nbytes_for((sh.s, sh.b, sh.a, sh.h // sh.a), sh.dtype)
-    rope = 4 * sh.s * (sh.h // sh.a) * torch.empty((), dtype=sh.dtype).element_size()  # booked with Q
+    s, b, h, dt = sh.seq_length, sh.micro_batch_size, sh.hidden_size, sh.torch_dtype
+    qkv = make_codec("int4_channel").nbytes_for((s, b, sh.num_attention_heads, sh.head_dim), dt)
+    rope = 4 * s * sh.head_dim * sh.elem_bytes  # booked with Q
     assert sites[(0, "attn.q")] - rope == sites[(0, "attn.k")] == sites[(0, "attn.v")] == qkv
-    act = make_codec("fewbit3", activation="gelu").nbytes_for((sh.s, sh.b, 4 * sh.h), sh.dtype)
+    act = make_codec("fewbit3", activation="gelu").nbytes_for((s, b, 4 * h), dt)
     assert sites[(0, "mlp.act_input")] == act
     assert (0, "attn.softmax") not in sites
     assert r["held_per_sbh"] == pytest.approx(r["per_sbh"], rel=0.01)
     assert r["ratio"] < 0.2
     # ActNN: every linear input at int2 (4 * h wide for fc2), nothing else beside it
     a = _row(memory_rows, "ActNN int2", dropout)["by_site"]
-    assert a[(0, "mlp.fc2_input")] == make_codec("int2").nbytes_for((sh.s, sh.b, 4 * sh.h), sh.dtype)
+    assert a[(0, "mlp.fc2_input")] == make_codec("int2").nbytes_for((s, b, 4 * h), dt)
     # recompute: full keeps only the block input (2 bytes per element in bf16)
     full = _row(memory_rows, "megatron full", dropout)["by_site"]
-    assert sum(n for (layer, _), n in full.items() if layer == 0) == 2 * sh.sbh
+    assert sum(n for (layer, _), n in full.items() if layer == 0) == 2 * M.sbh(sh)
 
 
 def test_schemes_order_and_planner_budgets(memory_rows):
@@ -194,7 +196,7 @@ def test_gpu_bench_code_runs_on_cpu():
     GPT on CPU (numbers meaningless; peak memory absent)."""
     from llm_act.bench import gpu as G
 
-    shape = G.GpuShape(layers=2, hidden=64, heads=4, seq=32, vocab=128)
+    shape = G.gpt_shape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
     assert G.ours_choice(shape, 1, 1) is None  # one byte fits nothing
     res = G.run(shape, device="cpu", sizes=(1, 2), repeat=1)
     fits = [r for r in res["rows"] if r["fits"]]
@@ -223,7 +225,7 @@ def test_keeping_v_is_predicted_as_the_whole_qkv_buffer():
     V alone and under-predicted such a plan by 4 bytes per s*b*h)."""
     from llm_act import _testing as testing
 
-    shape = M.Shape(s=128, b=2, h=256, a=8, dropout=0.0)
+    shape = M.block_shape(s=128, b=2, h=256, a=8, dropout=0.0)
     scheme = M.Scheme("q, k int4", "", {"attn.q": "int4_channel", "attn.k": "int4_channel"},
                       attention="auto", convert_attention=True)
     testing.init_parallel(seed=1234)
@@ -232,5 +234,14 @@ def test_keeping_v_is_predicted_as_the_whole_qkv_buffer():
     finally:
         testing.destroy_parallel()
     measured = sum(n for (layer, _), n in res["by_site"].items() if layer == 0)
-    assert res["by_site"][(0, "attn.v")] == 6 * shape.sbh  # Q, K and V of the fused buffer
+    assert res["by_site"][(0, "attn.v")] == 6 * M.sbh(shape)  # Q, K and V of the fused buffer
     assert P.predicted_block_bytes(shape, scheme) == pytest.approx(measured, rel=0.01)
+
+
+def test_gact_scheme_compresses_every_tensor_and_recomputes_none():
+    """GACT is a compression scheme: its plan stores every site at a GACT bit width (masks
+    as bitmasks), never recomputing, neither site by site nor the whole block."""
+    scheme = M.gact_scheme(M.block_shape(s=128, b=2, h=256, a=8, dropout=0.1))
+    assert "recompute" not in scheme.choice.values()
+    assert set(scheme.choice.values()) <= set(M.GACT_CODECS) | {"bitmask", "keep"}
+    assert any(c in M.GACT_CODECS for c in scheme.choice.values())

@@ -17,7 +17,7 @@ pytest.importorskip("megatron.core")
 
 from llm_act.bench import gpu as G  # noqa: E402
 
-SHAPE = G.GpuShape(layers=2, hidden=32, heads=2, seq=16, vocab=64)
+SHAPE = G.gpt_shape(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_cuda_branch_on_a_tiny_gpt():
     """The same logic on CUDA (run by tools/gpu_suite.sh's gpu tests): peak memory from
     `torch.cuda.max_memory_allocated`, the auto budget = full recompute's measured peak, and
     the largest-micro-batch search against an emulated small card (no real OOM needed)."""
-    shape = G.GpuShape(layers=2, hidden=256, heads=4, seq=256, vocab=512)
+    shape = G.gpt_shape(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=512)
     res = G.run(shape, device="cuda", sizes=(1, 2), repeat=2, max_mbs=8, isolate=False)
     assert res["memory_kind"] == "cuda peak" and res["card"] > 0
     by = {(r["scheme"], r["mbs"]): r for r in res["rows"]}

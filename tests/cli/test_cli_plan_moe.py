@@ -54,8 +54,8 @@ def test_expert_parallelism_shrinks_static_memory(tmp_path):
 def test_experts_shard_over_their_own_data_parallel_group():
     """At dp = ep no rank shares an expert: ZeRO has nothing to shard (one stage of Mixtral
     does not fit an 80 GB device); at dp = 8 x ep, each expert's optimizer state is split 8 ways."""
-    from llm_act.planner.analytic import expert_parameters_per_rank, parameters_per_rank, static_bytes
     from llm_act.planner.presets import model_shape
+    from llm_act.planner.static_memory import expert_parameters_per_rank, parameters_per_rank, static_bytes
 
     shape = model_shape("mixtral-8x7b", ep=8)
     experts, total = expert_parameters_per_rank(shape, 0), parameters_per_rank(shape, 0)

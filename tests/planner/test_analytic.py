@@ -12,16 +12,10 @@ import torch
 from llm_act.codecs import make_codec
 from llm_act.codecs.registry import CODEC_NAMES, check_choice
 from llm_act.planner import InfeasibleBudget, evaluate_plan, solve_plan
-from llm_act.planner.analytic import (
-    DeviceModel,
-    block_profile,
-    codec_variance,
-    outer_bytes,
-    parameters_per_rank,
-    stage_blocks,
-    static_bytes,
-)
+from llm_act.planner.analytic import block_profile, codec_variance, stage_blocks
+from llm_act.planner.model_shape import DeviceModel
 from llm_act.planner.presets import MODELS, model_shape
+from llm_act.planner.static_memory import outer_bytes, parameters_per_rank, static_bytes
 from llm_act.sites import SITES
 
 S, B, H, A = 1024, 4, 1024, 16  # a GPT-2-medium-like block

@@ -7,8 +7,10 @@ import math
 
 import pytest
 
-from llm_act.planner.analytic import DeviceModel, ModelShape, block_profile, parameters_per_rank
+from llm_act.planner.analytic import block_profile
+from llm_act.planner.model_shape import DeviceModel, ModelShape
 from llm_act.planner.presets import model_shape
+from llm_act.planner.static_memory import parameters_per_rank
 from llm_act.sites import DENSE_MLP_SITES, MOE_SITES
 
 

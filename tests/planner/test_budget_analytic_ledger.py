@@ -25,7 +25,8 @@ import torch
 
 from llm_act import _testing as T
 from llm_act.ledger import SavedTensorLedger
-from llm_act.planner.analytic import DeviceModel, ModelShape, block_profile
+from llm_act.planner.analytic import block_profile
+from llm_act.planner.model_shape import DeviceModel, ModelShape
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 

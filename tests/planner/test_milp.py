@@ -23,9 +23,11 @@ from llm_act.planner import (
     load_plan_json,
     milp,
     milp_model,
+    plan_json,
     solve_plan,
 )
-from llm_act.planner.analytic import ModelShape, block_profile
+from llm_act.planner.analytic import block_profile
+from llm_act.planner.model_shape import ModelShape
 from llm_act.sites import SITES
 
 # ---- a GPT block profile, from the library's analytic profile -------------------------------
@@ -380,7 +382,9 @@ def test_json_round_trip_merges_runs(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json(indent=2))
     per_layer = load_plan_json(path, 14)
-    assert per_layer == [plan.choice[0]] * 6 + [plan.choice[1]] * 2 + [plan.choice[2]] * 6
+    assert per_layer == dict(enumerate([plan.choice[0]] * 6 + [plan.choice[1]] * 2 + [plan.choice[2]] * 6))
+    assert per_layer == plan.layer_plans()
+    assert plan_json(per_layer) == plan.to_dict()
     shifted = plan.to_dict(first_layer=10)
     assert shifted["blocks"][0]["layers"][0] == 10
     with pytest.raises(ValueError, match="layers 0-9 of 24 have no plan"):
@@ -414,7 +418,7 @@ def test_bad_json_plan_files(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         load_plan_json(tmp_path / "missing.json", 1)
     ok = load_plan_json({"version": 1, "blocks": [{"layers": [0, 1], "choice": {"attn.q": "int8"}}]}, 2)
-    assert ok == [{"attn.q": "int8"}, {"attn.q": "int8"}]
+    assert ok == {0: {"attn.q": "int8"}, 1: {"attn.q": "int8"}}
 
 
 def test_gpt_profile_uses_the_public_site_names():
@@ -424,7 +428,7 @@ def test_gpt_profile_uses_the_public_site_names():
         plan = solve_plan([blk], 8 * sum(s.nbytes for s in blk.sites) // 2)
         assert set(plan.choice[0].values()) - {"keep"}
         per_layer = load_plan_json(plan.to_dict(), 8)  # every choice passes check_choice
-        assert per_layer == [plan.choice[0]] * 8
+        assert per_layer == dict.fromkeys(range(8), plan.choice[0])
 
 
 # ---- profiles and arguments ----------------------------------------------------------------

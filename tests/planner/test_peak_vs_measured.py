@@ -1,8 +1,8 @@
 """One memory model, checked against an independent measurement (issue 27, item 3).
 
 The planner prices a plan's activation memory as its stored bytes plus the larger of the end
-of forward (`analytic.loss_bytes`: the logits, the loss's bookkeeping, the output layer's
-backward; plus `analytic.input_bytes`, the stage input the model still holds, when the first
+of forward (`static_memory.loss_bytes`: the logits, the loss's bookkeeping, the output layer's
+backward; plus `static_memory.input_bytes`, the stage input the model still holds, when the first
 block encodes its checkpoint) and the heaviest backward stage of a block (`planner.transient`:
 per stage, MLP then attention, its gradients in flight, `analytic.stage_bytes`, the sites it
 rebuilds or decodes, and what a rebuild there brings forward; a block recomputed whole holds
@@ -52,9 +52,9 @@ from llm_act.measurement.measured_profile import runtime_block  # noqa: E402
 from llm_act.measurement.peak_memory import LiveStorageTracker  # noqa: E402
 from llm_act.plan import compress_layer, keep_layer, recompute_layer, selective_layer  # noqa: E402
 from llm_act.planner import evaluate_plan, solve_plan  # noqa: E402
-from llm_act.planner.analytic import (DeviceModel, ModelShape, block_profile, grad_bytes, input_bytes,  # noqa: E402
-                                      stage_bytes,
-                                      loss_bytes, outer_bytes)
+from llm_act.planner.analytic import block_profile, grad_bytes, stage_bytes  # noqa: E402
+from llm_act.planner.model_shape import DeviceModel, ModelShape  # noqa: E402
+from llm_act.planner.static_memory import input_bytes, loss_bytes, outer_bytes  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from llm_act.bench.gpu import GpuShape, _analytic_block
+from llm_act.bench.gpu import SHAPE as GPU_SHAPE, _analytic_block
 from llm_act.bench.memory import restricted_block
 from llm_act.measurement.measured_profile import runtime_block
 from llm_act.plan import load_plan_json, recompute_layer
@@ -32,7 +32,7 @@ def test_auto_fits_full_recomputes_memory_without_noise(name):
     every preset and on the GPU bench's GPT, with "recompute" only where the runtime offers
     it. Without the whole-block option the same problem has no plan."""
     if name == "bench-gpt":
-        block = restricted_block(_analytic_block(GpuShape(), 4))
+        block = restricted_block(_analytic_block(GPU_SHAPE, 4))
     else:
         shape = MODELS[name]
         block = runtime_block(block_profile(shape.with_(seq_length=min(shape.seq_length, 4096)),
@@ -100,8 +100,9 @@ def test_identical_layers_split_between_whole_and_per_site(between):
     assert max(e.peak_bytes for e in each) == plan.peak_bytes
     assert sum(e.activation_bytes - e.peak_bytes for e in each) + plan.peak_bytes == plan.activation_bytes
     # and its JSON form reads back as those layers
-    assert load_plan_json(plan.to_dict(), n) == [{**recompute_layer(), **c} if c == recompute_layer() else c
-                                                 for c in layers]
+    assert load_plan_json(plan.to_dict(), n) == dict(enumerate(
+        {**recompute_layer(), **c} if c == recompute_layer() else c for c in layers))
+    assert plan.layer_plans() == dict(enumerate(layers))
 
 
 def min_memory(block) -> int:

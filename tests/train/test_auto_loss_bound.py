@@ -24,7 +24,7 @@ from tests.patches.broken_codec import broken
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
-TINY = C.Model("tiny", 2, 64, 4, 64, 4)
+TINY = C.gpt("tiny", 2, 64, 4, 64, 4)
 STEPS = 40
 #: |valid(auto) / valid(stock) - 1| at every validation point, same seed (weights, batches)
 BOUND = 0.005

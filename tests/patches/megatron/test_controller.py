@@ -17,7 +17,8 @@ from llm_act import ActConfig
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.megatron import apply
 from llm_act.plan import VALUE_ACT_CODEC, keep_layer, plan_from, resolve
-from llm_act.runtime.controller import Controller, codec_seed
+from llm_act.runtime.controller import Controller
+from llm_act.runtime.seeds import codec_seed
 from llm_act.sites import DEFAULT_CODECS, SITES
 from tests.patches.megatron import gpt_runs as R
 

@@ -33,7 +33,7 @@ def _worker(rank, world, port, mode):
 
     from llm_act import ActConfig
     from llm_act.runtime import agreement
-    from llm_act.runtime.controller import DP_SEED_STRIDE, codec_seed
+    from llm_act.runtime.seeds import DP_SEED_STRIDE, codec_seed
     from llm_act.patches.megatron import apply
     from tests.patches.megatron import gpt_runs as R
 

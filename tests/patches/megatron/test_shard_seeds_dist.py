@@ -6,7 +6,7 @@ layers. Two ranks that hold different data but draw the same uniforms have corre
 errors (0.5 in theory: (1[u < f] - f) for two independent fractions f and one u; 0.49
 measured on a GPT's shards), so their noise adds up coherently in the gradient instead of
 averaging out. With seeds equal only where the tensor is replicated (`sites.TP_LAYOUT`,
-`controller.codec_seed`):
+`seeds.codec_seed`):
 
 - without sequence parallelism, the replicated sites (norm and column-parallel linear
   inputs) round identically on both ranks (bit-equal errors: the norms' weight gradients
@@ -90,7 +90,7 @@ def _run(sequence_parallel: bool):
 
 def _worker(rank, world, port):
     warnings.filterwarnings("ignore")
-    from llm_act.runtime.controller import TP_SEED_STRIDE, codec_seed
+    from llm_act.runtime.seeds import TP_SEED_STRIDE, codec_seed
 
     T.init_parallel(tp=2, rank=rank, world_size=world, port=port)
     seeds, measured = {}, {}
@@ -126,7 +126,7 @@ def test_tp_shards_draw_independent_rounding_and_replicas_equal():
 
 
 def test_tp_layout_table():
-    from llm_act.runtime.controller import TP_SEED_STRIDE, codec_seed
+    from llm_act.runtime.seeds import TP_SEED_STRIDE, codec_seed
     from llm_act.sites import SITES, TP_LAYOUT, tp_replicated
 
     assert set(TP_LAYOUT) == set(SITES)

@@ -24,8 +24,9 @@ from typing import Optional, Union
 from llm_act.cli.parsing import POSITIVE_INT
 from llm_act.config import parse_bytes
 from llm_act.config import ATTENTION_MODES
-from llm_act.planner.analytic import DeviceModel, ModelShape, layer_forward_ms
+from llm_act.planner.analytic import layer_forward_ms
 from llm_act.planner.budget import OUTPUT_LOSS_CHOICES, StageResult, plan_stages
+from llm_act.planner.model_shape import DeviceModel, ModelShape
 from llm_act.planner.presets import MODELS, model_shape
 
 _GIB = float(2**30)
@@ -259,9 +260,6 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
         changes["dropout"] = args.dropout
     parser = getattr(args, "plan_parser", parser)
     output_loss = getattr(args, "output_loss", "auto")
-    if output_loss == "chunked" and args.sequence_parallel:
-        parser.error("argument --output-loss: 'chunked' does not support --sequence-parallel yet "
-                     "(use 'stock', or 'auto', which stays stock there)")
     try:
         shape = model_shape(args.model, **changes)
     except ValueError as err:  # e.g. a --tp that does not divide the heads: name the flag

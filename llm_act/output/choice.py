@@ -31,24 +31,28 @@ class OutputSizes:
     """The output layer of one micro-batch on this rank."""
 
     tokens: int
-    """tokens reaching the output layer (s x b)"""
+    """tokens the loss sees (s x b, the whole sequence)"""
     hidden: int
     vocab_local: int
     """this rank's vocab shard (vocab / tp)"""
     elem_bytes: int
     """bytes per element of the hidden states (the model dtype)"""
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    sequence_shards: int = 1
+    """ranks the sequence is split over before the output layer (tp under sequence
+    parallelism): each saves its shard of the hidden states, the loss sees every token"""
 
     @property
     def stock_bytes(self) -> int:
         """What stock's output linear (its input) and `vocab_parallel_cross_entropy` (fp32
         softmax, target mask, masked target) save for backward."""
-        return self.tokens * self.hidden * self.elem_bytes + stock_logits_bytes(self.tokens, self.vocab_local)
+        return (self.tokens // self.sequence_shards * self.hidden * self.elem_bytes
+                + stock_logits_bytes(self.tokens, self.vocab_local))
 
     @property
     def chunked_bytes(self) -> int:
         """What the chunked op saves: the hidden states and one fp32 log-sum-exp per token."""
-        return stored_bytes(self.tokens, self.hidden, self.elem_bytes)
+        return stored_bytes(self.tokens, self.hidden, self.elem_bytes, self.sequence_shards)
 
     @property
     def saving(self) -> int:
@@ -92,7 +96,7 @@ class OutputChoice:
 
 def estimate_gemm_ms(sizes: OutputSizes, device: Any) -> float:
     """The extra logits GEMM, estimated: 2 x tokens x vocab_local x hidden flops at the
-    matmul rate of `device` (a `llm_act.planner.analytic.DeviceModel`: its `gemm_ms`)."""
+    matmul rate of `device` (a `llm_act.planner.model_shape.DeviceModel`: its `gemm_ms`)."""
     return float(device.gemm_ms(sizes.gemm_flops))
 
 

@@ -19,7 +19,15 @@ Under vocab-parallel TP (`tp_group`, `weight` this rank's vocab shard) each rank
 log-sum-exp and target logit (0 where the label lies outside its vocab range, as in megatron)
 are combined by two all-reduces of a few floats per token after the chunk loop, and
 backward all-reduces the input gradient, as megatron's ColumnParallelLinear output layer
-does. Labels outside [0, vocab) are not checked (a check would sync the device): as in
+does.
+
+Under sequence parallelism (`sequence_parallel=True`, megatron's `--sequence-parallel`) `hidden`
+is this rank's shard of the sequence [s/tp, b, h], as stock's output layer receives it. The op
+all-gathers the sequence in forward and again in backward, and saves only the shard, as stock's
+linear does; the input gradient is reduce-scattered back to the shards (the sum over the vocab
+shards and the split over the sequence in one collective).
+
+Labels outside [0, vocab) are not checked (a check would sync the device): as in
 megatron (which zeroes their target logit after subtracting the max logit) their loss is
 the log-sum-exp minus the max logit, and their gradient the softmax.
 """
@@ -38,11 +46,12 @@ __all__ = ["ChunkedLinearCrossEntropy", "DEFAULT_CHUNK_TOKENS", "chunked_linear_
            "stock_logits_bytes", "stored_bytes"]
 
 
-def stored_bytes(tokens: int, hidden_size: int, elem_bytes: int) -> int:
+def stored_bytes(tokens: int, hidden_size: int, elem_bytes: int, sequence_shards: int = 1) -> int:
     """Bytes this op saves for backward: the hidden states (`elem_bytes` each; stock's output
-    linear saves them too) and an fp32 log-sum-exp per token. The weight and the labels are
-    saved by reference (a parameter and the batch's tensor): no bytes of their own."""
-    return tokens * (hidden_size * elem_bytes + 4)
+    linear saves them too; this rank's 1/`sequence_shards` of the tokens under sequence
+    parallelism) and an fp32 log-sum-exp per token of the whole sequence. The weight and the
+    labels are saved by reference (a parameter and the batch's tensor): no bytes of their own."""
+    return tokens // sequence_shards * hidden_size * elem_bytes + 4 * tokens
 
 
 def stock_logits_bytes(tokens: int, vocab_local: int) -> int:
@@ -52,13 +61,14 @@ def stock_logits_bytes(tokens: int, vocab_local: int) -> int:
     return tokens * (4 * vocab_local + 1 + 8)
 
 
-def _check(hidden, weight, labels, chunk_tokens) -> None:
+def _check(hidden, weight, labels, chunk_tokens, shards: int = 1) -> None:
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor) \
             or not isinstance(labels, torch.Tensor):
         raise TypeError("hidden, weight, labels: expected tensors")
     if hidden.dim() != 3:
         raise ValueError(f"hidden: expected [s, b, h], got shape {tuple(hidden.shape)}")
     s, b, h = hidden.shape
+    s *= shards  # the whole sequence (a shard of it under sequence parallelism)
     if weight.dim() != 2 or weight.shape[1] != h:
         raise ValueError(f"weight: expected [vocab_local, {h}], got shape {tuple(weight.shape)}")
     if weight.shape[0] < 1:
@@ -96,11 +106,22 @@ def _local_target(labels: torch.Tensor, start: int, vocab_local: int):
     return local.clamp(0, vocab_local - 1), inside
 
 
+def _gather_sequence(shard: torch.Tensor, group) -> torch.Tensor:
+    """The whole sequence [s, b, h] from every rank's shard [s/tp, b, h] (rank order)."""
+    full = torch.empty((shard.shape[0] * dist.get_world_size(group), *shard.shape[1:]),
+                       dtype=shard.dtype, device=shard.device)
+    dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
+    return full
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """loss[b, s] = logsumexp(hidden @ weight.T) - logit[label], chunk by chunk over tokens."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens, tp_group):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, tp_group, sequence_parallel):
+        shard = hidden
+        if sequence_parallel:
+            hidden = _gather_sequence(shard, tp_group)
         s, b, h = hidden.shape
         v = weight.shape[0]
         x = hidden.reshape(s * b, h)
@@ -129,8 +150,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             top, tgt, found = tops[1], sums[1], sums[2]
         # megatron zeroes the target logit minus the max: a label outside the vocab scores the max
         tgt = torch.where(found > 0, tgt, top)
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_tokens, ctx.tp_group = chunk_tokens, tp_group
+        ctx.save_for_backward(shard, weight, labels, lse)
+        ctx.chunk_tokens, ctx.tp_group, ctx.sequence_parallel = chunk_tokens, tp_group, sequence_parallel
         return (lse - tgt).view(s, b).t().contiguous()
 
     @staticmethod
@@ -139,7 +160,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, labels, lse = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (want_h or want_w):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
+        if ctx.sequence_parallel:
+            hidden = _gather_sequence(hidden, ctx.tp_group)
         s, b, h = hidden.shape
         v = weight.shape[0]
         x = hidden.reshape(s * b, h)
@@ -161,10 +184,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_w.addmm_(d.t(), x[a:e])
                 else:  # the chunk's partial sum in the input dtype, accumulated in fp32
                     grad_w.add_(d.t() @ x[a:e])
-        if want_h and ctx.tp_group is not None and dist.get_world_size(ctx.tp_group) > 1:
+        if want_h and ctx.sequence_parallel:  # summed over the vocab shards, split over the sequence
+            shard = torch.empty((s // dist.get_world_size(ctx.tp_group), b, h), dtype=grad_x.dtype,
+                                device=grad_x.device)
+            dist.reduce_scatter_tensor(shard, grad_x.view(s, b, h), group=ctx.tp_group)
+            grad_x = shard
+        elif want_h and ctx.tp_group is not None and dist.get_world_size(ctx.tp_group) > 1:
             dist.all_reduce(grad_x, group=ctx.tp_group)  # a sum over the vocab shards
-        return (grad_x.view(s, b, h) if want_h else None,
-                grad_w.to(weight.dtype) if want_w else None, None, None, None)
+        return (grad_x.view(-1, b, h) if want_h else None,
+                grad_w.to(weight.dtype) if want_w else None, None, None, None, None)
 
 
 def chunked_linear_cross_entropy(
@@ -174,13 +202,16 @@ def chunked_linear_cross_entropy(
     *,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     tp_group: Optional[dist.ProcessGroup] = None,
+    sequence_parallel: bool = False,
 ) -> torch.Tensor:
     """Per-token loss [b, s] (fp32, no reduction) of megatron's
     `vocab_parallel_cross_entropy((hidden @ weight.T).float(), labels.T).T`, without the logits.
 
-    `hidden` [s, b, h]; `weight` [vocab_local, h], this rank's vocab shard under `tp_group`
+    `hidden` [s, b, h] ([s/tp, b, h], this rank's shard of the sequence, with
+    `sequence_parallel`); `weight` [vocab_local, h], this rank's vocab shard under `tp_group`
     (None: the whole vocab); `labels` [b, s] int64, global vocab ids. Gradients flow to
     `hidden` and `weight`, in their dtypes.
     """
-    _check(hidden, weight, labels, chunk_tokens)
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, tp_group)
+    sequence_parallel = bool(sequence_parallel) and tp_group is not None and dist.get_world_size(tp_group) > 1
+    _check(hidden, weight, labels, chunk_tokens, dist.get_world_size(tp_group) if sequence_parallel else 1)
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, tp_group, sequence_parallel)

@@ -19,17 +19,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from llm_act.output.choice import OutputSizes, choose, estimate_gemm_ms
-from llm_act.planner.analytic import (
-    DeviceModel,
-    ModelShape,
-    input_bytes,
-    loss_bytes,
-    outer_bytes,
-    stage_blocks,
-    stage_layers,
-    static_bytes,
-)
+from llm_act.planner.analytic import stage_blocks, stage_layers
 from llm_act.planner.milp import InfeasibleBudget, InfeasibleVariance, evaluate_plan, solve_plan
+from llm_act.planner.model_shape import DeviceModel, ModelShape
+from llm_act.planner.static_memory import input_bytes, loss_bytes, outer_bytes, static_bytes
 from llm_act.sites import DEFAULT_CODECS, QKV_SITES
 
 #: the act_input codec of the reference plan where few-bit does not apply (gated units)
@@ -113,7 +106,8 @@ OUTPUT_LOSS_CHOICES = ("stock", "chunked", "auto")
 
 def _output_sizes(shape: ModelShape) -> OutputSizes:
     return OutputSizes(tokens=shape.seq_length * shape.micro_batch_size, hidden=shape.hidden_size,
-                       vocab_local=shape.padded_vocab_size // shape.tp, elem_bytes=shape.elem_bytes)
+                       vocab_local=shape.padded_vocab_size // shape.tp, elem_bytes=shape.elem_bytes,
+                       sequence_shards=shape.tp if shape.sequence_parallel else 1)
 
 
 def output_loss_choice(shape: ModelShape, stage: int, blocks, budget: int, static: int,

@@ -9,8 +9,9 @@ its weight (or the tied embedding weight handed to it) instead of the logits GEM
 output layer is still called as a module, so its hooks run (megatron DDP's parameter
 all-gather pre-hook among them). The loss is stock's: [b, s] fp32, per token.
 
-Sequence parallelism, deferred embedding wgrad and an output bias are refused: stock's
-output layer communicates differently there. `use_stock_loss(model)` removes both attributes
+Deferred embedding wgrad and an output bias are refused: stock's output layer communicates
+differently there. Under sequence parallelism the op gathers the sequence itself, as stock's
+linear does. `use_stock_loss(model)` removes both attributes
 again (the model is stock's once more).
 
 `OutputLossSwitch` is what `apply()` hands the Controller when `ActConfig.output_loss` asks
@@ -45,9 +46,6 @@ def _gpt(model: Any) -> torch.nn.Module:
 
 
 def _check_output_layer(layer, config) -> None:
-    if layer.sequence_parallel:
-        raise NotImplementedError("use_chunked_loss: sequence parallelism is not supported yet "
-                                  "(stock's output layer gathers the sequence inside its GEMM)")
     if config.defer_embedding_wgrad_compute:
         raise NotImplementedError("use_chunked_loss: defer_embedding_wgrad_compute is not supported")
     if layer.bias is not None or layer.disable_grad_reduce or layer.explicit_expert_comm:
@@ -67,7 +65,7 @@ def _output_forward(layer, input_, weight=None, runtime_gather_output=None, labe
                            f"{None if weight is None else tuple(weight.shape)}")
     group = layer.tp_group if layer.tp_group.size() > 1 else None
     loss = chunked_linear_cross_entropy(input_, weight, labels, chunk_tokens=getattr(layer, _MARK),
-                                        tp_group=group)
+                                        tp_group=group, sequence_parallel=bool(layer.sequence_parallel))
     return loss, None
 
 
@@ -244,9 +242,10 @@ class OutputLossSwitch:
             return None
         s, b, h = self.input_shape
         layer = self.gpt.output_layer
+        shards = layer.tp_group.size() if layer.sequence_parallel else 1  # s is a shard of the sequence
         elem = torch.empty((), dtype=self.input_dtype).element_size()
-        return OutputSizes(tokens=s * b, hidden=h, vocab_local=int(layer.output_size_per_partition),
-                           elem_bytes=elem, chunk_tokens=self.chunk_tokens)
+        return OutputSizes(tokens=s * shards * b, hidden=h, vocab_local=int(layer.output_size_per_partition),
+                           elem_bytes=elem, chunk_tokens=self.chunk_tokens, sequence_shards=shards)
 
     def remove(self) -> None:
         if self._handle is not None:

@@ -10,8 +10,8 @@ import pytest
 
 from llm_act.cli.main import main
 from llm_act.output import stock_logits_bytes, stored_bytes
-from llm_act.planner.analytic import loss_bytes, outer_bytes
 from llm_act.planner.presets import model_shape
+from llm_act.planner.static_memory import loss_bytes, outer_bytes
 
 # GPT-2 medium at micro-batch 16: the stock logits (3.1 GiB) outweigh every block's activations
 BASE = ["plan", "--model", "gpt2-medium", "--seq-length", "1024", "--micro-batch-size", "16"]
@@ -35,9 +35,13 @@ def test_outer_bytes_under_each_output_loss():
     assert chunked["output_layer.input"] + chunked["loss.logsumexp"] - stock["output_layer.input"] \
         == stored_bytes(tokens, h, e) - tokens * h * e
     assert outer_bytes(shape, 0) == stock  # the default
+    # sequence parallel: each rank keeps its half of the hidden states; the loss state covers
+    # every token, and the saving is stock's logits over every token as before
     sp = model_shape("gpt2-medium", seq_length=1024, tp=2, sequence_parallel=True)
-    with pytest.raises(ValueError, match="sequence parallelism"):
-        outer_bytes(sp, 0, "chunked")
+    stock_sp, chunked_sp = outer_bytes(sp, 0, "stock"), outer_bytes(sp, 0, "chunked")
+    assert chunked_sp["output_layer.input"] == stock_sp["output_layer.input"] < stock["output_layer.input"]
+    assert chunked_sp["loss.logsumexp"] == 4 * sp.seq_length * sp.micro_batch_size
+    assert stock_sp["loss.logits"] == stock_logits_bytes(1024 * sp.micro_batch_size, sp.padded_vocab_size // 2)
 
 
 def test_auto_picks_chunked_at_a_tight_budget_and_prints_both(capsys, tmp_path):
@@ -81,9 +85,6 @@ def test_auto_picks_chunked_at_a_tight_budget_and_prints_both(capsys, tmp_path):
     assert re.search(r"overhead\s+0\.000 ms", out)
 
 
-def test_chunked_with_sequence_parallel_is_an_argparse_error(capsys):
-    with pytest.raises(SystemExit) as err:
-        main([*BASE, "--budget", "80GB", "--tp", "2", "--sequence-parallel", "--output-loss", "chunked"])
-    assert err.value.code == 2 and "--output-loss" in capsys.readouterr().err
-    code, out = _run(capsys, "--budget", "80GB", "--tp", "2", "--sequence-parallel")  # auto stays stock
-    assert code == 0 and "output loss: stock (output layer input + loss state: stock" in out
+def test_chunked_with_sequence_parallel_is_planned(capsys):
+    code, out = _run(capsys, "--budget", "80GB", "--tp", "2", "--sequence-parallel", "--output-loss", "chunked")
+    assert code == 0 and "output loss: chunked" in out

@@ -158,6 +158,8 @@ def test_byte_counts():
     # vocab 128k, 8k tokens: stock keeps 4.2 GB of fp32 softmax; the op 4 bytes a token
     assert stock_logits_bytes(8192, 131072) == 8192 * (4 * 131072 + 9)
     assert stored_bytes(8192, 4096, 2) - 8192 * 4096 * 2 == 8192 * 4
+    # sequence parallel over 4 ranks: a quarter of the hidden states, a float for every token
+    assert stored_bytes(8192, 4096, 2, sequence_shards=4) == 2048 * 4096 * 2 + 8192 * 4
 
 
 # ---- the bounds are not loose: broken backwards fail them ----
@@ -177,7 +179,7 @@ def _no_one_hot(labels, start, vocab_local):
 def test_bound_catches_ignored_grad(dtype):
     hidden, weight, labels, grad = _inputs(dtype)
     ref = _run(_reference, hidden.float(), weight.float(), labels, grad)
-    got = _run(lambda h, w, y: _IgnoresGrad.apply(h, w, y, 7, None), hidden, weight, labels, grad)
+    got = _run(lambda h, w, y: _IgnoresGrad.apply(h, w, y, 7, None, False), hidden, weight, labels, grad)
     assert min(_rel(got[1], ref[1]), _rel(got[2], ref[2])) > TOL[dtype][1]
 
 
@@ -245,6 +247,14 @@ def _tp_worker(rank, world_size, port):
         assert float((got[0] - ref[0]).abs().max()) < loss_tol, rank
         assert _rel(got[1], ref[1]) < grad_tol, rank
         assert _rel(got[2], ref[2][shard]) < grad_tol, rank
+        # sequence parallel: this rank holds its shard of the sequence, the loss covers all of it
+        rows = slice(rank * S // world_size, (rank + 1) * S // world_size)
+        got = _run(lambda h, w, y: chunked_linear_cross_entropy(h, w, y, chunk_tokens=7, tp_group=group,
+                                                                sequence_parallel=True),
+                   hidden[rows], weight[shard], labels, grad)
+        assert got[0].shape == (B, S) and float((got[0] - ref[0]).abs().max()) < loss_tol, rank
+        assert got[1].shape == hidden[rows].shape and _rel(got[1], ref[1][rows]) < grad_tol, rank
+        assert _rel(got[2], ref[2][shard]) < grad_tol, rank
     hidden, weight, labels, grad = _inputs(torch.float32)
     hidden[3, 1, 0] = float("nan")
     loss = chunked_linear_cross_entropy(hidden, weight[shard], labels, chunk_tokens=7, tp_group=group)
@@ -258,6 +268,7 @@ def _tp_worker(rank, world_size, port):
 
 @pytest.mark.dist
 def test_tp2_matches_tp1():
+    """Vocab-parallel, and vocab- plus sequence-parallel, on two gloo ranks."""
     from llm_act import _testing as T
 
     T.spawn(_tp_worker, 2, timeout=60)

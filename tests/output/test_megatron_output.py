@@ -89,10 +89,10 @@ def test_rechunks_and_refuses_what_it_cannot_serve(megatron_one_rank):
         use_chunked_loss(chunked, chunk_tokens=0)
     with pytest.raises(TypeError, match="GPTModel"):
         use_chunked_loss(torch.nn.Linear(2, 2))
-    stock.output_layer.sequence_parallel = True
-    with pytest.raises(NotImplementedError, match="sequence parallelism"):
+    stock.config.defer_embedding_wgrad_compute = True
+    with pytest.raises(NotImplementedError, match="defer_embedding_wgrad_compute"):
         use_chunked_loss(stock)
-    stock.output_layer.sequence_parallel = False
+    stock.config.defer_embedding_wgrad_compute = False
     stock._postprocess = stock._postprocess  # someone else's instance patch
     with pytest.raises(RuntimeError, match="someone else"):
         use_chunked_loss(stock)
@@ -102,26 +102,34 @@ def _tp_worker(rank, world_size, port, expected_loss):
     import warnings
 
     warnings.filterwarnings("ignore")
+    from llm_act import ActConfig
+    from llm_act.patches.megatron import block_spec
     from llm_act.patches.megatron.output import use_chunked_loss
 
     T.init_parallel(tp=world_size, rank=rank, world_size=world_size, port=port, seed=1234)
-    torch.manual_seed(0)
-    cfg = T.small_config(hidden_size=HIDDEN, num_attention_heads=4, num_layers=1)
-    stock = T.gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ)
-    chunked = T.gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ)
-    chunked.load_state_dict(stock.state_dict())
-    use_chunked_loss(chunked, chunk_tokens=8)
-    ref_loss, ref_grads = _step(stock, _batch())
-    loss, grads = _step(chunked, _batch())
-    assert float((loss - expected_loss).abs().max()) < 1e-4, rank
-    assert float((loss - ref_loss).abs().max()) < 1e-5, rank
-    for name, ref in ref_grads.items():
-        assert _rel(grads[name], ref) < 1e-5, (rank, name)
+    for sequence_parallel in (False, True):
+        torch.manual_seed(0)
+        sp = dict(sequence_parallel=True, tensor_model_parallel_size=world_size) if sequence_parallel else {}
+        cfg = T.small_config(hidden_size=HIDDEN, num_attention_heads=4, num_layers=1, **sp)
+        # megatron's torch norms refuse sequence parallelism; our spec's keep the stock numbers
+        spec = block_spec(ActConfig(), cfg) if sequence_parallel else None
+        stock = T.gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, spec=spec)
+        chunked = T.gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, spec=spec)
+        chunked.load_state_dict(stock.state_dict())
+        use_chunked_loss(chunked, chunk_tokens=8)
+        ref_loss, ref_grads = _step(stock, _batch())
+        loss, grads = _step(chunked, _batch())
+        where = (rank, sequence_parallel)
+        assert float((loss - expected_loss).abs().max()) < 1e-4, where
+        assert float((loss - ref_loss).abs().max()) < 1e-5, where
+        for name, ref in ref_grads.items():
+            assert _rel(grads[name], ref) < 1e-5, (where, name)
 
 
 @pytest.mark.dist
-@pytest.mark.slow  # ~25 s here: each rank imports megatron-core and builds its groups
 def test_tp2_matches_stock_tp2_and_tp1(megatron_one_rank):
+    """Vocab-parallel, then also sequence-parallel: the chunked loss equals stock's under the
+    same parallelism, and the one-rank loss."""
     torch.manual_seed(0)
     cfg = T.small_config(hidden_size=HIDDEN, num_attention_heads=4, num_layers=1)
     stock = T.gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ)

@@ -150,7 +150,7 @@ def test_choose_stock_when_plentiful_chunked_when_only_it_fits_or_cheaper():
 
 
 def test_gemm_time_is_measured_or_estimated():
-    from llm_act.planner.analytic import DeviceModel
+    from llm_act.planner.model_shape import DeviceModel
 
     weight = torch.randn(VOCAB, HIDDEN)
     sizes = OutputSizes(TOKENS, HIDDEN, VOCAB, 4, chunk_tokens=16)
@@ -232,11 +232,11 @@ def test_what_cannot_take_it_is_refused_in_one_line_or_stays_stock():
     from llm_act.patches.megatron import apply
 
     model = _build()
-    model.output_layer.sequence_parallel = True  # how stock's output layer marks it
+    model.config.defer_embedding_wgrad_compute = True  # megatron's deferred embedding wgrad
     with pytest.raises(ValueError) as err:
         apply(model, ActConfig(plan="keep", output_loss="chunked"))
     text = str(err.value)
-    assert "\n" not in text and text.startswith("output_loss 'chunked': sequence parallelism")
+    assert "\n" not in text and text.startswith("output_loss 'chunked': defer_embedding_wgrad_compute")
     assert "fix: set output_loss to 'stock'" in text and "--act-compress-output-loss" in text
     assert "_llm_act_controller" not in vars(model.decoder.layers[0])  # refused before any change
     controller = apply(model, ActConfig(plan="auto", output_loss="auto"))  # auto: quietly stock
@@ -273,7 +273,7 @@ def test_the_controller_switches_between_iterations_and_back_to_stock_exactly():
 
 
 def test_a_checkpoint_older_than_a_field_keeps_its_plan():
-    from llm_act.runtime.controller import _config_changes
+    from llm_act.runtime.controller_state import _config_changes
 
     now = ActConfig(plan="compress").to_dict()
     old = {k: v for k, v in now.items() if k not in ("output_loss", "output_chunk_tokens")}
@@ -373,3 +373,15 @@ def test_tp2_vocab_parallel_through_apply_and_one_decision():
     from llm_act import _testing as T
 
     T.spawn(_tp_worker, 2, timeout=180)
+
+
+def test_sizes_under_sequence_parallelism():
+    """Each rank keeps its shard of the hidden states under either loss; the saving is the
+    logits of every token the loss sees, as without sequence parallelism."""
+    from llm_act.output.chunked_loss import stock_logits_bytes
+
+    whole = OutputSizes(tokens=4096, hidden=1024, vocab_local=25000, elem_bytes=2)
+    shards = OutputSizes(tokens=4096, hidden=1024, vocab_local=25000, elem_bytes=2, sequence_shards=4)
+    assert whole.stock_bytes - shards.stock_bytes == 4096 * 3 // 4 * 1024 * 2
+    assert shards.chunked_bytes == 1024 * 1024 * 2 + 4 * 4096
+    assert shards.saving == whole.saving == stock_logits_bytes(4096, 25000) - 4 * 4096

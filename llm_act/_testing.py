@@ -87,6 +87,7 @@ def skip_deepspeed_shm_build() -> None:
 defer_torch_compile()
 skip_deepspeed_shm_build()
 
+from llm_act.fresh_process import apply_environ, fresh_context  # noqa: E402
 from llm_act.train import parallel as _parallel  # noqa: E402
 from llm_act.train.parallel import destroy_parallel, free_port  # noqa: E402
 from llm_act.train.small_gpt import gpt_batch, gpt_model, local_layer_spec, small_config, transformer_layer  # noqa: E402
@@ -117,25 +118,9 @@ _PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models
             "megatron.core.transformer.transformer_layer", "llm_act.patches.megatron")
 
 
-def _context():
-    """The "forkserver" multiprocessing context with `_PRELOAD` (the optional ones that are
-    installed); "spawn" where there is no forkserver."""
-    import multiprocessing as mp
-
-    from llm_act._imports import available
-
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([m for m in _PRELOAD if available(m.split(".")[0])])
-    return ctx
-
-
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors,
             environ: dict) -> None:
-    # a forked rank has the server's environment: take the caller's, as a spawned one would
-    os.environ.clear()
-    os.environ.update(environ)
+    apply_environ(environ)  # a forked rank has the server's environment: take the caller's
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -155,14 +140,14 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> None:
     """Run `fn(rank, world_size, port, *args)` on `world_size` fresh processes (forks of a
-    server that has imported torch and megatron-core once: `_context`).
+    server that has imported torch and megatron-core once: `fresh_process`).
 
     `fn` must be importable (a module-level function). Raises `WorkerError` with every
     failing rank's traceback, or when a rank hangs past `timeout` seconds.
     """
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
-    ctx = _context()
+    ctx = fresh_context(_PRELOAD)
     errors = ctx.SimpleQueue()
     port = free_port()
     environ = dict(os.environ)

@@ -62,6 +62,7 @@ import torch
 from llm_act import cpu
 from llm_act.bench import kernels, memory as M
 from llm_act.bench.timing import machine_line, median_ms
+from llm_act.fresh_process import apply_environ, fresh_context
 from llm_act.ledger import SavedTensorLedger
 from llm_act.plan import recompute_layer, selective_layer
 from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
@@ -413,22 +414,32 @@ def run(shape: ModelShape = SHAPE, device: Optional[str] = None, sizes=None, rep
             "static": {m: sweep.static_at(measured, m) for m in sizes} if measured.get(FULL) else {}}
 
 
-def _in_child(sweep: "_Sweep", name: str, measured: dict, left: Optional[float]) -> dict:
-    """`sweep.scheme(name, ...)` in a fresh spawned process (its log lines go to stdout)."""
-    import concurrent.futures
-    import multiprocessing
+#: what the schemes' processes share, imported once by their server (no llm_act code: the
+#: kernels' modules stay the children's own)
+_CHILD_PRELOAD = ("torch", "megatron.core", "megatron.core.models.gpt.gpt_model")
 
-    ctx = multiprocessing.get_context("spawn")
+
+def _in_child(sweep: "_Sweep", name: str, measured: dict, left: Optional[float]) -> dict:
+    """`sweep.scheme(name, ...)` in a fresh process (its log lines go to stdout), forked from
+    a server that imported torch and megatron-core once (`fresh_process`): no CUDA state of
+    this process or of another scheme's."""
+    import concurrent.futures
+
+    ctx = fresh_context(_CHILD_PRELOAD)
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
         try:
-            return pool.submit(_child_scheme, sweep, name, dict(measured), left).result()
+            return pool.submit(_child_scheme, sweep, name, dict(measured), left, dict(os.environ)).result()
         except Exception as err:  # the child died (or its result could not come back)
             print(f"  {name}: the process measuring it failed: {_first_line(err)}", flush=True)
             return _error(sweep, name, _first_line(err))
 
 
-def _child_scheme(sweep: "_Sweep", name: str, measured: dict, left: Optional[float]) -> dict:
+def _child_scheme(sweep: "_Sweep", name: str, measured: dict, left: Optional[float],
+                  environ: Optional[dict] = None) -> dict:
     import warnings
+
+    if environ is not None:
+        apply_environ(environ)
 
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|CUDA_DEVICE_MAX).*")
     try:

@@ -4,7 +4,8 @@
     deepspeed --num_gpus 2 launch/ds_train.py --deepspeed_config launch/ds_config.json --model hf
 
 Prints the loss and the saved-activation bytes of every step; `--no-act-compress` runs the
-same without compression. The loop lives in `llm_act.train.ds_train`.
+same without compression. The loop lives in `llm_act.train.ds_train`. On a host without CUDA
+it builds no DeepSpeed C++ op: Adam/AdamW run as torch's, and gloo does the all-reduce.
 """
 import sys
 

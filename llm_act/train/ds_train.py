@@ -77,6 +77,23 @@ def ds_config_from(args: argparse.Namespace) -> dict[str, Any]:
     return ds
 
 
+def _no_cpu_op_builds(ds: dict[str, Any]) -> None:
+    """On a CPU host this script's processes build no DeepSpeed C++ op (about two minutes of
+    compiling on a fresh machine, and a lock another job can leave behind): Adam and AdamW
+    run as torch's (`torch_adam`, unless the config says otherwise), and the shared-memory
+    all-reduce gives way to gloo's, which does the same job. Only here, where the script
+    owns the process; `initialize()` changes nothing of DeepSpeed's."""
+    import importlib
+
+    # the module itself: `deepspeed.comm.torch` as an attribute is torch (comm imports it)
+    ds_comm = importlib.import_module("deepspeed.comm.torch")
+    optimizer = ds.get("optimizer")
+    if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
+        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+    if hasattr(ds_comm, "build_shm_op"):
+        ds_comm.build_shm_op = lambda: None
+
+
 def _model(args: argparse.Namespace, vocab: int):
     """(module, loss function(module, batch) -> loss)."""
     if args.model == "hf":
@@ -112,6 +129,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
 
     ds = ds_config_from(args)
     args.deepspeed_config = None  # the (overridden) dict goes in as `config`
+    if not torch.cuda.is_available():
+        _no_cpu_op_builds(ds)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     if not args.compare:
         result = _train(args, ds, log)

@@ -25,7 +25,7 @@ require("megatron.core", "llm_act.patches.megatron.swap")
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp  # noqa: E402
 from megatron.core.transformer.mlp import MLP  # noqa: E402
-from llm_act.sites import ATTN_OUT, BLOCK, Site  # noqa: E402
+from llm_act.sites import ATTN_OUT, ATTN_Q, BLOCK, Site  # noqa: E402
 from llm_act.patches.megatron.moe import convert_moe, is_moe
 from llm_act.patches.megatron.attention import ATTENTION_SITES, ActCoreAttention
 
@@ -206,7 +206,7 @@ def convert_attention(layer: torch.nn.Module, layer_index: int) -> dict[str, Act
         ActCoreAttention.from_stock(core)
     else:
         raise TypeError(
-            f"attn.q: cannot convert a {type(core).__module__}.{type(core).__name__}; llm_act "
+            f"{ATTN_Q}: cannot convert a {type(core).__module__}.{type(core).__name__}; llm_act "
             "converts megatron-core's DotProductAttention (local spec)")
     if isinstance(attn.linear_proj, ActModule):
         core.link_out_site(attn.linear_proj)

@@ -41,7 +41,6 @@ import torch
 
 from llm_act.bench import memory as M
 from llm_act.planner.model_shape import ModelShape
-from llm_act.planner.transient import DECODE_GROUPS
 from llm_act.sites import (
     ATTN_DROPOUT_MASK,
     ATTN_HIDDEN_DROPOUT_MASK,
@@ -51,6 +50,7 @@ from llm_act.sites import (
     ATTN_QKV_INPUT,
     ATTN_V,
     CHECKPOINT_SITE,
+    DECODE_GROUPS,
     LN2_INPUT,
     MASK_SITES,
     MLP_ACT_INPUT,

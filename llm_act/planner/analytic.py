@@ -518,7 +518,7 @@ def _whole_grad(shape: ModelShape, stages) -> int:
 
 def stage_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> tuple[tuple[str, int], ...]:
     """`BlockProfile.stage_bytes` of a block of `shape`: what is live in each backward stage
-    (`llm_act.planner.transient.BACKWARD_STAGES`) besides the stored, rebuilt and decoded
+    (`llm_act.sites.BACKWARD_STAGES`) besides the stored, rebuilt and decoded
     tensors the planner counts. Per rank, T = s*b tokens, e bytes per element, h hidden, f the
     FFN width per rank, a heads per rank of d channels, n = the rows of an [s, b, h] tensor
     times h; throughout backward the step holds the per-token losses and the loss with its

@@ -156,7 +156,7 @@ class BlockProfile:
     temporaries, the attention's score gradients). It adds to the block's transient: to a
     whole-block recompute's, and to the per-site choices' when `stage_bytes` is empty."""
     stage_bytes: tuple[tuple[str, int], ...] = ()
-    """the same per backward stage (`llm_act.planner.transient.BACKWARD_STAGES`), for the
+    """the same per backward stage (`llm_act.sites.BACKWARD_STAGES`), for the
     per-site choices: ((stage, bytes), ...). Empty: one stage holding every site, with
     `grad_bytes`."""
 

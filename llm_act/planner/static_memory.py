@@ -36,7 +36,6 @@ def outer_bytes(shape: ModelShape, stage: int, output_loss: str = "stock") -> di
       (`llm_act.output.stock_logits_bytes`), as `loss.logits`;
     - "chunked": the chunked linear + cross-entropy keeps one fp32 log-sum-exp per token
       (`loss.logsumexp`; with the output layer's input that is `llm_act.output.stored_bytes`)."""
-
     if not 0 <= stage < shape.pp:
         raise ValueError(f"stage: expected an int in [0, {shape.pp}), got {stage!r}")
     if output_loss not in ("stock", "chunked"):

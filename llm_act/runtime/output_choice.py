@@ -67,7 +67,6 @@ def measure_gemm_ms(weight: torch.Tensor, sizes: OutputSizes, repeats: int = 3) 
     `weight` (its dtype and device), median of `repeats` after a warm-up, scaled to every
     chunk of the micro-batch. A weight that is not whole here ([vocab_local, hidden]; a
     ZeRO-3 partition) falls back to `estimate_gemm_ms` on the device's model."""
-
     if tuple(weight.shape) != (sizes.vocab_local, sizes.hidden) or not weight.is_floating_point():
         return estimate_gemm_ms(sizes, DeviceModel() if weight.is_cuda else DeviceModel.cpu())
     rows = max(1, min(sizes.chunk_tokens, sizes.tokens))
@@ -84,7 +83,6 @@ def trial_solver(blocks: list, budget: int, noise: Optional[float]) -> Callable[
     besides the blocks (as `Adapter._solve` solves: at the measured profiles' time resolution,
     and the least noisy plan that fits when the noise budget cannot be met), or None when no
     plan fits. Warns about nothing."""
-
     # the adapter's resolution of measured times, where the planner has one
     kw = {"time_resolution": milp.TIME_RESOLUTION} if hasattr(milp, "TIME_RESOLUTION") else {}
 

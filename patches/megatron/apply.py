@@ -144,11 +144,9 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
     cpu_required.check_model(_all_modules(roots), tconfigs.values(), "apply")
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-
     output_mode = config.output_loss_mode()
     gpt = output.check_output([m for m in _all_modules(roots) if isinstance(m, GPTModel)], output_mode)
     num_layers = max(int(getattr(c, "num_layers", 0) or 0) for c in tconfigs.values())
-
 
     modules: dict[int, dict[str, Any]] = {}
     for layer in layers:
@@ -171,7 +169,6 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
         controller.output.set("chunked")
     agreement.agree_setup(controller)
     controller.watch(roots, layers)  # the budget check of the first step (adapt.FirstForward)
-
     controller_state.attach(roots, controller, layers)  # the state rides in the model's checkpoints
     return controller
 

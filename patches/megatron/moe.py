@@ -100,7 +100,6 @@ class ActSequentialMLP(ActModule, SequentialMLP):
             return expert(x, p)[0]  # nothing routed here: nothing stored
         if not bool((p != 0).any()):  # padding only: a zero output, nothing stored
             return PaddingOnly.apply(x, p, expert.linear_fc1.weight, expert.linear_fc2.weight)
-
         n = x.shape[0]
         codecs, recompute = {}, set()
         for site, stores in ((FC1, x), (ACT, ((n, expert.linear_fc1.weight.shape[0]), x.dtype)),

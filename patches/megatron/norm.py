@@ -16,11 +16,11 @@ import torch
 
 from llm_act.patches.megatron.act_module import ActModule
 from llm_act.patches.megatron.functions import EncodedLayerNorm, EncodedRMSNorm
-from llm_act.sites import BLOCK, QK_NORM_SITES
+from llm_act.sites import QK_NORM_SITES, sites_where
 
 #: the block's norms and, with `qk_layernorm`, SelfAttention's per-head q/k norms (the
 #: schema's sites held by a norm)
-NORM_SITES = tuple(site.name for site in BLOCK if site.holder == "norm")
+NORM_SITES = sites_where(holder="norm")
 
 
 def _check_config(config) -> None:

@@ -220,12 +220,10 @@ class LayerRecompute(LayerBinder):
 
     def mlp_kind(self) -> str:
         """The MLP activation's kind, "fewbit", "mask" (ReLU) or "value" (`mlp.activation_of`)."""
-
         return activation_of(self.layer.mlp.config)[0]
 
     def mlp_activation(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The activation the compressed MLP computes (`mlp.activation_of` the layer's config)."""
-
         return activation_of(self.layer.config)[1]
 
     def _bind_full(self, choice: Mapping[str, str], codecs: Mapping[str, Codec]) -> None:
@@ -304,7 +302,6 @@ class LayerRecompute(LayerBinder):
             if site in _MADE_BY:
                 return _made(layer, _MADE_BY[site], frame)
             if site == MLP_FC2_INPUT:
-
                 return activation_of(layer.mlp.config)[1](frame.value(MLP_ACT_INPUT))
             if site == LN2_INPUT:
                 attn_out, residual = frame.value(ATTN_OUT), frame.value(CHECKPOINT_SITE)

@@ -34,7 +34,6 @@ class ActNorm:
     `build_module` would return a plain function uncalled."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
-
         return act_norm(config, hidden_size, eps, **kwargs)
 
 
@@ -61,7 +60,6 @@ def layer_spec(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-
     config = as_config(config)
     for key, why in _REJECTED_KWARGS.items():
         if local_spec_kwargs.get(key):
@@ -73,7 +71,6 @@ def layer_spec(
     if not config.enabled:
         return stock
     cpu_required.check_config(transformer_config, "layer_spec")
-
 
     layer = stock.submodules
     mlp = layer.mlp
@@ -95,7 +92,6 @@ def layer_spec(
         elif site.holder in holder_classes and _ours(layer, site):
             slots[site.slot] = ModuleSpec(module=holder_classes[site.holder], params={"act_site": site.name})
     if moe:
-
         # no shared experts (refused by unsupported.check_moe); the experts' linears stay
         # megatron's: ActSequentialMLP stores their inputs itself
         slots["mlp.router"] = ActTopKRouter
@@ -155,7 +151,6 @@ def block_spec(
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
-
 
     if transformer_config is None:
         raise ValueError("transformer_config: block_spec needs the model's TransformerConfig, got None")

@@ -144,7 +144,6 @@ def _convert_bda(layer: torch.nn.Module, site: Site) -> ActBiasDropoutAdd:
 def _convert_mlp(layer: torch.nn.Module) -> dict[str, ActModule]:
     """The MLP's sites: a dense MLP (`mlp.*`, ActMLP and its two linears) or an MoE layer
     (`moe.*`, `moe.convert_moe`)."""
-
     mlp = layer.mlp
     if is_moe(mlp):
         return convert_moe(layer)

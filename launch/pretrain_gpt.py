@@ -8,7 +8,11 @@ Runs on CPU (gloo) and on GPUs (NCCL); the loop lives in `llm_act.train`.
 """
 import sys
 
-from llm_act.train import main
+from llm_act.deferred_compile import defer_torch_compile
+
+defer_torch_compile()  # before megatron-core is imported: it starts about 4 s sooner
+
+from llm_act.train import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

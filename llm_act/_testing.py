@@ -8,41 +8,13 @@ here also installs the CPU stand-ins (`llm_act.cpu`), which the library's own ne
 """
 from __future__ import annotations
 
-import functools
 import os
 import traceback
 from typing import Any, Callable
 
 import torch
 
-
-def defer_torch_compile() -> None:
-    """Make `torch.compile` of a plain function build nothing until the function is first
-    called. megatron-core decorates its fusions with `torch.compile` at import, which imports
-    torch._inductor: about 7 s in every process that imports megatron-core (each spawned
-    rank), for functions the CPU tests never call. Modules are compiled as before (tests
-    compile models on purpose), and a function compiles on its first call, as it would."""
-    real = torch.compile
-    if getattr(real, "_llm_act_deferred", False):
-        return
-
-    def compile(model=None, **kwargs):
-        if model is None:  # used as @torch.compile(...)
-            return lambda fn: compile(fn, **kwargs)
-        if isinstance(model, torch.nn.Module) or not callable(model):
-            return real(model, **kwargs)
-        built = []
-
-        @functools.wraps(model)
-        def run(*args, **kw):
-            if not built:
-                built.append(real(model, **kwargs))
-            return built[0](*args, **kw)
-
-        return run
-
-    compile._llm_act_deferred = True
-    torch.compile = compile
+from llm_act.deferred_compile import defer_torch_compile
 
 
 def _after_import(name: str, patch: Callable[[Any], None]) -> None:

@@ -11,6 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two test processes on two cores (`pytest -n 2`): one thread each, and for what they start
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 
 import llm_act._testing  # noqa: E402,F401 -- defers torch.compile before megatron-core is imported

@@ -320,7 +320,7 @@ def run_planner(quick: bool, command: str, memory_rows: Optional[list[dict]] = N
     names = ("stock", "megatron full", "compress (Adacc)", "planner middle") if quick else P.COMPARED
     comp = P.compare(shape, memory_rows, names=names, log=log)
 
-    over = O.run(steps=20 if quick else 300, quick=quick)
+    over = O.run(steps=8 if quick else 300, quick=quick)  # quick: tracking at 1, 2, 4, 8
     text = planner_section(solve, comp, command, time.perf_counter() - t0, M.describe(shape), distinct, over,
                            jittered, repeat)
     log(text)

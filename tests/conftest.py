@@ -22,28 +22,7 @@ import pytest  # noqa: E402
 import llm_act._testing  # noqa: E402,F401 -- defers torch.compile before megatron-core is imported
 
 
-#: the longest test files, longest first (`--durations` on a 2-core machine). Under `pytest -n 2
-#: --dist loadfile` a worker takes the next file in collection order when it is free: these
-#: go first, so that the run does not end with one worker on a long file and the other idle.
-#: Only the order changes; a file missing here runs where it is collected.
-LONGEST_FIRST = (
-    "test_auto_every_door.py", "bench/test_bench_quick.py", "train/test_torchrun.py",
-    "train/test_run_log.py", "kernels/test_int_quant.py", "runtime/test_controller_adapt.py",
-    "train/test_auto_loss_bound.py", "patches/megatron/test_apply.py", "test_noise_budget.py",
-    "test_budget_doors.py", "patches/megatron/test_compile.py", "bench/test_gpu_bench_cpu.py",
-    "patches/megatron/test_sync_free.py", "patches/deepspeed/test_hf_zero.py",
-    "planner/test_peak_vs_measured.py", "patches/deepspeed/test_launcher.py", "train/test_cli_train.py",
-    "kernels/test_sm90_compile.py",
-)
-
-
-def _rank_of_file(item) -> int:
-    path = os.path.relpath(str(item.path), os.path.dirname(__file__)).replace(os.sep, "/")
-    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_rank_of_file)  # stable: a file's tests stay together and in order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -23,7 +23,7 @@ def test_a_deferred_function_compiles_at_its_first_call_and_modules_compile_as_b
         return torch.nn.functional.gelu(x + b)
 
     fn = torch.compile(gelu_bias, backend="eager")
-    assert fn.__wrapped__ is gelu_bias  # nothing built yet: a plain wrapper
+    assert fn.__wrapped__ is gelu_bias  # a wrapper of the function itself, built at its first call
     deco = torch.compile(backend="eager")(gelu_bias)
     x, b = torch.randn(4, 8), torch.randn(8)
     torch.testing.assert_close(fn(x, b), gelu_bias(x, b))

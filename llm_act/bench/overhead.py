@@ -31,7 +31,8 @@ TARGET_STEPS_PER_POINT = 1.5
 def run(steps: int = 1000, quick: bool = False, seed: int = 1234,
         budget_fraction: Optional[float] = None) -> dict:
     """{steps, seconds, measuring_seconds, fraction, tracked, changes, budget, step_s,
-    points: [{iteration, profile, sensitivity, solve, total, steps}]} of one "auto" run."""
+    points: [{iteration, profile, sensitivity, solve, total, steps}], reports: [{iteration, total,
+    steps}] (the gradient-noise reports)} of one "auto" run."""
     quiet_megatron_warnings()
     data = embedded_corpus()
     model = C.QUICK_MODEL if quick else C.MODELS[0]
@@ -54,15 +55,16 @@ def run(steps: int = 1000, quick: bool = False, seed: int = 1234,
         seconds = time.perf_counter() - start
     finally:
         parallel.destroy_parallel()
-    tracked = {int(p["iteration"]) for p in adapter.track_costs}
+    tracked = {int(p["iteration"]) for p in adapter.track_costs + adapter.report_costs}
     # step i (0-based) runs iteration i + 1; the first steps also build caches: skip 2
     quiet = [t for i, t in enumerate(times) if i + 1 not in tracked and i >= 2] or times
     step_s = statistics.median(quiet)
     points = [{**p, "steps": p["total"] / step_s} for p in adapter.track_costs]
+    reports = [{**p, "steps": p["total"] / step_s} for p in adapter.report_costs]
     return {"steps": steps, "seconds": seconds, "measuring_seconds": adapter.measure_seconds,
             "fraction": adapter.measure_seconds / seconds, "tracked": list(adapter.tracked),
             "changes": len(adapter.history), "budget": budget, "budget_fraction": budget_fraction,
-            "step_s": step_s, "points": points}
+            "step_s": step_s, "points": points, "reports": reports}
 
 
 def table(row: dict) -> str:
@@ -84,4 +86,7 @@ def table(row: dict) -> str:
             lines.append(f"| {int(p['iteration'])} | {1000 * p.get('profile', 0.0):.0f} ms | "
                          f"{1000 * p.get('sensitivity', 0.0):.0f} ms | {1000 * p.get('solve', 0.0):.0f} ms | "
                          f"{1000 * p['total']:.0f} ms | {p['steps']:.1f} |")
+    if row.get("reports"):
+        lines += ["", "| gradient-noise report at iteration | total | in steps |", "|---:|---:|---:|"]
+        lines += [f"| {int(p['iteration'])} | {1000 * p['total']:.0f} ms | {p['steps']:.1f} |" for p in row["reports"]]
     return "\n".join(lines)

@@ -39,7 +39,7 @@ from llm_act.measurement.controlled import ControlledModel
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.measurement import probing
-from llm_act.measurement.sensitivity import sampling_halves
+from llm_act.measurement.sensitivity import batch_loss, sampling_halves
 from llm_act.sites import MASK_SITES
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,7 @@ def _grad(controller: ControlledModel, forward: Callable[[], Any], params: list[
           snap: probing.RngSnapshot, codecs: dict) -> list[torch.Tensor]:
     snap.restore()
     probing.install(controller, codecs)
-    loss = probing.scalar_loss(forward())
-    return probing.optional_grad(loss, params)
+    return probing.optional_grad(batch_loss(forward()), params)
 
 
 def measure_sums(controller: ControlledModel, forward: Callable[[], Any], named: list[tuple[str, torch.Tensor]],
@@ -125,7 +124,7 @@ def measure_sums(controller: ControlledModel, forward: Callable[[], Any], named:
         out.update({f"err:{g}": v for g, v in probing.sq_by_group(comp, exact, groups).items()})
         del comp
         probing.install(controller, {})
-        halves = sampling_halves(forward, params, snap)
+        halves = sampling_halves(forward, params, snap, exact)
         if halves is not None:
             out.update({f"samp:{g}": v / 4.0 for g, v in probing.sq_by_group(*halves, groups).items()})
         del halves

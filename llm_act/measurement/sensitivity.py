@@ -9,16 +9,18 @@ units of the planner's prior, so that c_l carries the tensor's scale as GACT's c
 its range R_l. Scaling a site's tensor by 10 with the gradient's Jacobian unchanged
 multiplies c by 100.
 
-Measuring c_i (Alg. 1, with every other tensor exact): two forward/backward passes that
-differ only in the random draws of an unbiased stochastic codec at site i (all layers at
-once: c_i is shared across identical blocks), every other site kept, the same dropout masks
-(the RNG streams are rewound before each pass). With g1, g2 the two gradients,
-E||g1 - g2||^2 = 2 tr Var_Q[g] = 2 V_i, so
+Measuring c_i (Alg. 1, with every other tensor exact): one exact forward/backward pass, and
+per site type one pass that differs from it only in the random draws of an unbiased
+stochastic codec at site i (all layers at once: c_i is shared across identical blocks),
+every other site kept, the same dropout masks (the RNG streams are rewound before each
+pass). With g the probe's gradient and g0 the exact one, E||g - g0||^2 = tr Var_Q[g] = V_i
+to first order, so
 
-    c_i = ||g1 - g2||^2 / (2 * sum_l S_il),
+    c_i = ||g - g0||^2 / sum_l S_il,
 
-S_il the probe codec's relative error on layer l's tensor. The probe at a value site is
-stochastic INT4 (`int4`); at a few-bit site it is f'(x) plus Rademacher noise of the
+S_il the probe codec's relative error on layer l's tensor. A linear's input needs no probe
+pass: its c comes exactly from the exact pass's backward (`llm_act.measurement.linear_tap`).
+The probe at a value site is stochastic INT4 (`int4`); at a few-bit site it is f'(x) plus Rademacher noise of the
 fitted fewbit3 table's error, so S is in f' units there. Deterministic codecs (nearest
 rounding, few-bit tables) enter the planner with their bias^2, which is what their
 `expected_error` gives. The passes use `torch.autograd.grad` (no `.grad`, no `main_grad`,
@@ -58,7 +60,7 @@ from llm_act.measurement.controlled import ControlledModel
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.fewbit import derivative
 from llm_act.codecs.registry import FEWBIT_CODECS, make_codec
-from llm_act.measurement import probing
+from llm_act.measurement import linear_tap, probing
 from llm_act.sites import ATTN_SOFTMAX, MASK_SITES, MLP_ACT_INPUT, SITES
 
 #: the codec whose random draws measure c at value sites
@@ -75,7 +77,7 @@ class Sensitivity:
 
     c: dict[str, float] = field(default_factory=dict)
     diff_sq: dict[str, float] = field(default_factory=dict)
-    """||g1 - g2||^2 per site type"""
+    """||g_probe - g_exact||^2 per site type (at a tapped site: its expectation, c * probe_s)"""
     probe_s: dict[str, float] = field(default_factory=dict)
     """sum over layers of the probe's relative error S_il"""
     sampling_noise: Optional[float] = None
@@ -84,6 +86,8 @@ class Sensitivity:
     """GACT's c of the whole gradient (equal to `c` without groups)"""
     sampling_by_group: dict[str, float] = field(default_factory=dict)
     """the sampling noise per parameter group (with groups)"""
+    tapped: tuple[str, ...] = ()
+    """site types whose c came from the exact pass's backward (`linear_tap`), not a probe"""
     coherence: dict[str, float] = field(default_factory=dict)
     """site type -> kappa of its biased codec (with `biased`): the squared gradient error it
     really adds over what GACT's model predicts for independent errors of its size"""
@@ -187,64 +191,73 @@ def sensitive_sites(controller: ControlledModel) -> list[str]:
 def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any], params: Any, *,
                         sites: Optional[Sequence[str]] = None, seed: int = 0,
                         sampling: bool = True, groups: Optional[Sequence[str]] = None,
-                        biased: Optional[dict[str, str]] = None) -> Sensitivity:
-    """c_i for each site type in `sites` (default: all that carry noise), from two
-    backward passes per site type on the batch `forward()` runs (see the module docstring).
+                        biased: Optional[dict[str, str]] = None, tap: bool = True) -> Sensitivity:
+    """c_i for each site type in `sites` (default: all that carry noise) on the batch
+    `forward()` runs (see the module docstring): one exact pass, which also gives c of every
+    linear's input (`llm_act.measurement.linear_tap`), and one probe pass per other site type.
     `params`: the parameters whose gradient counts (a module, modules or tensors).
     `sampling`: also estimate the mini-batch sampling noise (needs a loss with a batch
-    dimension of at least 2: `forward()` returning per-sample or per-token losses).
+    dimension of at least 2: `forward()` returning per-sample or per-token losses; one more
+    pass, `sampling_halves`).
     `groups`: a parameter-group name per parameter: c becomes the worst group's, each
     against its own sampling noise (needs `sampling`).
     `biased`: site type -> a biased codec (nearest rounding, few-bit) whose coherence kappa
-    is measured at that site (one exact pass, and one pass per site with that codec in every
-    layer): kappa = ||g_codec - g_exact||^2 / (c_whole * sum_l S_l). Stochastic rounding
-    gives 1 in expectation; an error that is the same on every token adds up in a weight
-    gradient and gives more. Sites whose c is not measured here are skipped; every rank runs
-    the same passes."""
+    is measured at that site (one pass per site with that codec in every layer):
+    kappa = ||g_codec - g_exact||^2 / (c_whole * sum_l S_l). Stochastic rounding gives 1 in
+    expectation; an error that is the same on every token adds up in a weight gradient and
+    gives more. Sites whose c is not measured here are skipped; every rank runs the same
+    passes. `tap=False` probes the linears' inputs too (to check the tap against the probe)."""
     params = probing.params_of(params)
     if not params:
         raise ValueError("params: no trainable parameter given")
     if groups is not None and len(groups) != len(params):
         raise ValueError(f"groups: expected one name per parameter ({len(params)}), got {len(groups)}")
     sites = list(sensitive_sites(controller) if sites is None else sites)
-    out = Sensitivity()
+    tapped = [site for site in sites if tap and linear_tap.exact_for(controller, site)]
+    out = Sensitivity(tapped=tuple(tapped))
     per_group: dict[str, dict[str, float]] = {}
     with probing.isolated(controller, params) as snap, torch.enable_grad():
+        tap = linear_tap.LinearTap(controller, tapped, params, PROBE_CODEC, groups, biased=biased, seed=seed)
+        probing.install(controller, {})
+        snap.restore()
+        with tap:
+            exact = probing.optional_grad(batch_loss(forward()), params)
+        c, s_sum, by_group = tap.results()
+        for site in tapped:
+            out.c[site], out.probe_s[site] = c[site], s_sum[site]
+            out.diff_sq[site] = c[site] * s_sum[site]
+            per_group[site] = by_group[site]
         for site in sites:
-            grads, s_sum = [], 0.0
-            for draw in range(2):
-                record: list[float] = []
-                probes = {
-                    (layer, site): _probe(controller, layer, site, seed * 1_000_003 + 7919 * SITES.index(site) + 104_729 * draw + layer, record)
-                    for layer in controller.layers if site in controller.sites(layer)
-                }
-                snap.restore()
-                probing.install(controller, probes)
-                loss = probing.scalar_loss(forward())
-                grads.append(probing.optional_grad(loss, params))
-                del loss
-                if draw == 0:
-                    s_sum = sum(record)
-            d2 = probing.sq_distance(grads[0], grads[1])
+            if site in out.c:
+                continue
+            record: list[float] = []
+            probes = {
+                (layer, site): _probe(controller, layer, site, seed * 1_000_003 + 7919 * SITES.index(site) + layer, record)
+                for layer in controller.layers if site in controller.sites(layer)
+            }
+            snap.restore()
+            probing.install(controller, probes)
+            grad = probing.optional_grad(batch_loss(forward()), params)
+            d2, total_s = probing.sq_distance(grad, exact), sum(record)
             out.diff_sq[site] = d2
-            out.probe_s[site] = s_sum
-            out.c[site] = d2 / (2.0 * s_sum) if s_sum > 0 else 0.0
-            if groups is not None and s_sum > 0:
-                by_group = probing.sq_by_group(grads[0], grads[1], groups)
-                per_group[site] = {g: v / (2.0 * s_sum) for g, v in by_group.items()}
-            del grads
+            out.probe_s[site] = total_s
+            out.c[site] = d2 / total_s if total_s > 0 else 0.0
+            if groups is not None and total_s > 0:
+                per_group[site] = {g: v / total_s for g, v in probing.sq_by_group(grad, exact, groups).items()}
+            del grad
         # every rank runs the same passes (the forwards hold collectives): no filter on local values
-        todo = {site: name for site, name in (biased or {}).items() if site in out.c}
+        out.coherence = tap.coherence(out.c)
+        todo = {site: name for site, name in (biased or {}).items() if site in out.c and site not in tapped}
         if todo:
-            out.coherence = _coherence(controller, forward, params, snap, todo, out.c, seed)
+            out.coherence.update(_coherence(controller, forward, params, snap, todo, out.c, seed, exact))
         if sampling:
             probing.install(controller, {})
-            halves = sampling_halves(forward, params, snap)
+            halves = sampling_halves(forward, params, snap, exact)
             if halves is not None:
                 out.sampling_noise = probing.sq_distance(*halves) / 4.0
                 if groups is not None:
-                    by_group = probing.sq_by_group(halves[0], halves[1], groups)
-                    out.sampling_by_group = {g: v / 4.0 for g, v in by_group.items()}
+                    by_half = probing.sq_by_group(halves[0], halves[1], groups)
+                    out.sampling_by_group = {g: v / 4.0 for g, v in by_half.items()}
     out.c_whole = dict(out.c)
     if per_group and out.sampling_noise:
         out.c = {site: worst_group(per_group.get(site), out.sampling_by_group, out.sampling_noise, c)
@@ -253,12 +266,10 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
 
 
 def _coherence(controller: ControlledModel, forward: Callable[[], Any], params: list[torch.Tensor],
-               snap: probing.RngSnapshot, biased: dict[str, str], c: dict[str, float], seed: int
-               ) -> dict[str, float]:
-    """kappa per site of `biased` (see `measure_sensitivity`), against `c` (whole gradient)."""
-    snap.restore()
-    probing.install(controller, {})
-    exact = probing.optional_grad(probing.scalar_loss(forward()), params)
+               snap: probing.RngSnapshot, biased: dict[str, str], c: dict[str, float], seed: int,
+               exact: list[torch.Tensor]) -> dict[str, float]:
+    """kappa per site of `biased` (see `measure_sensitivity`), against `c` (whole gradient)
+    and the exact pass's gradient `exact`."""
     out = {}
     for site, name in biased.items():
         record: list[float] = []
@@ -272,7 +283,7 @@ def _coherence(controller: ControlledModel, forward: Callable[[], Any], params: 
             codecs[(layer, site)] = _Recording(inner, act, record)
         snap.restore()
         probing.install(controller, codecs)
-        grad = probing.optional_grad(probing.scalar_loss(forward()), params)
+        grad = probing.optional_grad(batch_loss(forward()), params)
         d2, s_sum = probing.sq_distance(grad, exact), sum(record)
         if c[site] > 0 and s_sum > 0:  # else nothing to scale: this rank reports no kappa there
             out[site] = d2 / (c[site] * s_sum)
@@ -292,23 +303,42 @@ def worst_group(c_by_group: Optional[dict[str, float]], sampling_by_group: dict[
     return worst
 
 
-def sampling_halves(forward: Callable[[], Any], params: list[torch.Tensor],
-                     snap: probing.RngSnapshot) -> Optional[list[list[torch.Tensor]]]:
-    """The gradients of the two halves of the batch, each scaled as a full batch's (exact
-    passes; one forward per half, as some losses -- megatron's cross entropy -- cannot
-    backpropagate twice); ||g_a - g_b||^2 / 4 is the sampling noise. None for a batch of one."""
-    halves = []
-    for part in range(2):
-        snap.restore()
-        out = forward()
-        loss = out[0] if isinstance(out, (tuple, list)) else out
-        if not isinstance(loss, torch.Tensor) or loss.dim() == 0 or loss.shape[0] < 2:
-            return None
-        half = loss.shape[0] // 2
-        per = loss.float().reshape(loss.shape[0], -1).mean(dim=1)
-        halves.append(probing.optional_grad(per[part * half:(part + 1) * half].mean(), params))
-        del out, loss, per
-    return halves
+def per_row_losses(out: Any) -> Optional[torch.Tensor]:
+    """The mean loss of each row of the batch `forward()` returned (a loss tensor, or a tuple
+    led by one, with the batch first), None for a scalar or a batch of one."""
+    loss = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(loss, torch.Tensor) or loss.dim() == 0 or loss.shape[0] < 2:
+        return None
+    return loss.float().reshape(loss.shape[0], -1).mean(dim=1)
+
+
+def batch_loss(out: Any) -> torch.Tensor:
+    """The loss every exact and probe pass backpropagates: the mean of the per-row losses
+    over the two halves `sampling_halves` splits the batch into (the first 2 * (b // 2)
+    rows: the exact pass's gradient is then the mean of the halves'), or the mean of
+    everything for a batch of one (`probing.scalar_loss`)."""
+    per = per_row_losses(out)
+    if per is None:
+        return probing.scalar_loss(out)
+    return per[:2 * (per.shape[0] // 2)].mean()
+
+
+def sampling_halves(forward: Callable[[], Any], params: list[torch.Tensor], snap: probing.RngSnapshot,
+                    whole: list[torch.Tensor]) -> Optional[list[list[torch.Tensor]]]:
+    """The gradients of the two halves of the batch, each scaled as a full batch's, given
+    `whole`, the exact pass's gradient of `batch_loss` (the halves' mean): one forward for
+    half a, and g_b = 2 * whole - g_a (the loss is linear in the per-row losses; one
+    forward per pass, as some losses -- megatron's cross entropy -- cannot backpropagate
+    twice). ||g_a - g_b||^2 / 4 is the sampling noise. None for a batch of one."""
+    snap.restore()
+    out = forward()
+    per = per_row_losses(out)
+    if per is None:
+        return None
+    half = per.shape[0] // 2
+    g_a = probing.optional_grad(per[:half].mean(), params)
+    del out, per
+    return [g_a, [2.0 * w - a for w, a in zip(whole, g_a)]]
 
 
 def check_noise(noise: float, sampling_noise: Optional[float], warn_ratio: float = 1.0,

@@ -127,6 +127,8 @@ class Adapter:
         self.track_costs: list[dict[str, float]] = []
         """per tracking point of this run: its iteration and the seconds of each phase
         ("profile", "sensitivity", "solve": agreement and planner, "total")"""
+        self.report_costs: list[dict[str, float]] = []
+        """per gradient-fidelity report of this run: its iteration and seconds ("total")"""
         self.sens_next = 0
         """where the rotation of sparsely sampled sensitivity sites continues"""
         self.sampling_recent: list[float] = []

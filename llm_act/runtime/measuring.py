@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE, UNBIASED_CODECS
-from llm_act.measurement import fidelity
+from llm_act.measurement import fidelity, linear_tap
 from llm_act.measurement.measure import measure_profile
 from llm_act.measurement.sensitivity import measure_sensitivity, sensitive_sites
 from llm_act.runtime import agreement
@@ -115,22 +115,31 @@ def track_sensitivity(a: "Adapter", probe: Callable[[], Any], profile: Any, stat
 
 
 def sensitivity_sites(a: "Adapter") -> Optional[list[str]]:
-    """The site types whose c is measured at this tracking point: `SENS_SITES_PER_TRACK`
-    in rotation (GACT's c is stable along training; each measured type costs two
-    forward/backward passes), all of them the first time when a noise budget
-    (`variance_budget`) makes the plan depend on every c."""
-    every = sensitive_sites(a.controller)
+    """The site types whose c is measured at this tracking point: every linear's input (its
+    c comes from the exact pass, `llm_act.measurement.linear_tap`, at no extra pass) and
+    `SENS_SITES_PER_TRACK` of the others in rotation (GACT's c is stable along training;
+    each probed type costs a forward/backward pass), all of them the first time when a
+    noise budget (`variance_budget`) makes the plan depend on every c."""
+    tapped, probed = split_sites(a)
     first = not a.sensitivity and noise_bounded(a)
-    if first or len(every) <= SENS_SITES_PER_TRACK:
-        return every
-    start = a.sens_next % len(every)
+    if first or len(probed) <= SENS_SITES_PER_TRACK:
+        return tapped + probed
+    start = a.sens_next % len(probed)
     a.sens_next = start + SENS_SITES_PER_TRACK
-    return [every[(start + i) % len(every)] for i in range(SENS_SITES_PER_TRACK)]
+    return tapped + [probed[(start + i) % len(probed)] for i in range(SENS_SITES_PER_TRACK)]
+
+
+def split_sites(a: "Adapter") -> tuple[list[str], list[str]]:
+    """(tapped, probed): the sensitive site types whose c the exact pass gives, and the rest."""
+    c = a.controller
+    every = sensitive_sites(c)
+    tapped = [site for site in every if linear_tap.exact_for(c, site)]
+    return tapped, [site for site in every if site not in tapped]
 
 
 def sens_rounds(a: "Adapter") -> int:
     """Measurements it takes for every site type to be measured SENS_WINDOW times."""
-    return max(1, -(-len(sensitive_sites(a.controller)) // SENS_SITES_PER_TRACK))
+    return max(1, -(-len(split_sites(a)[1]) // SENS_SITES_PER_TRACK))
 
 
 def noise_bounded(a: "Adapter") -> bool:
@@ -184,7 +193,9 @@ def report_fidelity(a: "Adapter", probe: Optional[Callable[[], Any]]) -> None:
         sums = fidelity.measure_sums(c, probe, named, c.plan, sites, seed=a.config.seed + 31 * c.iteration)
         sums = agreement.reduce_dict(sums, "mean", g.world if g else None)
     finally:
-        a.measure_seconds += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        a.measure_seconds += spent
+        a.report_costs.append({"iteration": float(c.iteration), "total": spent})
     report = fidelity.FidelityReport.from_sums(c.iteration, sums)
     a.fidelity = (a.fidelity + [report])[-fidelity.HISTORY:]
     log.info("llm_act: %s", report.format())

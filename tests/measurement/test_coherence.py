@@ -14,7 +14,8 @@ import warnings
 import pytest
 
 from llm_act.measurement.measured_profile import charged_error
-from llm_act.measurement import sensitivity
+from llm_act.codecs.registry import make_codec
+from llm_act.measurement import linear_tap, sensitivity
 from llm_act.measurement.sensitivity import measure_sensitivity
 from tests.measurement.test_sensitivity import _gpt
 from tests.patches.broken_codec import ROUND_DOWN, break_codec
@@ -40,9 +41,11 @@ def test_stochastic_rounding_is_charged_about_one_and_a_biased_rounding_much_mor
     model, controller, fwd = _gpt()
     fair = _kappas(controller, fwd, model, "int4")
     # the codec measured for coherence rounds always down; the probes that measure c stay healthy
+    # (at a linear's input the exact pass's tap measures it: its codec is broken there)
     healthy = sensitivity._Recording.__init__
     monkeypatch.setattr(sensitivity._Recording, "__init__", lambda self, inner, *a:
                         healthy(self, break_codec(inner, ROUND_DOWN), *a))
+    monkeypatch.setattr(linear_tap, "make_codec", lambda *a, **k: break_codec(make_codec(*a, **k), ROUND_DOWN))
     leaning = _kappas(controller, fwd, model, "int4")
     for site in SITES:
         print(f"{site}: kappa stochastic {fair[site]}, always rounding down {leaning[site]}")

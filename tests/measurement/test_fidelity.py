@@ -104,6 +104,9 @@ def test_scheduled_logged_checkpointed_and_the_run_untouched(caplog):
     with caplog.at_level(logging.INFO, logger="llm_act"):
         model, c = _trained("compress", steps=4, request=False, fidelity_every=2)
     assert [r.iteration for r in c.adapter.fidelity] == [2, 4]
+    # each report's wall time is booked (`llm-act bench overhead` prints it in steps)
+    assert [p["iteration"] for p in c.adapter.report_costs] == [2.0, 4.0]
+    assert all(p["total"] > 0 for p in c.adapter.report_costs)
     assert sum("gradient fidelity at iteration" in r.getMessage() for r in caplog.records) == 2
     assert "gradient fidelity at iteration 4: relative error" in c.adapter.summary()
     # the reports move nothing of the run: same weights after 4 steps

@@ -96,7 +96,8 @@ def test_noise_warning_fires_only_when_compression_noise_dominates():
     same = [t.expand(4, -1).contiguous() for t in (ids, pos, labels)]
     crafted = measure_sensitivity(controller, lambda: model(same[0], same[1], None, labels=same[2]), model,
                                   sites=["attn.out"])
-    assert crafted.sampling_noise == 0.0
+    # zero up to the rounding of g_b = 2 g - g_a (`sampling_halves`)
+    assert 0.0 <= crafted.sampling_noise < 1e-9 * normal.sampling_noise
     with pytest.warns(CompressionNoiseWarning, match="variance_budget"):
         check_noise(noise, crafted.sampling_noise)
     # and a 1-bit plan is far noisier than the sampling noise of a normal batch

@@ -108,10 +108,22 @@ def track_sensitivity(a: "Adapter", probe: Callable[[], Any], profile: Any, stat
     if "s" in sn:  # one micro-batch's halves: a rough estimate, hence the median
         a.sampling_recent = (a.sampling_recent + [sn["s"]])[-SENS_WINDOW:]
     a.sampling_noise = median(a.sampling_recent) if a.sampling_recent else None
-    stats["c"] = dict(a.sensitivity)
+    stats["c"] = plan_relevant_c(a.sensitivity, a.sampling_noise, a.config.variance_budget)
     by_site = profile.noise_by_site(c.plan, a.sensitivity, a.coherence)
     total = sum(by_site.values())
     stats["share"] = {s: v / total for s, v in by_site.items()} if total > 0 else {}
+
+
+def plan_relevant_c(c: dict[str, float], sampling_noise: Optional[float],
+                    variance_budget: Optional[float]) -> dict[str, float]:
+    """The sensitivities the schedule looks for shifts in (`llm_act.runtime.schedule.shifts`):
+    under a noise budget relative to the sampling noise (`noise_fraction`), c over that noise,
+    since a plan depends on nothing else -- early in training every gradient shrinks, c and
+    the sampling noise together, and that is no shift; under an absolute `variance_budget`,
+    c itself."""
+    if variance_budget is not None or not sampling_noise:
+        return dict(c)
+    return {site: v / sampling_noise for site, v in c.items()}
 
 
 def sensitivity_sites(a: "Adapter") -> Optional[list[str]]:

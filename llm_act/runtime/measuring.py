@@ -117,13 +117,14 @@ def track_sensitivity(a: "Adapter", probe: Callable[[], Any], profile: Any, stat
 def plan_relevant_c(c: dict[str, float], sampling_noise: Optional[float],
                     variance_budget: Optional[float]) -> dict[str, float]:
     """The sensitivities the schedule looks for shifts in (`llm_act.runtime.schedule.shifts`):
-    under a noise budget relative to the sampling noise (`noise_fraction`), c over that noise,
-    since a plan depends on nothing else -- early in training every gradient shrinks, c and
-    the sampling noise together, and that is no shift; under an absolute `variance_budget`,
-    c itself."""
-    if variance_budget is not None or not sampling_noise:
+    under a noise budget relative to the sampling noise (`noise_fraction`), each site's
+    share of the summed c -- early in training every gradient shrinks, c and the sampling
+    noise together, which is no shift, and the sampling noise of one micro-batch's halves is
+    too rough to divide by; under an absolute `variance_budget`, c itself."""
+    total = sum(v for v in c.values() if v > 0)
+    if variance_budget is not None or total <= 0:
         return dict(c)
-    return {site: v / sampling_noise for site, v in c.items()}
+    return {site: v / total for site, v in c.items()}
 
 
 def sensitivity_sites(a: "Adapter") -> Optional[list[str]]:

@@ -11,7 +11,9 @@ holds, not the bytes of process memory. The ledger counts them while a forward r
 - global module forward pre/post hooks track where the forward is: which
   `TransformerLayer` (layer index = megatron's 1-based `layer_number` - 1, which already
   includes the pipeline offset; modules without one get an index in order of first
-  call) and which of its submodules, and they tag the storages of known module inputs
+  call) and which of its submodules (the final norm of a `TransformerBlock`, whose input is
+  the site after the blocks, `llm_act.sites.MODEL_SITES`, counts as the last layer's), and
+  they tag the storages of known module inputs
   and outputs with the site they *are* (the input of `linear_fc2` is `mlp.fc2_input`
   whichever op saves it). A copy of a tagged input made inside its module by re-views,
   expands and clones alone (the K/V heads stock attention repeats under GQA) belongs to
@@ -56,7 +58,9 @@ from llm_act.sites import (
     EMBEDDING_DROPOUT_MASK,
     EMBEDDING_OUTPUT,
     LOSS_LOGITS,
+    MODEL_SITES,
     OUTER_SITES,
+    SITE_OF,
     SITES,
     SLOTS_WITHOUT_SITE,
 )
@@ -88,6 +92,9 @@ _OUTPUT_TAGS: dict[str, str] = {tag.slot: site.name for site in BLOCK for tag in
 _AFTER_SUBLAYER: tuple[tuple[str, str], ...] = tuple(
     (tag.slot, site.name) for site in reversed(BLOCK) for tag in site.tags if tag.how == "after")
 _SITE_RANK = {s: i for i, s in enumerate(SITES)}
+#: Slots of a TransformerBlock holding a site after the blocks (`Site.scope` "model"): their
+#: role is the slot, their layer the block's last.
+_BLOCK_SLOTS: tuple[str, ...] = tuple(SITE_OF[name].slot for name in MODEL_SITES)
 
 #: autograd nodes that only re-view, copy or cast their input (used to see that a saved
 #: tensor is a parameter in another shape or dtype).
@@ -208,6 +215,12 @@ def _is_moe_layer(layer: torch.nn.Module) -> bool:
 
 def _is_lm(m: torch.nn.Module) -> bool:
     return hasattr(m, "embedding") and hasattr(m, "output_layer") and hasattr(m, "decoder")
+
+
+def _is_block(m: torch.nn.Module) -> bool:
+    """A TransformerBlock: its layers, and a slot of a site after them (the final norm)."""
+    return isinstance(getattr(m, "layers", None), torch.nn.ModuleList) and any(
+        isinstance(getattr(m, slot, None), torch.nn.Module) for slot in _BLOCK_SLOTS)
 
 
 @dataclass
@@ -380,15 +393,23 @@ class SavedTensorLedger:
                 if moe and (path == "mlp" or path.startswith("mlp.")):
                     path = _moe_role(path)
                 self._roles.setdefault(sub, (layer, path))
+        elif _is_block(root):
+            self._roles.setdefault(root, (None, None))  # learnt once; what it saves itself: "other"
+            last = getattr(root.layers[-1], "layer_number", None) if len(root.layers) else None
+            if isinstance(last, int) and not isinstance(last, bool) and last >= 1:
+                for slot in _BLOCK_SLOTS:
+                    sub = getattr(root, slot, None)
+                    if isinstance(sub, torch.nn.Module):
+                        self._roles.setdefault(sub, (last - 1, slot))
         elif _is_lm(root):
             for path, sub in root.named_modules():
                 if path == "" or path.startswith("embedding"):
                     self._roles.setdefault(sub, (None, "lm." + path if path else "lm"))
-                elif path.endswith("final_layernorm") or path.startswith("output_layer"):
+                elif path.startswith("output_layer"):
                     self._roles.setdefault(sub, (None, "lm.head"))
 
     def _pre(self, module: torch.nn.Module, args: tuple) -> None:
-        if _is_layer(module) or _is_lm(module):
+        if _is_layer(module) or _is_lm(module) or _is_block(module):
             if module not in self._roles:
                 self._learn(module)
         layer, role = self._roles.get(module, (None, None))

@@ -10,13 +10,18 @@ one form the Controller applies to the modules, whatever the user wrote:
   it at its tracking iterations with the MILP's plan for the measured profile, the
   `ActConfig.codecs` overrides staying pinned;
 - "recompute": Megatron-style full block recompute (`recompute_layer()`): `ln1.input`
-  kept, every other site recomputed in backward from it;
+  kept, every other site of the block recomputed in backward from it;
 - "selective": Megatron's selective recompute (`selective_layer()`): the core attention
   (`attn.softmax`, `attn.dropout_mask`) re-run in backward from its kept q, k, v;
 - a JSON plan path (or its dict) read by `load_plan_json`;
 - then `ActConfig.codecs` (site -> choice) overrides on top, for every layer.
 
 Every site of a GPT block (`llm_act.sites.SITES`) has a compressed layer that stores it.
+The sites after the blocks (`MODEL_SITES`: the final norm's input) are carried by the plan
+of the model's last layer (the layer whose output they hold; other layers' entries for them
+bind nothing): "keep" keeps and "compress" encodes them, the recompute plans keep them (the
+block's recompute never covers them) and the planner prices them as a block of their own
+(`Plan.layer_plans` puts its choice back into the last layer's).
 Choices are validated by `llm_act.codecs.registry.check_choices`; which combinations of
 "recompute" a layer can run is checked by `LayerRecompute.bind` when the plan is applied
 (before anything changes).
@@ -41,6 +46,7 @@ from llm_act.sites import (
     CHECKPOINT_SITE,
     DEFAULT_CODECS,
     MLP_ACT_INPUT,
+    MODEL_SITES,
     SITES,
 )
 
@@ -58,9 +64,11 @@ def keep_layer() -> LayerPlan:
 
 def recompute_layer(checkpoint: str = KEEP) -> LayerPlan:
     """Megatron's "full" recompute of one block: every site recomputed from `ln1.input`, which
-    is kept (`checkpoint="keep"`) or stored with the codec `checkpoint` (GACT's CB1)."""
+    is kept (`checkpoint="keep"`) or stored with the codec `checkpoint` (GACT's CB1); the sites
+    after the blocks (`MODEL_SITES`) kept."""
     check_choice(CHECKPOINT_SITE, checkpoint)
-    return {site: checkpoint if site == CHECKPOINT_SITE else RECOMPUTE for site in SITES}
+    return {site: checkpoint if site == CHECKPOINT_SITE else KEEP if site in MODEL_SITES else RECOMPUTE
+            for site in SITES}
 
 
 def selective_layer() -> LayerPlan:
@@ -174,19 +182,20 @@ def _layers(layers: Optional[Iterable[int]], num_layers: int) -> list[int]:
 
 
 def describe(plan: LayerPlans) -> str:
-    """A short human-readable summary: the distinct per-layer choices and their layers."""
+    """A short human-readable summary: the distinct per-layer choices (what is not kept) and
+    their layers."""
     groups: list[tuple[LayerPlan, list[int]]] = []
     for i in sorted(plan):
+        stored = {s: c for s, c in plan[i].items() if c != KEEP}
         for choice, members in groups:
-            if choice == plan[i]:
+            if choice == stored:
                 members.append(i)
                 break
         else:
-            groups.append((plan[i], [i]))
+            groups.append((stored, [i]))
     lines = []
-    for choice, members in groups:
-        stored = {s: c for s, c in choice.items() if c != KEEP} or {"*": KEEP}
-        lines.append(f"layers {members}: " + ", ".join(f"{s}={c}" for s, c in stored.items()))
+    for stored, members in groups:
+        lines.append(f"layers {members}: " + ", ".join(f"{s}={c}" for s, c in (stored or {"*": KEEP}).items()))
     return "\n".join(lines)
 
 
@@ -227,9 +236,16 @@ class Plan:
 
     def layer_plans(self, first_layer: int = 0) -> LayerPlans:
         """The plan in the one form the runtime applies: block i covers the next
-        `blocks[i].count` layers from `first_layer`."""
-        choices = [choice for i in range(len(self.blocks)) for choice in self.layer_choices(i)]
-        return {first_layer + n: choice for n, choice in enumerate(choices)}
+        `blocks[i].count` layers from `first_layer`; a block of the sites after the blocks
+        (`is_outer`) adds its choice to the last layer's."""
+        out: LayerPlans = {}
+        for i, block in enumerate(self.blocks):
+            if is_outer(block) and out:
+                out[max(out)].update(self.choice[i])
+                continue
+            for choice in self.layer_choices(i):
+                out[first_layer + len(out)] = choice
+        return out
 
     def to_dict(self, first_layer: int = 0) -> dict[str, Any]:
         """The JSON plan (`plan_json`) of `layer_plans(first_layer)`."""
@@ -258,16 +274,23 @@ def whole_layer(block: "BlockProfile", checkpoint: str = KEEP) -> LayerPlan:
     """`recompute_layer(checkpoint)` over the sites of `block` as well (a profile may name
     sites beyond `SITES`)."""
     return {**recompute_layer(checkpoint), **{s.name: RECOMPUTE for s in block.sites
-                                              if s.name != CHECKPOINT_SITE}}
+                                              if s.name != CHECKPOINT_SITE and s.name not in MODEL_SITES}}
 
 
 def is_whole(choice: Mapping[str, str], block: "BlockProfile") -> bool:
     """Whether `choice` recomputes all of `block` from its checkpoint (every other site
-    named "recompute", and the block has the checkpoint)."""
+    named "recompute", and the block has the checkpoint); the sites after the blocks
+    (`MODEL_SITES`) are no part of it."""
     names = {s.name for s in block.sites}
     return CHECKPOINT_SITE in names and all(
-        c == RECOMPUTE for s, c in choice.items() if s != CHECKPOINT_SITE) and all(
+        c == RECOMPUTE for s, c in choice.items() if s != CHECKPOINT_SITE and s not in MODEL_SITES) and all(
         choice.get(s, KEEP) == RECOMPUTE for s in names if s != CHECKPOINT_SITE)
+
+
+def is_outer(block: "BlockProfile") -> bool:
+    """Whether `block` holds only sites after the blocks (`MODEL_SITES`: the final norm's
+    input): the planner prices them as a block of their own, once, after the last layer."""
+    return bool(block.sites) and all(s.name in MODEL_SITES for s in block.sites)
 
 
 def load_plan_json(source: Union[str, os.PathLike, dict], num_layers: int) -> LayerPlans:

@@ -10,6 +10,8 @@ megatron-core's `TransformerLayerSubmodules`: slots declared once as typed field
 Names may grow; once written they stay. This is the one production module that spells
 them; code elsewhere uses the constants below (`ATTN_OUT`, ...) or the derived tables.
 `ln1.input` is the block's checkpoint: it may be kept or compressed but never recomputed.
+The one site outside the blocks that is planned, the final norm's input, is declared here
+too (`Site.scope` "model", `MODEL_SITES`): the last layer's plan carries its choice.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ MOE_FC1_INPUT = "moe.fc1_input"
 MOE_ACT_INPUT = "moe.act_input"
 MOE_FC2_INPUT = "moe.fc2_input"
 MOE_ROUTING = "moe.routing"
+#: planned outside the blocks: the input of the decoder's final norm (the last block's output)
+FINAL_NORM_INPUT = "final_norm.input"
 #: counted inside a block, not planned: the attention's logsumexp [b, heads, s] (float32),
 #: kept when lossy Q/K/V are backpropagated from the stored output without a second forward
 ATTN_LSE = "attn.lse"
@@ -101,7 +105,8 @@ class Site:
     codec: str
     """the "compress" plan's codec (Adacc sec. 3.2)"""
     stage: str
-    """the backward stage that consumes it: "mlp" runs first, then "attention\""""
+    """the backward stage that consumes it: "mlp" runs first, then "attention"; "final" for the
+    final norm's input, consumed before any block backpropagates"""
     tags: tuple[Tag, ...]
     recomputed_from: tuple[str, ...] = ()
     """what its producer reads when the layers rebuild it (empty: only the whole block
@@ -123,9 +128,16 @@ class Site:
     """"qkv", "attention_internal", "qk_norm", "dense_mlp", "moe", "mask" or "block\""""
     needs: tuple[str, ...] = ()
     """what a block needs to have the site: "dropout", "unfused_attention",
-    "qk_layernorm", "dense", "moe" (all of them)"""
+    "qk_layernorm", "dense", "moe", "last" (the model's last layer) (all of them)"""
     decode_group: Optional[str] = None
     """sites of one group are decoded at once by one backward op"""
+    scope: str = "layer"
+    """where `slot` (and the ledger's tag slots) are found: "layer", relative to the
+    TransformerLayer; "model", relative to the TransformerBlock that holds the layers -- a
+    tensor saved once per model after its last layer (the final norm's input). A "model"
+    site is planned as a site of the last layer (its plan carries the choice; `needs`
+    "last"), priced as a block of its own (whole-block recompute never covers it) and never
+    recomputed"""
 
 
 def _hid(x: BlockDims) -> tuple[int, ...]:
@@ -232,6 +244,12 @@ BLOCK: tuple[Site, ...] = (
     Site(MOE_ROUTING, "mlp.router", "moe", "experts", "float32", lambda x: (x.rows,), "int8", "mlp",
          (Tag("owns", "moe"), Tag("owns", "moe.router"), Tag("owns", "moe.experts"),
           Tag("input", "moe.experts.*", 1)), family="moe", needs=("moe",)),
+    # after the blocks: the decoder's final norm (TransformerBlock.final_layernorm, on the last
+    # pipeline stage) saves its input, the last block's output (the residual stream: under
+    # sequence parallelism the rank's token shard), with exact per-row statistics
+    Site(FINAL_NORM_INPUT, "final_layernorm", "norm", "replicated", "activation", _hid,
+         "outlier_int4", "final", (Tag("input", "final_layernorm"), Tag("owns", "final_layernorm")),
+         family="outer", needs=("last",), scope="model"),
 )
 
 #: Ledger roles that store nothing of their own (what is saved there goes to "other").
@@ -241,7 +259,8 @@ SLOTS_WITHOUT_SITE: tuple[str, ...] = (_CORE,)
 #: with it (`ATTN_LSE`).
 COUNTED_SITES: tuple[str, ...] = (ATTN_LSE,)
 
-#: Counted by the ledger outside the blocks, not planned.
+#: Counted by the ledger outside the blocks, not planned (the final norm's input is planned:
+#: `MODEL_SITES`).
 OUTER_SITES: tuple[str, ...] = (EMBEDDING_OUTPUT, EMBEDDING_DROPOUT_MASK, LOSS_LOGITS)
 
 #: The block's checkpoint: kept or encoded, never recomputed (recomputation starts from it).
@@ -250,6 +269,9 @@ CHECKPOINT_SITE = LN1_INPUT
 # ---- tables derived from BLOCK (`_derive`) --------------------------------------------------
 SITE_OF: dict[str, Site]
 SITES: tuple[str, ...]
+#: Planned sites outside the blocks (`Site.scope` "model"): each stored once, after the last
+#: layer, whose plan carries its choice; never recomputed, never part of a whole-block recompute.
+MODEL_SITES: tuple[str, ...]
 #: The attention's inputs after rotary (views of one QKV buffer in megatron-core).
 QKV_SITES: tuple[str, ...]
 #: What the core attention saves internally (Megatron's "selective" recompute re-runs it).
@@ -304,6 +326,7 @@ def _derive() -> None:
     g = globals()
     g["SITE_OF"] = {site.name: site for site in BLOCK}
     g["SITES"] = tuple(SITE_OF)
+    g["MODEL_SITES"] = sites_where(scope="model")
     g["QKV_SITES"] = sites_where(family="qkv")
     g["ATTENTION_INTERNAL_SITES"] = sites_where(family="attention_internal")
     g["QK_NORM_SITES"] = sites_where(family="qk_norm")
@@ -334,10 +357,11 @@ def declare(*sites: Site) -> None:
 
 
 def present(site: str, *, dropout: bool, unfused_attention: bool, qk_layernorm: bool,
-            moe: bool) -> bool:
-    """Whether a block with these features has `site` (`Site.needs`)."""
+            moe: bool, last: bool = False) -> bool:
+    """Whether a block with these features has `site` (`Site.needs`); `last`: the model's
+    last layer, whose plan carries the sites after the blocks (`MODEL_SITES`)."""
     have = {"dropout": dropout, "unfused_attention": unfused_attention,
-            "qk_layernorm": qk_layernorm, "dense": not moe, "moe": moe}
+            "qk_layernorm": qk_layernorm, "dense": not moe, "moe": moe, "last": last}
     return all(have[n] for n in SITE_OF[check_site(site)].needs)
 
 

@@ -107,7 +107,9 @@ def test_a_plain_loop_replans_with_no_call_of_ours(figures, caplog):
     assert "plan in force at the start ('auto' starts from 'compress'" in text
     changed = [r.getMessage() for r in caplog.records if "plan changed" in r.getMessage()]
     assert changed and all("of the" in m and "noise budget" in m and "why: first plan" in m
-                           and "plan now, per block:\nlayers [0, 1]:" in m for m in changed[:1]), changed
+                           # (layer 1's plan also carries the final norm's input: a line of its own
+                           # when that is encoded)
+                           and "plan now, per block:\nlayers [0" in m for m in changed[:1]), changed
 
 
 def test_an_optimizer_that_does_not_train_the_model_does_not_advance_it():

@@ -58,13 +58,17 @@ def test_the_schema_is_well_formed():
         assert site.holder in holders, site
         assert site.layout in {"replicated", "heads", "hidden", "ffn", "experts"}, site
         assert site.dtype in {"activation", "mask", "float32"}, site
-        assert site.stage in {name for name, _ in S.BACKWARD_STAGES}, site
+        # a block's stages; the site after the blocks is consumed before any block backpropagates
+        assert site.stage in {name for name, _ in S.BACKWARD_STAGES} | {"final"}, site
+        assert site.scope in {"layer", "model"} and (site.scope == "model") == (site.stage == "final"), site
+        assert site.scope == "layer" or (not site.recomputed_from and not site.alone
+                                         and "last" in site.needs), site
         assert site.tags and all(t.how in {"input", "output", "owns", "after"} for t in site.tags), site
         assert all(isinstance(n, int) and n > 0 for n in site.dims(dims)), site
         assert set(site.recomputed_from + site.rebuild_reads) <= set(S.SITES), site
         assert not site.made_by or len(site.recomputed_from) == 1, site
         assert not site.alone or site.recomputed_from, site
-        assert set(site.needs) <= {"dropout", "unfused_attention", "qk_layernorm", "dense", "moe"}
+        assert set(site.needs) <= {"dropout", "unfused_attention", "qk_layernorm", "dense", "moe", "last"}
     assert S.CHECKPOINT_SITE not in S.RECOMPUTABLE and not S.SITE_OF[S.CHECKPOINT_SITE].recomputed_from
     # one owner per ledger role, one site per input position
     owned = [t.slot for s in S.BLOCK for t in s.tags if t.how == "owns"]
@@ -88,6 +92,13 @@ def test_the_derived_tables_follow_the_declarations():
                          moe=False)
     assert not S.present(S.MLP_FC1_INPUT, dropout=False, unfused_attention=False, qk_layernorm=False,
                          moe=True)
+    # the one planned site after the blocks: the final norm's input, carried by the last layer
+    assert S.MODEL_SITES == (S.FINAL_NORM_INPUT,)
+    assert S.DEFAULT_CODECS[S.FINAL_NORM_INPUT] == S.DEFAULT_CODECS[S.LN1_INPUT] == S.DEFAULT_CODECS[S.LN2_INPUT]
+    assert S.TP_LAYOUT[S.FINAL_NORM_INPUT] == "replicated" and S.FINAL_NORM_INPUT not in S.RECOMPUTABLE
+    features = dict(dropout=True, unfused_attention=False, qk_layernorm=False, moe=False)
+    assert S.present(S.FINAL_NORM_INPUT, last=True, **features)
+    assert not S.present(S.FINAL_NORM_INPUT, **features)
 
 
 def test_a_site_is_declared_once():

@@ -19,9 +19,13 @@ from llm_act.train import parallel, small_gpt
 def _capture_table() -> dict[str, tuple[str, str]]:
     """site -> (module path inside a TransformerLayer, which tensor of the call), from the
     schema: a site's first input tag, else the output of the module that makes it. The
-    dense block's value sites only (no masks, attention internals, qk-norm or MoE)."""
+    dense block's value sites only (no masks, attention internals, qk-norm or MoE), and the
+    final norm's input (`Site.scope` "model"), which is a layer's output (path "")."""
     out = {}
     for site in BLOCK:
+        if site.scope == "model":
+            out[site.name] = ("", "out")
+            continue
         if site.family not in ("block", "qkv", "dense_mlp"):
             continue
         tag = next((t for t in site.tags if t.how == "input"), None)
@@ -45,6 +49,8 @@ def capture_sites(layer: torch.nn.Module, hidden: torch.Tensor, mask=None) -> di
             if which.startswith("in"):
                 tensors = list(args) + [kwargs[k] for k in ("query", "key", "value") if k in kwargs]
                 got[site] = tensors[int(which[2:])].detach().clone()
+            elif which == "out":  # the layer's hidden-state output (TransformerLayer: (hidden, context))
+                got[site] = (output[0] if isinstance(output, tuple) else output).detach().clone()
             else:
                 out, bias = output if isinstance(output, tuple) else (output, None)
                 got[site] = (out if bias is None else out + bias).detach().clone()

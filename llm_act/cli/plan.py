@@ -3,8 +3,9 @@ model from the analytic profile (no GPU) and prints, per stage, which sites are 
 compressed or recomputed, the predicted memory and the added time.
 
 The budget is the whole device: static memory (weights, gradients, optimizer state) and
-the activations outside the blocks (embedding mask, final norm and output layer inputs, the
-loss) are subtracted first. The loss is counted under --output-loss: "stock" (megatron's,
+the activations outside the blocks (embedding mask, output layer input, the loss) are
+subtracted first. The final norm's input is planned with the last stage's blocks (kept or
+compressed, printed once after the per-layer rows). The loss is counted under --output-loss: "stock" (megatron's,
 which keeps the fp32 [tokens, vocab/tp] logits), "chunked" (the chunked linear +
 cross-entropy: one fp32 log-sum-exp per token, one more logits GEMM in backward), or "auto"
 (default, as at run time: chunked when only it fits, or when the plan with it plus its
@@ -158,7 +159,7 @@ def outside_blocks(res: StageResult) -> str:
     if res.output_loss is None:
         return "embedding mask; part of the peak at the end of forward"
     each = ", ".join(f"{name} {_gib(n)}" for name, n in res.output_bytes.items())
-    return (f"embedding mask, final norm, output layer input and loss; output loss: {res.output_loss} "
+    return (f"embedding mask, output layer input and loss; output loss: {res.output_loss} "
             f"(output layer input + loss state: {each}); part of the peak at the end of forward")
 
 
@@ -174,24 +175,26 @@ def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget
     stored_sum = keep_sum = ms_sum = 0.0
     for site in block.sites:
         name = choice[site.name]
-        if name == "keep":
-            stored, ms = site.nbytes, 0.0
-        elif name == "recompute":
-            stored, ms = 0, site.forward_ms or 0.0
-        else:
-            opt = next(c for c in site.codecs if c.name == name)
-            stored, ms = opt.nbytes, opt.cost_ms
+        stored, ms = _priced(site, name)
         stored_sum, keep_sum, ms_sum = stored_sum + stored, keep_sum + site.nbytes, ms_sum + ms
         lines.append(f"  {site.name:<25} {name:<13} {stored / _MIB:>17.3f} {site.nbytes / _MIB:>9.3f} "
                      f"{ms:>10.4f}")
     lines.append(f"  {'per layer':<25} {'':<13} {stored_sum / _MIB:>17.3f} {keep_sum / _MIB:>9.3f} "
                  f"{ms_sum:>10.4f}")
+    outer_keep = 0
+    for i, outer in enumerate(res.blocks[1:], start=1):  # after the last layer, once (the final norm)
+        for site in outer.sites:
+            name = plan.choice[i][site.name]
+            stored, ms = _priced(site, name)
+            outer_keep += res.inflight * site.nbytes
+            lines.append(f"  {site.name:<25} {name:<13} {stored / _MIB:>17.3f} {site.nbytes / _MIB:>9.3f} "
+                         f"{ms:>10.4f}  (once, after layer {last})")
     total = plan.activation_bytes + res.static_bytes
     compute = 3 * layer_forward_ms(shape, device) * block.count
     added = plan.overhead_ms + res.output_gemm_ms
     gemm = (f"; incl. {res.output_gemm_ms:.3f} ms for the chunked loss's extra logits GEMM"
             if res.output_gemm_ms else "")
-    keep_all = res.inflight * block.count * keep_sum
+    keep_all = res.inflight * block.count * keep_sum + outer_keep
     whole = plan.full[0] if plan.full else {}
     if whole:
         lines.append(f"  {'whole-block recompute':<25} " + ", ".join(
@@ -214,6 +217,16 @@ def stage_table(shape: ModelShape, res: StageResult, device: DeviceModel, budget
     return lines
 
 
+def _priced(site, name: str) -> tuple[int, float]:
+    """(stored bytes, added ms) of `site` (a `SiteProfile`) under choice `name`."""
+    if name == "keep":
+        return site.nbytes, 0.0
+    if name == "recompute":
+        return 0, site.forward_ms or 0.0
+    opt = next(c for c in site.codecs if c.name == name)
+    return opt.nbytes, opt.cost_ms
+
+
 def _report(shape, name, budget, zero_stage, dp, device, variance, results) -> dict:
     stages = []
     runs: list[dict] = []
@@ -227,6 +240,7 @@ def _report(shape, name, budget, zero_stage, dp, device, variance, results) -> d
         else:
             p = res.plan
             entry.update(choice=p.choice[0], whole_blocks=p.full[0] if p.full else {},
+                         after_blocks={k: v for ch in p.choice[1:] for k, v in ch.items()},
                          activation_bytes=p.activation_bytes,
                          peak_bytes=p.peak_bytes, overhead_ms=p.overhead_ms + res.output_gemm_ms,
                          variance=p.variance,

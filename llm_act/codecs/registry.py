@@ -11,7 +11,7 @@ from llm_act.codecs.fp8 import FP8
 from llm_act.codecs.int_quant import IntQuant
 from llm_act.codecs.outlier import OutlierInt4
 from llm_act.codecs.regen import RegenMask
-from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, MLP_ACT_INPUT, check_site
+from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, MLP_ACT_INPUT, MODEL_SITES, check_site
 
 #: Choices that are not codecs.
 KEEP, RECOMPUTE = "keep", "recompute"
@@ -120,6 +120,11 @@ def check_choice(site: str, name: str) -> str:
     if name == RECOMPUTE and site == CHECKPOINT_SITE:
         raise ValueError(
             "'ln1.input' is the block's checkpoint: keep or compress it, it cannot be recomputed"
+        )
+    if name == RECOMPUTE and site in MODEL_SITES:
+        raise ValueError(
+            f"{site!r} lies after the last block (its output): keep or compress it, it cannot be "
+            "recomputed"
         )
     return name
 

@@ -270,7 +270,8 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
             layer, site = key
             x = captured[key]
             xs = token_sample(x)
-            timed = times_from is None and layer in groups_first
+            # a site after the blocks (the final norm's input) is a block of its own: timed itself
+            timed = times_from is None and (layer in groups_first or site in schema.MODEL_SITES)
             power = _power(xs) if x.is_floating_point() else 1.0
             few = site == MLP_ACT_INPUT and any(n in FEWBIT_CODECS
                                                  for n in site_codec_names(controller, layer, site, x))

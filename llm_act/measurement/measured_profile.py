@@ -1,7 +1,10 @@
 """`MeasuredProfile`: what each site of the model stores and costs, as measured (per-site and
 per-codec statistics), and its conversion into the planner's `BlockProfile`s (`blocks()`:
 identical layers share one block) and back (`plan_from`). `llm_act.measurement.measure`
-fills it from probe passes over the real model; the planner reads only the blocks.
+fills it from probe passes over the real model; the planner reads only the blocks. A site
+after the blocks (`MODEL_SITES`: the final norm's input, measured as a site of the last
+layer) is a block of its own, after the layers' blocks (`units`): whole-block recompute of
+the last layer never covers it.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from llm_act.sites import (
     RECOMPUTABLE,
     CHECKPOINT_SITE,
     MASK_SITES,
+    MODEL_SITES,
     SITES,
 )
 
@@ -103,7 +107,21 @@ class MeasuredProfile:
         return tuple(sorted({layer for layer, _ in self.sites}))
 
     def layer_sites(self, layer: int) -> tuple[str, ...]:
-        return tuple(s for s in SITES if (layer, s) in self.sites)
+        """The block sites of `layer` (those after the blocks excluded: `outer_sites`)."""
+        return tuple(s for s in SITES if (layer, s) in self.sites and s not in MODEL_SITES)
+
+    def outer_sites(self) -> list[tuple[int, str]]:
+        """(layer, site) of the sites after the blocks (`MODEL_SITES`), in layer order."""
+        return sorted(key for key in self.sites if key[1] in MODEL_SITES)
+
+    def units(self, per_layer: bool = False, exclude: Sequence[str] = ()
+              ) -> list[tuple[list[int], tuple[str, ...]]]:
+        """What each entry of `blocks(per_layer=..., exclude=...)` covers, in the same order:
+        (layers, sites) per group of identical layers (per layer with `per_layer`), then one
+        entry per site after the blocks ([the last layer], (site,)) not in `exclude`."""
+        groups = [[layer] for layer in self.layers] if per_layer else self.groups()
+        return ([(group, tuple(s for s in self.layer_sites(group[0]) if s not in exclude)) for group in groups]
+                + [([layer], (site,)) for layer, site in self.outer_sites() if site not in exclude])
 
     def groups(self) -> list[list[int]]:
         """Layers with the same planned sites and shapes (identical blocks), in order."""
@@ -152,10 +170,11 @@ class MeasuredProfile:
         `blocks()` (`llm_act.planner.transient`): its recomputed sites and largest decode
         group; a layer recomputed whole holds every other site rebuilt (and its decoded
         input when encoded). With `predicted_bytes`, a fixed plan's need is counted as an
-        "auto" plan's is: one definition of the peak."""
+        "auto" plan's is: one definition of the peak (without an end-of-forward event, as the
+        planner prices `blocks()`: what lies outside the blocks is held through the step)."""
         peak = 0
-        for layer in self.layers:
-            names = self.layer_sites(layer)
+        for layers, names in self.units(per_layer=True):
+            layer = layers[0]
             choice = plan.get(layer, {})
             picks = [choice.get(s, KEEP) for s in names]
             nbytes = [self.sites[layer, s].keep_bytes for s in names]
@@ -209,10 +228,8 @@ class MeasuredProfile:
         `coherence`: site -> the factor a biased codec's noise is charged at (issue 28);
         `unbiased_only`: offer no biased codec (`UNBIASED_CODECS` only)."""
         sens = dict(sensitivity or {})
-        groups = [[layer] for layer in self.layers] if per_layer else self.groups()
         out = []
-        for group in groups:
-            sites = tuple(s for s in self.layer_sites(group[0]) if s not in exclude)
+        for group, sites in self.units(per_layer, exclude):
             profiles = []
             for site in sites:
                 stats = [self.sites[(layer, site)] for layer in group]
@@ -242,25 +259,27 @@ class MeasuredProfile:
                                     full_ms=self.block_ms[group[0]] if whole else None))
         return out
 
-    def block_layers(self, per_layer: bool = False) -> list[list[int]]:
-        """The layers behind each entry of `blocks(per_layer=...)`, in the same order."""
-        return [[layer] for layer in self.layers] if per_layer else self.groups()
+    def block_layers(self, per_layer: bool = False, exclude: Sequence[str] = ()) -> list[list[int]]:
+        """The layers behind each entry of `blocks(per_layer=..., exclude=...)`, in the same order."""
+        return [layers for layers, _ in self.units(per_layer, exclude)]
 
-    def plan_from(self, plan: "Plan", per_layer: bool = False) -> dict[int, dict[str, str]]:
-        """{layer: {site: choice}} from a `solve_plan` answer over `blocks(per_layer)`: a
-        group whose layers the plan splits (some recomputed whole) gives them in layer order."""
+    def plan_from(self, plan: "Plan", per_layer: bool = False,
+                  exclude: Sequence[str] = ()) -> dict[int, dict[str, str]]:
+        """{layer: {site: choice}} from a `solve_plan` answer over `blocks(per_layer,
+        exclude=...)`: a group whose layers the plan splits (some recomputed whole) gives them
+        in layer order; a site after the blocks joins its layer's choice."""
         out: dict[int, dict[str, str]] = {}
-        for i, layers in enumerate(self.block_layers(per_layer)):
+        for i, layers in enumerate(self.block_layers(per_layer, exclude)):
             for layer, ch in zip(layers, plan.layer_choices(i)):
-                out[layer] = ch
+                out.setdefault(layer, {}).update(ch)
         return out
 
     def choice_for(self, plan: Mapping[int, Mapping[str, str]], per_layer: bool = False,
                    exclude: Sequence[str] = ()) -> list[dict[str, str]]:
         """The per-block choice list of `plan` for `evaluate_plan` over `blocks(per_layer,
         exclude=...)` (a group takes its first layer's choice)."""
-        return [{s: plan.get(layers[0], {}).get(s, KEEP) for s in self.layer_sites(layers[0]) if s not in exclude}
-                for layers in self.block_layers(per_layer)]
+        return [{s: plan.get(layers[0], {}).get(s, KEEP) for s in names}
+                for layers, names in self.units(per_layer, exclude)]
 
 
 def charged_error(rel_error: float, site: str, name: str, coherence: Optional[Mapping[str, float]]) -> float:

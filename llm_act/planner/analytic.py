@@ -34,10 +34,11 @@ without one is still counted, at its tensor's bytes, not recomputed.
 Everything is per rank and per micro-batch. The bytes are exact for the stated layout;
 the times are a roofline estimate, good for ranking options, not for a stopwatch.
 
-One job: the block. The model's shape and the device model it reads are in
-`llm_act.planner.model_shape`; what a rank holds outside its blocks (the loss, the output
-layer's input, weights and optimizer state) is in `llm_act.planner.static_memory`, which
-reads this module, never the other way round.
+One job: the block, and the planned site after the blocks (the final norm's input,
+`outer_profile`: a block of its own on the last stage). The model's shape and the device
+model it reads are in `llm_act.planner.model_shape`; what a rank holds outside its blocks
+(the loss, the output layer's input, weights and optimizer state) is in
+`llm_act.planner.static_memory`, which reads this module, never the other way round.
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ from llm_act.sites import (
     ATTN_SOFTMAX,
     ATTN_V,
     CHECKPOINT_SITE,
+    FINAL_NORM_INPUT,
     LN2_INPUT,
     MLP_ACT_INPUT,
     MLP_FC1_INPUT,
@@ -349,6 +351,12 @@ def _moe_fc2_input(blk: _Terms) -> _Cost:
     return _Cost(blk.device.mem_ms(x.rows * (x.moe_f1 + 2 * x.moe_f2) * blk.e))
 
 
+def _final_norm_input(blk: _Terms) -> _Cost:
+    """The final norm's input (the last block's output) with the norm's fp32 statistics per
+    row, kept exactly beside a codec's record; not recomputed (it is the blocks' output)."""
+    return _Cost(extra=blk.norm_stats)
+
+
 def _moe_routing(blk: _Terms) -> _Cost:
     """The per-row probabilities; the router's fp32 scores, the routing map and the top-k and
     permutation indices stay exact beside them. Out of the token dispatcher: only the whole
@@ -383,6 +391,7 @@ _COSTS: dict[str, Callable[[_Terms], _Cost]] = {
     MOE_FC2_INPUT: _moe_fc2_input,
     MOE_ROUTING: _moe_routing,
     MLP_HIDDEN_DROPOUT_MASK: _hidden_mask,
+    FINAL_NORM_INPUT: _final_norm_input,
 }
 
 
@@ -398,19 +407,21 @@ def _site_dtype(site: Site, shape: ModelShape, device: DeviceModel) -> torch.dty
     return {"activation": shape.torch_dtype, "float32": torch.float32}[site.dtype]
 
 
-def _block_sites(shape: ModelShape) -> list[Site]:
-    """The schema's sites a block of `shape` has (`present`), in the profile's order (`_COSTS`)."""
-    have = [site for site in schema.BLOCK if present(
+def _block_sites(shape: ModelShape, scope: str = "layer") -> list[Site]:
+    """The schema's sites a block of `shape` has (`present`), in the profile's order (`_COSTS`);
+    `scope="model"`: the sites after the blocks the model has (the final norm's input)."""
+    have = [site for site in schema.BLOCK if site.scope == scope and present(
         site.name, dropout=shape.dropout > 0, unfused_attention=not shape.fused_attention,
-        qk_layernorm=shape.qk_layernorm, moe=shape.is_moe)]
+        qk_layernorm=shape.qk_layernorm, moe=shape.is_moe, last=scope == "model")]
     rank = {name: i for i, name in enumerate(_COSTS)}
     return sorted(have, key=lambda site: rank.get(site.name, len(rank)))
 
 
-def _sites(shape: ModelShape, device: DeviceModel) -> list[_Site]:
-    """The block's sites: shape, dtype and producer inputs from the schema, cost from `_COSTS`."""
+def _sites(shape: ModelShape, device: DeviceModel, scope: str = "layer") -> list[_Site]:
+    """The block's sites (`scope="model"`: those after the blocks): shape, dtype and producer
+    inputs from the schema, cost from `_COSTS`."""
     blk = _Terms(shape, device)
-    sites = _block_sites(shape)
+    sites = _block_sites(shape, scope)
     names = {site.name for site in sites}
     out = []
     for site in sites:
@@ -443,16 +454,7 @@ def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
     if not isinstance(gradients, bool):
         raise ValueError(f"gradients: expected True or False, got {gradients!r}")
     sens = dict(sensitivity or {})
-    profiles = []
-    for st in _sites(shape, device):
-        itemsize = torch.empty((), dtype=st.dtype).element_size()
-        default_c = 0.0 if st.name in schema.MASK_SITES else 1.0
-        profiles.append(SiteProfile(
-            st.name, st.keep_bytes if st.keep_bytes is not None else math.prod(st.dims) * itemsize + st.extra,
-            st.forward_ms, st.inputs,
-            _options(st.name, st.dims, st.dtype, st.extra, shape, device, outlier_frac),
-            sens.pop(st.name, default_c),
-        ))
+    profiles = _site_profiles(_sites(shape, device), shape, device, outlier_frac, sens)
     if sens:
         raise ValueError(f"sensitivity: sites {sorted(sens)} are not in this block "
                          f"({', '.join(p.name for p in profiles)})")
@@ -463,14 +465,55 @@ def block_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *,
                         stage_bytes=stages)
 
 
+def _site_profiles(sites: list[_Site], shape: ModelShape, device: DeviceModel, outlier_frac: float,
+                   sens: dict[str, float]) -> list[SiteProfile]:
+    """The planner's view of `sites`, each with every codec it admits; the sensitivities
+    used are taken out of `sens` (default 1.0 for value sites, 0 for dropout masks)."""
+    profiles = []
+    for st in sites:
+        itemsize = torch.empty((), dtype=st.dtype).element_size()
+        default_c = 0.0 if st.name in schema.MASK_SITES else 1.0
+        profiles.append(SiteProfile(
+            st.name, st.keep_bytes if st.keep_bytes is not None else math.prod(st.dims) * itemsize + st.extra,
+            st.forward_ms, st.inputs,
+            _options(st.name, st.dims, st.dtype, st.extra, shape, device, outlier_frac),
+            sens.pop(st.name, default_c),
+        ))
+    return profiles
+
+
+def outer_profile(shape: ModelShape, device: Optional[DeviceModel] = None, *, inflight: int = 1,
+                  outlier_frac: float = 0.01, sensitivity: Optional[Mapping[str, float]] = None
+                  ) -> Optional[BlockProfile]:
+    """The sites after the blocks (`llm_act.sites.MODEL_SITES`: the final norm's input, with
+    its fp32 statistics) on the last pipeline stage, as a block of their own for
+    `solve_plan` (count 1: stored once; no whole-block option, nothing recomputed); the plan
+    carries its choice in the last layer's (`llm_act.plan.Plan.layer_plans`). None when the
+    model has none. `sensitivity`: per-site c_i (default 1.0)."""
+    device = device or DeviceModel()
+    sens = dict(sensitivity or {})
+    profiles = _site_profiles(_sites(shape, device, scope="model"), shape, device, outlier_frac, sens)
+    if sens:
+        raise ValueError(f"sensitivity: sites {sorted(sens)} are not after the blocks "
+                         f"({', '.join(p.name for p in profiles)})")
+    return BlockProfile(tuple(profiles), count=1, inflight=inflight) if profiles else None
+
+
 def stage_blocks(shape: ModelShape, stage: int, device: Optional[DeviceModel] = None,
                  **kwargs) -> list[BlockProfile]:
     """The blocks of pipeline stage `stage` (0-based) for `solve_plan`: one entry holding
-    the stage's layers, with pp - stage micro-batches in flight (1F1B)."""
+    the stage's layers, with pp - stage micro-batches in flight (1F1B), and on the last stage
+    the sites after the blocks (`outer_profile`: the final norm's input), planned with them."""
     if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 0 <= stage < shape.pp:
         raise ValueError(f"stage: expected an int in [0, {shape.pp}), got {stage!r}")
-    return [block_profile(shape, device, count=shape.layers_per_stage,
-                          inflight=shape.pp - int(stage), **kwargs)]
+    sens = dict(kwargs.pop("sensitivity", None) or {})
+    outer_sens = {name: sens.pop(name) for name in schema.MODEL_SITES if name in sens}
+    blocks = [block_profile(shape, device, count=shape.layers_per_stage,
+                            inflight=shape.pp - int(stage), sensitivity=sens, **kwargs)]
+    outer = outer_profile(shape, device, inflight=shape.pp - int(stage), sensitivity=outer_sens,
+                          **{k: v for k, v in kwargs.items() if k == "outlier_frac"}) \
+        if stage == shape.pp - 1 else None
+    return blocks + ([outer] if outer is not None else [])
 
 
 def stage_layers(shape: ModelShape, stage: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE
 from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
 from llm_act.planner.transient import transient_bytes, whole_block_bytes
-from llm_act.sites import CHECKPOINT_SITE
+from llm_act.sites import CHECKPOINT_SITE, MODEL_SITES
 
 
 @dataclass(slots=True)
@@ -82,6 +82,22 @@ class _Class:
     @property
     def floor(self) -> bool:
         return not self.options and not self.full
+
+    @property
+    def freed_first(self) -> bool:
+        """Holds only sites after the blocks (`MODEL_SITES`: the final norm's input), whose
+        backward runs before any block's: what they store is live at the end of forward and
+        freed before a block backpropagates (`counts_out_early`)."""
+        return bool(self.sites) and all(s.name in MODEL_SITES for s in self.sites)
+
+
+def counts_out_early(classes: Sequence[_Class]) -> bool:
+    """Whether the blocks' transients count out what the sites after the blocks store
+    (`_Class.freed_first`): where the end of forward is its own event (a floor class:
+    `solve_plan`'s `loss_bytes` / `input_bytes`), those bytes are live there and freed before
+    any block backpropagates. Without it (the runtime's measured model, which holds what lies
+    outside the blocks through the whole step) they are counted like any stored tensor."""
+    return any(c.floor for c in classes)
 
 
 def _site_options(site: SiteProfile, resolution: float = 0.0) -> list[_Option]:
@@ -187,6 +203,9 @@ def _evaluate(classes: list[_Class], picks: list[list[int]],
     stored, peak, ms, noise = 0, 0, 0.0, 0.0
     fulls = fulls or _no_full(classes)
     encoded = any(c.first and not c.floor and c.encodes_checkpoint(p, f) for c, p, f in zip(classes, picks, fulls))
+    # what the sites after the blocks store: freed before any block backpropagates (`counts_out_early`)
+    gone_early = sum(c.inflight * c.count * sum(c.options[i][o].stored for i, o in enumerate(p))
+                     for c, p in zip(classes, picks) if c.freed_first) if counts_out_early(classes) else 0
     for cls, pick, full in zip(classes, picks, fulls):
         if cls.floor:
             peak = max(peak, cls.grad + (cls.input_bytes if encoded else 0))
@@ -197,9 +216,10 @@ def _evaluate(classes: list[_Class], picks: list[list[int]],
         opts = [cls.options[i][o] for i, o in enumerate(pick)]
         stored += cls.inflight * (rest * sum(o.stored for o in opts)
                                   + sum(n * f.stored for n, f in zip(full, cls.full)))
+        gone = 0 if cls.freed_first else gone_early
         if rest:
-            peak = max(peak, cls.transient([o.name for o in opts]))
-        peak = max([peak] + [cls.grad + f.transient for n, f in zip(full, cls.full) if n])
+            peak = max(peak, cls.transient([o.name for o in opts]) - gone)
+        peak = max([peak] + [cls.grad + f.transient - gone for n, f in zip(full, cls.full) if n])
         ms += rest * sum(o.cost_ms for o in opts) + sum(n * f.cost_ms for n, f in zip(full, cls.full))
         noise += rest * sum(o.noise for o in opts) + sum(n * f.noise for n, f in zip(full, cls.full))
     return stored, peak, ms, noise

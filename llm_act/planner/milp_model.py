@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 from llm_act._imports import require
 from llm_act.codecs.registry import KEEP, RECOMPUTE
-from llm_act.planner.classes import _Class, _evaluate, checkpoint_of, Solution
+from llm_act.planner.classes import _Class, _evaluate, checkpoint_of, counts_out_early, Solution
 from llm_act.planner.transient import carries, decode_groups, stage_of
 from llm_act.sites import CHECKPOINT_SITE
 
@@ -207,13 +207,20 @@ class _Model:
                     if blind:
                         self.prob += self.x[k][i][-1] + pulp.lpSum(blind) <= 1, f"dep_{k}_{i}_{j}"
         self.peak = _variable(self.prob, "peak", "Continuous")
+        early_freed = counts_out_early(classes)
+        # what the sites after the blocks store is freed before any block backpropagates: a
+        # block's transient is held against peak + that (`classes.counts_out_early`, `_evaluate`)
+        early = pulp.lpSum([cls.inflight * cls.count * o.stored / _MIB * v
+                            for k, cls in enumerate(classes) if cls.freed_first and early_freed
+                            for row, opts in zip(self.x[k], cls.options) for v, o in zip(row, opts)])
         encodes = []  # indicators: a first class stores its checkpoint encoded
         for k, cls in enumerate(classes):
             grad = cls.grad / _MIB
             if cls.floor:
                 continue
+            peak = self.peak if cls.freed_first else self.peak + early
             if cls.options:
-                self._site_peak(k, cls)
+                self._site_peak(k, cls, peak)
                 names = [s.name for s in cls.sites]
                 if cls.first and CHECKPOINT_SITE in names:
                     i = names.index(CHECKPOINT_SITE)
@@ -223,7 +230,7 @@ class _Model:
                 if not cls.options:  # some of the given whole blocks take option c
                     used = _variable(self.prob, f"f_{k}_{c}", "Binary")
                     self.prob += w <= cls.count * used, f"fused_{k}_{c}"
-                self.prob += self.peak >= (opt.transient / _MIB + grad) * used, f"fpeak_{k}_{c}"
+                self.prob += peak >= (opt.transient / _MIB + grad) * used, f"fpeak_{k}_{c}"
                 if cls.first and checkpoint_of(opt.name) != KEEP:
                     encodes.append(used)
         encoded = 0
@@ -244,8 +251,8 @@ class _Model:
             self.prob += self._sum(lambda c, o: o.noise / var_limit) <= 1.0, self.var_row
         self._objective(objective)
 
-    def _site_peak(self, k: int, cls: _Class) -> None:
-        """peak >= class k's per-site transient (`transient.transient_bound`): per backward
+    def _site_peak(self, k: int, cls: _Class, peak: Any) -> None:
+        """`peak` >= class k's per-site transient (`transient.transient_bound`): per backward
         stage its gradients, its recomputed sites, the sites a rebuild there brings forward
         (z >= both recomputed - 1, chain by chain) and each decode group it touches (one
         reached only by a rebuild counts when that rebuild happens: big-M on its z)."""
@@ -276,12 +283,12 @@ class _Model:
             for g, group in enumerate(groups):
                 d = pulp.lpSum(nb[i] * dec[i] for i in group)
                 if any(i in here for i in group):
-                    self.prob += self.peak >= base + d, f"peak_{k}_{t}_{g}"
+                    self.prob += peak >= base + d, f"peak_{k}_{t}_{g}"
                     continue
                 # decoded while a rebuild in this stage reads it: big-M on that rebuild
                 for i, on in readers:
                     if any(names[m] in cls.sites[i].inputs for m in group):
-                        self.prob += (self.peak >= base + d - sum(nb[m] for m in group) * (1 - on),
+                        self.prob += (peak >= base + d - sum(nb[m] for m in group) * (1 - on),
                                       f"peakz_{k}_{t}_{g}_{i}")
 
     def _sum(self, coef):

@@ -2,7 +2,8 @@
 
 One job: the memory the planner adds to the blocks' (`llm_act.planner.analytic`) to size a step
 on paper. Outside the blocks: what a pipeline stage holds around them (`outer_bytes`: the
-embedding's dropout mask, the final norm's and the output layer's inputs, what the loss saves),
+embedding's dropout mask, the output layer's input, what the loss saves; the final norm's input
+is planned, a block of its own: `llm_act.planner.analytic.outer_profile`),
 the peak at the end of forward there (`loss_bytes`) and the stage's input (`input_bytes`).
 Static: the parameters one rank holds (`parameters_per_rank`, the experts' share
 `expert_parameters_per_rank`) and their weights, gradients and optimizer state under ZeRO
@@ -28,8 +29,9 @@ from llm_act.output.chunked_loss import DEFAULT_CHUNK_TOKENS
 def outer_bytes(shape: ModelShape, stage: int, output_loss: str = "stock") -> dict[str, int]:
     """Activation bytes a stage holds outside its blocks (counted, not planned), all
     micro-batches in flight included: the embedding's dropout mask on the first stage; on
-    the last stage the final norm's input, the output layer's input (with the final norm's
-    fp32 statistics per token), and the loss under `output_loss`:
+    the last stage the output layer's input and the loss under `output_loss` (the final
+    norm's input, with the norm's fp32 statistics per token, is planned:
+    `llm_act.planner.analytic.outer_profile`, a block of the last stage's `stage_blocks`):
 
     - "stock": megatron's vocab-parallel cross entropy keeps the fp32 softmax [tokens,
       vocab/tp] and per token a bool target mask and an int64 masked target
@@ -46,10 +48,8 @@ def outer_bytes(shape: ModelShape, stage: int, output_loss: str = "stock") -> di
     if stage == 0 and shape.dropout > 0:
         out[EMBEDDING_DROPOUT_MASK] = inflight * n_hid
     if stage == shape.pp - 1:
-        stats = (2 if shape.normalization == "LayerNorm" else 1) * 4 * shape.local_seq * b
         tokens = shape.seq_length * b  # the loss sees the whole sequence
-        out["final_norm.input"] = inflight * n_hid * e
-        out["output_layer.input"] = inflight * (n_hid * e + stats)
+        out["output_layer.input"] = inflight * n_hid * e
         if output_loss == "stock":
             out[LOSS_LOGITS] = inflight * stock_logits_bytes(tokens, shape.padded_vocab_size // shape.tp)
         else:
@@ -76,7 +76,7 @@ def loss_bytes(shape: ModelShape, stage: Optional[int] = None, device: Optional[
     and none has backpropagated yet (the loss, and the output layer's backward), all
     micro-batches in flight included. The peak is at least the stored bytes plus this.
 
-    `outer_bytes` (the final norm's and the output layer's inputs, what the loss saves; the
+    `outer_bytes` (the output layer's input, what the loss saves; the
     embedding's dropout mask priced for `device`: bool on CUDA, the model dtype on CPU), and
     on the last stage the larger of two events, T = s*b the tokens the loss sees, V the
     padded vocabulary per rank, e bytes per element:
@@ -94,7 +94,9 @@ def loss_bytes(shape: ModelShape, stage: Optional[int] = None, device: Optional[
       int64 copy, the fp32 incoming gradient, its upcast and the per-token losses (20T), and
       the loss with its seed (8).
 
-    Exact for megatron-core 0.16.1's GPTModel on CPU (tests/planner/test_peak_vs_measured.py).
+    The final norm's input is not here: it is a planned block (`analytic.outer_profile`),
+    stored like the blocks' sites. Exact for megatron-core 0.16.1's GPTModel on CPU
+    (tests/planner/test_peak_vs_measured.py).
     Not counted: the stage's input (the embedding output, which GPTModel holds until its
     forward returns): when the first layer keeps its input raw it is that stored `ln1.input`;
     a plan that encodes it has both alive at the loss, `input_bytes` more (the planner's

@@ -32,11 +32,12 @@ from llm_act.codecs.fewbit import ACTIVATIONS
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.ledger import current_ledger, SavedTensorLedger
 from llm_act.measurement.measure import measure_profile
-from llm_act.planner.analytic import block_profile
+from llm_act.planner.analytic import block_profile, outer_profile
 from llm_act.planner.budget import min_budget
 from llm_act.planner.milp import InfeasibleBudget
 from llm_act.planner.model_shape import DeviceModel, DTYPES, ModelShape
 from llm_act.runtime import agreement, memory
+from llm_act.sites import MODEL_SITES
 
 if TYPE_CHECKING:
     from llm_act.runtime.adapt import Adapter
@@ -385,15 +386,24 @@ class FirstForward:
                 counts.setdefault(id(layer.config), [layer.config, 0])[1] += 1
         blocks, pinned = [], 0
         try:
-            for tconfig, count in counts.values():
-                block = block_profile(self.model_shape(tconfig, count), device, count=count, inflight=inflight)
+            profiles = [block_profile(self.model_shape(tconfig, count), device, count=count, inflight=inflight)
+                        for tconfig, count in counts.values()]
+            # the final norm's input, when this stage drives it (a site of the last layer's plan)
+            last = max(controlled)
+            if any(site in MODEL_SITES for site in self.controller.sites(last)):
+                tconfig = next(layer.config for layer in self.layers if int(layer.layer_number) - 1 == last)
+                outer = outer_profile(self.model_shape(tconfig, 1), device, inflight=inflight)  # (on
+                # the last stage: one micro-batch in flight)
+                if outer is not None:
+                    profiles.append(outer)
+            for block in profiles:
                 sites = []
                 for st in block.sites:
                     if st.name in pins:
                         name = pins[st.name]
                         stored = st.nbytes if name == KEEP else 0 if name == RECOMPUTE else next(
                             (o.nbytes for o in st.codecs if o.name == name), st.nbytes)
-                        pinned += count * inflight * stored
+                        pinned += block.count * inflight * stored
                         continue
                     sites.append(dataclasses.replace(st, inputs=tuple(i for i in st.inputs if i not in pins)))
                 blocks.append(dataclasses.replace(block, sites=tuple(sites)))

@@ -180,9 +180,10 @@ class Controller:
         return self._modules[layer][site]
 
     def codec(self, layer: int, site: str) -> Optional[Codec]:
-        """The codec in force at (layer, site), None when kept or recomputed."""
+        """The codec in force at (layer, site), None when kept or recomputed, or when the layer
+        does not store the site (the final norm's input of a layer before the last)."""
         name = self._plan.get(layer, {}).get(site, KEEP)
-        if name in (KEEP, RECOMPUTE):
+        if name in (KEEP, RECOMPUTE) or site not in self._modules.get(layer, {}):
             return None
         return self._codecs[(layer, site, name)]
 
@@ -392,14 +393,18 @@ class Controller:
         self.set_attention_mode(self.attention_mode())
 
     def _bind(self, plan: LayerPlans) -> None:
+        """Bind each layer's choice: through its binder where it has one, and site by site for
+        the modules no binder owns (a generic block's, the final norm bound with the last
+        layer's plan)."""
         for layer, stored in self._modules.items():
             choice = plan.get(layer, {})
-            owner = binder_of(next(iter(stored.values()), None))
+            owner = next((b for b in map(binder_of, stored.values()) if b is not None), None)
             if owner is not None:
                 owner.bind(choice, {site: self._get_codec(layer, site, name)
                                     for site, name in owner.codec_names(choice).items()})
-                continue
             for site, module in stored.items():
+                if owner is not None and binder_of(module) is owner:
+                    continue
                 name = choice.get(site, KEEP)
                 module.set_act_codec(site, None if name == KEEP else self._get_codec(layer, site, name))
 

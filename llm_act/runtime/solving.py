@@ -72,7 +72,7 @@ def solve_alone(a: "Adapter", profile: Any, budget: int):
     blocks, static = problem(a, profile)
     sol = solve_plan(blocks, budget, static_bytes=static, variance_budget=noise_budget(a),
                      time_resolution=TIME_RESOLUTION)
-    return profile.plan_from(sol)
+    return profile.plan_from(sol, exclude=a.pins())
 
 
 def default_budget(a: "Adapter", profile: Any, static: int) -> int:
@@ -93,7 +93,7 @@ def default_budget(a: "Adapter", profile: Any, static: int) -> int:
         # all micro-batches in flight on this stage, as the planner counts them
         # (`problem`): stage 0 of PP=2 holds two, and "compress" must fit there too
         blocks = profile.blocks(inflight=memory.inflight(), exclude=pins)
-        choice = [{s: n for s, n in ch.items() if s not in pins} for ch in profile.choice_for(compress)]
+        choice = profile.choice_for(compress, exclude=pins)
         budget = static + evaluate_plan(blocks, choice).activation_bytes
     return budget
 
@@ -156,7 +156,7 @@ def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
         out["failure"] = f"{type(err).__name__}: {err}"
         return out
     a.solution = sol
-    out.update(plan=profile.plan_from(sol), predicted_bytes=sol.activation_bytes + static,
+    out.update(plan=profile.plan_from(sol, exclude=a.pins()), predicted_bytes=sol.activation_bytes + static,
                noise=float(sol.variance) if a.sensitivity else None, noise_budget=noise,
                activation_bytes=sol.activation_bytes, overhead_ms=sol.overhead_ms)
     return out

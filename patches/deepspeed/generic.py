@@ -59,6 +59,7 @@ from llm_act.sites import (
     MLP_FC1_INPUT,
     MLP_FC2_INPUT,
     MLP_HIDDEN_DROPOUT_MASK,
+    MODEL_SITES,
     MOE_SITES,
     SITES,
 )
@@ -271,8 +272,9 @@ class GenericModel:
 def generic_sites() -> tuple[str, ...]:
     """The sites a generic block offers the controller: those plans may compress, masks
     excepted (the hooks bit-pack saved masks losslessly anyway), and the MoE sites (the
-    generic path names its sites by submodule; a Hugging Face MoE block has other names)."""
-    return tuple(s for s in SITES if s not in MASK_SITES and s not in MOE_SITES)
+    generic path names its sites by submodule; a Hugging Face MoE block has other names), and
+    no site after the blocks (`MODEL_SITES`: a megatron-core TransformerBlock's final norm)."""
+    return tuple(s for s in SITES if s not in MASK_SITES and s not in MOE_SITES and s not in MODEL_SITES)
 
 
 def _check_not_checkpointing(model: torch.nn.Module) -> None:

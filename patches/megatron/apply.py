@@ -7,7 +7,9 @@ by walking `modules()`. Each layer's storing modules are converted in place
 a `Controller` under the layer's global 0-based index (`layer_number - 1`, which megatron
 already offsets by the pipeline stage). Nothing here draws random numbers, and with plan
 "keep" every converted module runs its stock code path, so results and RNG consumption
-are those of the stock model. `embedding.*` and `loss.logits` need nothing here: the
+are those of the stock model. The decoder's final norm, whose input is the one planned site
+after the blocks (`llm_act.sites.MODEL_SITES`), is converted too (`swap.convert_outer`) and
+driven as a site of the last layer. `embedding.*` and `loss.logits` need nothing here: the
 ledger attributes what the embedding and the output layer / loss save by module.
 
 The output layer and its loss (`ActConfig.output_loss`): "chunked" routes a GPTModel's
@@ -40,7 +42,7 @@ import torch
 from llm_act._imports import require
 from llm_act.config import ActConfig
 from llm_act.patches.megatron import controller_state, cpu_required, output, unsupported
-from llm_act.patches.megatron.swap import convert_layer
+from llm_act.patches.megatron.swap import convert_layer, convert_outer
 from llm_act.runtime import agreement
 from llm_act.runtime.controller import Controller
 
@@ -84,6 +86,14 @@ def transformer_layers(model: Any) -> list[torch.nn.Module]:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     return [m for m in _all_modules(_roots(model)) if isinstance(m, TransformerLayer)]
+
+
+def _blocks(roots: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The megatron-core TransformerBlocks held by `roots` (the decoders, whose final norm
+    stores the site after the blocks)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    return [m for m in _all_modules(roots) if isinstance(m, TransformerBlock)]
 
 
 def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller:
@@ -157,6 +167,10 @@ def apply(model: Any, config: Union[ActConfig, dict, None] = None) -> Controller
                 "megatron's global layer numbers to tell layers apart"
             )
         modules[index] = convert_layer(layer, index, attention=True)
+    for block in _blocks(roots):
+        last, outer = convert_outer(block)  # the final norm: a site of the last layer's plan
+        if last in modules:
+            modules[last].update(outer)
     num_layers = max(num_layers, max(modules) + 1)
     controller = Controller(config, modules, num_layers=num_layers)
     for layer in layers:

@@ -46,6 +46,7 @@ from llm_act.sites import (
     MASK_SITES,
     MLP_ACT_INPUT,
     MLP_FC2_INPUT,
+    MODEL_SITES,
     MOE_SITES,
     QKV_SITES,
     QK_NORM_SITES,
@@ -73,8 +74,10 @@ def _made(layer: torch.nn.Module, site: Site, frame: _Frame) -> torch.Tensor:
 
 def is_full(choice: Mapping[str, str], absent: frozenset = frozenset()) -> bool:
     """Whether `choice` recomputes every site but the block input (and the `absent` sites, which
-    the layer does not have: the qk-layernorm inputs of a block without them)."""
-    return all(choice.get(s, KEEP) == RECOMPUTE for s in SITES if s != CHECKPOINT_SITE and s not in absent)
+    the layer does not have: the qk-layernorm inputs of a block without them; and the sites
+    after the blocks, `MODEL_SITES`, which no layer stores)."""
+    return all(choice.get(s, KEEP) == RECOMPUTE for s in SITES
+               if s != CHECKPOINT_SITE and s not in absent and s not in MODEL_SITES)
 
 
 class LayerRecompute(LayerBinder):

@@ -84,8 +84,8 @@ def layer_spec(
     slots: dict[str, Any] = {"self_attention.core_attention": ActCoreAttention}
     holder_classes = {"norm": ActNorm, "column": ActColumnParallelLinear, "row": ActRowParallelLinear}
     for site in BLOCK:
-        if ("dense" if moe else "moe") in site.needs:
-            continue  # the other MLP family's site
+        if site.scope != "layer" or ("dense" if moe else "moe") in site.needs:
+            continue  # a slot of the block (the final norm: `block_spec`), or the other MLP family's site
         if site.holder == "bda":
             slots[site.slot] = ModuleSpec(
                 module=ActBiasDropoutAdd, params={"stock": _stock_at(layer, site.slot), "site": site.name})
@@ -142,8 +142,9 @@ def block_spec(
     **local_spec_kwargs: Any,
 ):
     """A `ModuleSpec` of the whole TransformerBlock: this rank's layers from `layer_spec`
-    and the final norm built by `ActNorm` (no site: it runs stock, but accepts sequence
-    parallelism). Needs megatron's parallel state (it counts this stage's layers)."""
+    and the final norm built by `ActNorm` for the site after the blocks it stores (kept,
+    i.e. stock, until `apply` binds it; it accepts sequence parallelism). Needs megatron's
+    parallel state (it counts this stage's layers)."""
     require("megatron.core", "llm_act.patches.megatron.block_spec")
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (
@@ -160,7 +161,8 @@ def block_spec(
 
         norm: Any = LayerNormImpl
     else:
-        norm = ActNorm
+        final = next(site for site in BLOCK if site.scope == "model" and site.holder == "norm")
+        norm = ModuleSpec(module=ActNorm, params={"act_site": final.name})
     count = get_num_layers_to_build(transformer_config, vp_stage=vp_stage, pp_rank=pp_rank)
     return ModuleSpec(
         module=TransformerBlock,

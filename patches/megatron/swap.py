@@ -6,6 +6,8 @@ Which module that is comes from the block schema (`llm_act.sites.BLOCK`: a site'
 and `holder`), so a new site of an existing holder kind needs no change here.
 Attention internals (q/k/v, softmax, attention dropout) stay stock unless
 `convert_layer(..., attention=True)` / `convert_attention` converts the core attention.
+The sites after the blocks (`Site.scope` "model": the final norm's input) are slots of the
+TransformerBlock, converted by `convert_outer`.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp  # noqa: E402
 from megatron.core.transformer.mlp import MLP  # noqa: E402
 from llm_act.sites import ATTN_OUT, ATTN_Q, BLOCK, Site  # noqa: E402
+
+#: the schema's sites held in a TransformerLayer (the others are slots of the TransformerBlock)
+_LAYER_BLOCK = tuple(site for site in BLOCK if site.scope == "layer")
 from llm_act.patches.megatron.moe import convert_moe, is_moe
 from llm_act.patches.megatron.attention import ATTENTION_SITES, ActCoreAttention
 
@@ -101,10 +106,10 @@ def _forward_order(sites: list[Site]) -> list[Site]:
     child's tensor-parallel region (`_REGION_RANK`), then in schema order. The schema lists
     sites as they were added, not in forward order (the qk-norms come last there)."""
     child_rank: dict[str, int] = {}
-    for site in BLOCK:
+    for site in _LAYER_BLOCK:
         child_rank.setdefault(site.slot.split(".")[0], len(child_rank))
     return sorted(sites, key=lambda s: (child_rank[s.slot.split(".")[0]], _REGION_RANK[s.holder],
-                                        BLOCK.index(s)))
+                                        _LAYER_BLOCK.index(s)))
 
 
 def _convert_slot(layer: torch.nn.Module, site: Site) -> Optional[ActModule]:
@@ -155,7 +160,7 @@ def _convert_mlp(layer: torch.nn.Module) -> dict[str, ActModule]:
         ActMLP.from_stock(mlp)
     else:
         mlp._act_init()
-    dense = [site for site in BLOCK if "dense" in site.needs]
+    dense = [site for site in _LAYER_BLOCK if "dense" in site.needs]
     sites: dict[str, ActModule] = {site.name: mlp for site in dense if site.holder == "mlp"}
     sites.update(_convert_slots(layer, [site for site in dense if site.holder in _MODULE_HOLDERS]))
     return sites
@@ -170,10 +175,10 @@ def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = Fa
     """
     if isinstance(layer_index, bool) or not isinstance(layer_index, int) or layer_index < 0:
         raise ValueError(f"layer_index: expected a non-negative int, got {layer_index!r}")
-    sites = _convert_slots(layer, [site for site in BLOCK
+    sites = _convert_slots(layer, [site for site in _LAYER_BLOCK
                                    if site.holder in _MODULE_HOLDERS and not _in_mlp(site)])
     sites.update(_convert_mlp(layer))
-    for site in BLOCK:
+    for site in _LAYER_BLOCK:
         if site.holder == "bda":
             sites[site.name] = _convert_bda(layer, site)
     if attention:
@@ -186,6 +191,31 @@ def convert_layer(layer: torch.nn.Module, layer_index: int, attention: bool = Fa
         old.bind({}, {})  # drop hooks of an earlier conversion
     layer.act_recompute = LayerRecompute(layer, sites, layer_index)
     return sites
+
+
+def convert_outer(block: torch.nn.Module) -> tuple[Optional[int], dict[str, ActModule]]:
+    """Convert in place the slots of a TransformerBlock (`block`) that store the sites after
+    the blocks (`Site.scope` "model": the final norm, whose input is the last layer's
+    output); return (the global index of its last layer, which the plan of those sites
+    belongs to, {site: module}). (None, {}) where the block holds no such slot (a pipeline
+    stage before the last: no final norm) or no layer. A norm llm_act cannot convert (apex,
+    Transformer Engine) is left stock: the site is then not planned there, as before."""
+    layers = getattr(block, "layers", None)
+    if not layers:
+        return None, {}
+    number = getattr(layers[-1], "layer_number", None)
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+        return None, {}
+    index, out = number - 1, {}
+    for site in BLOCK:
+        if site.scope != "model":
+            continue
+        module = _at(block, site.slot)
+        if type(module) not in (torch.nn.LayerNorm, torch.nn.RMSNorm, ActLayerNorm, ActRMSNorm):
+            continue
+        out[site.name] = _norm(module, site.name)
+        out[site.name].act_layer = index
+    return index, out
 
 
 def convert_attention(layer: torch.nn.Module, layer_index: int) -> dict[str, ActModule]:

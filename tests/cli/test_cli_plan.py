@@ -93,7 +93,11 @@ def test_pipeline_stages_and_json_report(capsys, tmp_path):
     for stage in report["stages"]:
         assert stage["total_bytes"] <= 24 * 2**30
     per_layer = load_plan_json(report["plan"], 40)  # a JSON plan for --act-compress-plan
-    assert per_layer[0] == report["stages"][0]["choice"] and per_layer[39] == report["stages"][3]["choice"]
+    assert per_layer[0] == report["stages"][0]["choice"]
+    # the last layer's plan carries the final norm's input (planned after the blocks)
+    assert per_layer[39] == {**report["stages"][3]["choice"], **report["stages"][3]["after_blocks"]}
+    assert list(report["stages"][3]["after_blocks"]) == ["final_norm.input"]
+    assert all(not stage["after_blocks"] for stage in report["stages"][:3])
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -10,6 +10,7 @@ import pytest
 
 from llm_act.cli.main import main
 from llm_act.output import stock_logits_bytes, stored_bytes
+from llm_act.planner.analytic import outer_profile
 from llm_act.planner.presets import model_shape
 from llm_act.planner.static_memory import loss_bytes, outer_bytes
 
@@ -29,7 +30,12 @@ def test_outer_bytes_under_each_output_loss():
     shape = model_shape("gpt2-medium", seq_length=1024, micro_batch_size=16)
     tokens, h, v, e = 1024 * 16, shape.hidden_size, shape.padded_vocab_size, shape.elem_bytes
     stock, chunked = outer_bytes(shape, 0, "stock"), outer_bytes(shape, 0, "chunked")
-    assert stock["final_norm.input"] == chunked["final_norm.input"] == tokens * h * e
+    # the final norm's input is planned (a block of the last stage), not counted here
+    assert "final_norm.input" not in stock and "final_norm.input" not in chunked
+    final = outer_profile(shape)
+    assert [s.name for s in final.sites] == ["final_norm.input"] and final.count == 1
+    assert final.sites[0].nbytes == tokens * h * e + 8 * tokens  # with the LayerNorm's fp32 mean, rstd
+    assert stock["output_layer.input"] == tokens * h * e
     assert stock["loss.logits"] == stock_logits_bytes(tokens, v)  # fp32 softmax + mask + target
     assert "loss.logits" not in chunked
     assert chunked["output_layer.input"] + chunked["loss.logsumexp"] - stock["output_layer.input"] \
@@ -88,3 +94,24 @@ def test_auto_picks_chunked_at_a_tight_budget_and_prints_both(capsys, tmp_path):
 def test_chunked_with_sequence_parallel_is_planned(capsys):
     code, out = _run(capsys, "--budget", "80GB", "--tp", "2", "--sequence-parallel", "--output-loss", "chunked")
     assert code == 0 and "output loss: chunked" in out
+
+
+def test_the_final_norm_is_priced_and_printed(capsys, tmp_path):
+    """`llm-act plan` prices the final norm's input with the last stage's blocks and prints its
+    choice once; at a tight budget it is compressed, and the JSON plan carries the choice in
+    the last layer's."""
+    path = tmp_path / "plan.json"
+    code, out = _run(capsys, "--budget", "12GB", "--json", str(path))
+    assert code == 0, out
+    line = next(row for row in out.splitlines() if row.strip().startswith("final_norm.input"))
+    name = line.split()[1]
+    assert name not in ("keep", "recompute") and "(once, after layer 23)" in line
+    report = json.loads(path.read_text())
+    assert report["stages"][-1]["after_blocks"] == {"final_norm.input": name}
+    runs = report["plan"]["blocks"]
+    assert runs[-1]["layers"][1] == 23 and runs[-1]["choice"]["final_norm.input"] == name
+    assert all("final_norm.input" not in run["choice"] for run in runs[:-1])
+    # a generous budget keeps it
+    code, out = _run(capsys, "--budget", "40GB")
+    line = next(row for row in out.splitlines() if row.strip().startswith("final_norm.input"))
+    assert line.split()[1] == "keep"

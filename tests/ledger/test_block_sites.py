@@ -13,7 +13,7 @@ import torch
 
 from llm_act import _testing as T
 from llm_act.ledger import SavedTensorLedger
-from llm_act.sites import SITES
+from llm_act.sites import FINAL_NORM_INPUT, MODEL_SITES, SITES
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
@@ -66,8 +66,10 @@ def test_nothing_inside_a_block_is_other(name, plan):
         (by[1].get((None, "other")), by[2].get((None, "other")))
     if plan != "compress":  # (outlier_int4's byte count follows its data)
         # the second block stores what the first does (same shapes, same sites)
-        assert {s: n for (layer, s), n in by[2].items() if layer == 1} == \
+        assert {s: n for (layer, s), n in by[2].items() if layer == 1 and s not in MODEL_SITES} == \
             {s: n for (layer, s), n in by[2].items() if layer == 0}
+    # the final norm's input: a site of the last layer alone
+    assert {key for key in by[2] if key[1] in MODEL_SITES} == {(1, FINAL_NORM_INPUT)}
     if CONFIGS[name].get("qk_layernorm"):
         assert (0, "attn.q_norm_input") in by[1] and (0, "attn.k_norm_input") in by[1]
 

@@ -275,7 +275,9 @@ def test_gpt_model_sites_outside_the_blocks(parallel):
     sbh = 32 * 2 * 64
     assert {layer for layer, _ in sites} == {None, 0, 1}
     assert sites[(None, "embedding.dropout_mask")] == 2 * sbh
-    # the head: final norm input + stats, output-layer input, fp32 logits of the loss
-    assert sites[(None, "loss.logits")] == (2 + 8 / 64) * sbh + 2 * sbh + 4 * 32 * 2 * 128
+    # the final norm's input + stats: a planned site, of the last layer
+    assert sites[(1, "final_norm.input")] == (2 + 8 / 64) * sbh
+    # the head: output-layer input, fp32 logits of the loss
+    assert sites[(None, "loss.logits")] == 2 * sbh + 4 * 32 * 2 * 128
     assert sites[(0, "mlp.act_input")] == sites[(1, "mlp.act_input")] == 8 * sbh
     assert led.total_bytes == sum(sites.values()) and led.live_bytes() < led.total_bytes

@@ -66,9 +66,10 @@ def test_sensitivities_on_a_small_gpt_and_isolation():
     s = measure_sensitivity(controller, fwd, model)
     print("c_i:", {k: f"{v:.3g}" for k, v in s.c.items()}, f"sampling noise {s.sampling_noise:.3g}")
     # every value site is sensitive, Q/K/V included; the GELU derivative site too (in f'
-    # units); not attn.softmax: the memory-efficient attention stores no probabilities
+    # units); not attn.softmax: the memory-efficient attention stores no probabilities; the
+    # final norm's input (after the blocks, a site of the last layer) too
     assert set(s.c) == {"ln1.input", "attn.qkv_input", "attn.q", "attn.k", "attn.v", "attn.out",
-                        "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input"}
+                        "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input", "final_norm.input"}
     assert all(v > 0 for v in s.c.values()) and s.sampling_noise > 0
     # nothing of the run moved: RNG, .grad (same tensors, same values), codec generators
     assert torch.equal(torch.get_rng_state(), rng)

@@ -169,8 +169,11 @@ def test_keep_plan_bytes_are_the_sum_of_site_bytes():
 def test_stage_blocks_follow_1f1b():
     shape = model_shape("gpt-13b", tp=8, pp=4)
     for k in range(4):
-        (blk,) = stage_blocks(shape, k)
+        blk, *after = stage_blocks(shape, k)
         assert (blk.count, blk.inflight) == (10, 4 - k)
+        # the last stage plans the final norm's input too, once
+        assert [(b.count, b.inflight, [s.name for s in b.sites]) for b in after] == (
+            [(1, 1, ["final_norm.input"])] if k == 3 else [])
     with pytest.raises(ValueError, match="stage"):
         stage_blocks(shape, 4)
     assert "loss.logits" in outer_bytes(shape, 3) and "loss.logits" not in outer_bytes(shape, 0)
@@ -206,7 +209,7 @@ def test_cost_is_monotone_in_the_budget_for_gpt_7b_tp8():
     with pytest.raises(InfeasibleBudget) as err:
         solve_plan(blocks, static, static_bytes=static)
     lo = err.value.min_budget_bytes
-    hi = static + 32 * sum(s.nbytes for s in blocks[0].sites)
+    hi = static + 32 * sum(s.nbytes for s in blocks[0].sites) + sum(s.nbytes for s in blocks[1].sites)
     costs = []
     for budget in np.linspace(lo, hi, 8).astype(np.int64):
         plan = solve_plan(blocks, int(budget), static_bytes=static)

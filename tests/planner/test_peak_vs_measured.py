@@ -52,7 +52,8 @@ from llm_act.measurement.measured_profile import runtime_block  # noqa: E402
 from llm_act.measurement.peak_memory import LiveStorageTracker  # noqa: E402
 from llm_act.plan import compress_layer, keep_layer, recompute_layer, selective_layer  # noqa: E402
 from llm_act.planner import evaluate_plan, solve_plan  # noqa: E402
-from llm_act.planner.analytic import block_profile, grad_bytes, stage_bytes  # noqa: E402
+from llm_act.planner.analytic import block_profile, grad_bytes, outer_profile, stage_bytes  # noqa: E402
+from llm_act.sites import FINAL_NORM_INPUT  # noqa: E402
 from llm_act.planner.model_shape import DeviceModel, ModelShape  # noqa: E402
 from llm_act.planner.static_memory import input_bytes, loss_bytes, outer_bytes  # noqa: E402
 
@@ -88,10 +89,16 @@ def _block(attention: str):
     return block_profile(_shape(attention), DEVICE, count=LAYERS, gradients=True)
 
 
+def _outer(attention: str):
+    """The final norm's input: planned, a block of its own after the layers."""
+    return outer_profile(_shape(attention), DEVICE)
+
+
 def _evaluate(attention: str, choice: dict, block=None, loss: bool = True):
     block = block or _block(attention)
     names = {s.name for s in block.sites}
-    return evaluate_plan([block], [{k: v for k, v in choice.items() if k in names}],
+    return evaluate_plan([block, _outer(attention)], [{k: v for k, v in choice.items() if k in names},
+                                                      {FINAL_NORM_INPUT: choice.get(FINAL_NORM_INPUT, "keep")}],
                          loss_bytes=loss_bytes(_shape(attention), device=DEVICE) if loss else 0,
                          input_bytes=input_bytes(_shape(attention)) if loss else 0)
 
@@ -157,7 +164,7 @@ def results(megatron_one_rank, tmp_path_factory):
     for name, fraction, noise in ([(f"auto {f}", f, None) for f in AUTO]
                                   + [(f"exact {f}", f, 0.0) for f in AUTO_EXACT]):
         # "recompute" where the layers offer it site by site (q, k, v only with the whole block)
-        plan = solve_plan([runtime_block(block)], int(low + fraction * (high - low)), loss_bytes=loss,
+        plan = solve_plan([runtime_block(block), _outer("auto")], int(low + fraction * (high - low)), loss_bytes=loss,
                           input_bytes=input_bytes(shape), variance_budget=noise)
         path = folder / f"{name.replace(' ', '_')}.json"
         path.write_text(json.dumps(plan.to_dict()))
@@ -167,7 +174,7 @@ def results(megatron_one_rank, tmp_path_factory):
           f"stock attention {_block('stock').grad_bytes}, memory-efficient {block.grad_bytes}")
     print(f"{'plan':<10} {'predicted':>10} {'measured':>10} {'gap':>7}   {'old model':>10} {'gap':>7}   choice")
     for name, (plan, measured, old) in out.items():
-        choice = ({k: v for k, v in plan.layer_choices(0)[0].items() if v != "keep"}
+        choice = ({k: v for k, v in {**plan.layer_choices(0)[0], **plan.choice[1]}.items() if v != "keep"}
                   if name.startswith(("auto", "exact")) else "")
         print(f"{name:<10} {plan.activation_bytes:>10} {measured:>10} {_gap(plan.activation_bytes, measured):>+7.2%}"
               f"   {old:>10} {_gap(old, measured):>+7.2%}   {choice}")
@@ -252,9 +259,10 @@ def test_the_terms_by_hand():
     assert stage_bytes(_shape("stock"), DEVICE) == (("mlp", mlp), ("attention", softmax_stage))
     assert grad_bytes(_shape("stock"), DEVICE) == max(mlp + n, softmax_stage)
     assert input_bytes(_shape("auto")) == n
-    # the loss: final norm input, output layer input (+ the norm's fp32 mean and rstd), the
-    # fp32 softmax with the target mask and masked target; the 16-bit logits and 28 bytes a
-    # token of the cross entropy's bookkeeping
+    # the loss: output layer input, the fp32 softmax with the target mask and masked target;
+    # the 16-bit logits and 28 bytes a token of the cross entropy's bookkeeping
     vocab = 1024
     assert loss_bytes(_shape("auto"), device=DEVICE) == (
-        n + n + 8 * TOKENS + TOKENS * (4 * vocab + 9) + TOKENS * vocab * E + 28 * TOKENS)
+        n + TOKENS * (4 * vocab + 9) + TOKENS * vocab * E + 28 * TOKENS)
+    # the final norm's input with the norm's fp32 mean and rstd: planned, its own block
+    assert [s.nbytes for s in _outer("auto").sites] == [n + 8 * TOKENS]

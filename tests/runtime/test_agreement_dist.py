@@ -72,7 +72,9 @@ def _worker(rank, world, port, mode):
     blocks, static = controller.adapter.problem(local)
     statics = agreement.gather(static)
     assert statics[1] > statics[0], f"{mode}: rank 1 should store more in the pinned sites: {statics}"
-    keep_free = evaluate_plan(blocks, [{FREE: "keep"}] * len(blocks)).activation_bytes
+    # (the final norm's input, after the blocks, is a block of its own, without FREE)
+    keep_free = evaluate_plan(blocks, [{FREE: "keep"} if FREE in {s.name for s in b.sites} else {}
+                                       for b in blocks]).activation_bytes
     budget = statics[0] + keep_free  # rank 0 alone can keep the free site, rank 1 cannot
     alones = agreement.gather(controller.adapter.solve_alone(local, budget))
 

@@ -60,8 +60,11 @@ def _gpt_binders(**overrides):
     controller = apply(model, ActConfig(plan="compress"))
     binders = {}
     for layer in controller.layers:
-        found = {id(binder_of(controller.module(layer, s))) for s in controller.sites(layer)}
+        # (the final norm, after the blocks, has no binder: the controller binds it site by site)
+        found = {id(binder_of(controller.module(layer, s))) for s in controller.sites(layer)
+                 if s != "final_norm.input"}
         assert len(found) == 1, f"layer {layer}: every site's module has the layer's one binder"
+        assert binder_of(controller.module(layer, "final_norm.input")) is None if layer == 1 else True
         binders[layer] = binder_of(controller.module(layer, controller.sites(layer)[0]))
     return controller, binders
 

@@ -62,7 +62,9 @@ def test_overrides_json_and_errors(tmp_path):
     assert plan[3]["mlp.hidden_dropout_mask"] == "bitmask" and plan[3]["ln2.input"] == "int4"
     full = resolve(ActConfig(plan="recompute"), 2)
     assert full[1]["ln1.input"] == "keep" and full[1]["attn.q"] == "recompute"
-    assert all(c == "recompute" for s, c in full[0].items() if s != "ln1.input")
+    # every site of the block; the final norm's input after the blocks is kept
+    assert all(c == "recompute" for s, c in full[0].items() if s not in ("ln1.input", "final_norm.input"))
+    assert full[1]["final_norm.input"] == "keep"
     assert resolve(ActConfig(plan="keep", codecs={"attn.softmax": "int4_asym"}), 2)[1]["attn.softmax"] == "int4_asym"
     assert resolve(ActConfig(plan="keep", codecs={"mlp.fc1_input": "recompute"}), 2)[0]["mlp.fc1_input"] == "recompute"
     with pytest.raises(ValueError, match="ln1.input"):  # the checkpoint is never recomputed

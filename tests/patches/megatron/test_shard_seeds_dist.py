@@ -133,7 +133,8 @@ def test_tp_layout_table():
     replicated = {s for s in SITES if tp_replicated(s, sequence_parallel=False)}
     assert replicated == {"ln1.input", "attn.qkv_input", "attn.hidden_dropout_mask", "ln2.input",
                           "mlp.fc1_input", "mlp.hidden_dropout_mask",
-                          "moe.router_input"}  # the router reads the norm's output, as fc1 does
+                          "moe.router_input",  # the router reads the norm's output, as fc1 does
+                          "final_norm.input"}  # the residual stream after the last block
     assert not any(tp_replicated(s, sequence_parallel=True) for s in SITES)
     # TP rank 0 and replicated sites keep the seeds they had; the others move per TP rank
     for site in SITES:

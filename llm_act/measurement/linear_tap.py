@@ -94,9 +94,9 @@ class LinearTap:
                     and y.requires_grad and y.shape[:-1] == x.shape[:-1]):
                 return  # a forward without grad (a checkpoint's first pass) stores nothing
             xd = x.detach()
-            power = float(xd.double().pow(2).mean())
-            self.s_l[key] = float(self.probe.expected_error(xd)) / power if power > 0 else 0.0
             token_power = xd.double().pow(2).sum(dim=-1)
+            power = float(token_power.sum()) / max(1, xd.numel())  # mean(x^2)
+            self.s_l[key] = float(self.probe.expected_error(xd)) / power if power > 0 else 0.0
             codec = self.biased.get(key)
             if codec is not None:
                 self.biased_s[key] = float(codec.expected_error(xd)) / power if power > 0 else 0.0

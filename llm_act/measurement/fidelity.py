@@ -39,7 +39,8 @@ from llm_act.measurement.controlled import ControlledModel
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.measurement import probing
-from llm_act.measurement.sensitivity import batch_loss, sampling_halves
+from llm_act.measurement.head_cut import HeadCut
+from llm_act.measurement.sensitivity import batch_loss, per_row_losses, sampling_halves
 from llm_act.sites import MASK_SITES
 
 log = logging.getLogger(__name__)
@@ -99,37 +100,41 @@ def plan_codecs(controller: ControlledModel, plan: dict[int, dict[str, str]], se
     return codecs
 
 
-def _grad(controller: ControlledModel, forward: Callable[[], Any], params: list[torch.Tensor],
-          snap: probing.RngSnapshot, codecs: dict) -> list[torch.Tensor]:
-    snap.restore()
-    probing.install(controller, codecs)
-    return probing.optional_grad(batch_loss(forward()), params)
-
-
 def measure_sums(controller: ControlledModel, forward: Callable[[], Any], named: list[tuple[str, torch.Tensor]],
-                 plan: dict[int, dict[str, str]], sites: Sequence[str] = (), seed: int = 0
-                 ) -> dict[str, float]:
+                 plan: dict[int, dict[str, str]], sites: Sequence[str] = (), seed: int = 0,
+                 head: Optional[torch.nn.Module] = None) -> dict[str, float]:
     """The squared sums a report is made of, as one flat mapping (so ranks can combine it):
     `err:<group>` ||g_plan - g_exact||^2 and `norm:<group>` ||g_exact||^2 per parameter
     group, `samp:<group>` its sampling variance (none for a batch of one), and
     `site:<site>` the total ||g_site - g_exact||^2 with only that site type compressed, for
-    each of `sites`."""
+    each of `sites`. `head`: the output layer, below which every pass after the exact one
+    starts its backward (`llm_act.measurement.head_cut`)."""
     params = [p for _, p in named]
     groups = [group_name(n) for n, _ in named]
     out: dict[str, float] = {}
+    passes = HeadCut(head, params, batch_loss, per_row_losses)
+
+    def again(codecs: dict) -> list[torch.Tensor]:
+        snap.restore()
+        probing.install(controller, codecs)
+        return passes.again(forward)
+
     with probing.isolated(controller, params) as snap, torch.enable_grad():
-        exact = _grad(controller, forward, params, snap, {})
+        snap.restore()
+        probing.install(controller, {})
+        exact = passes.exact(forward, halves=True)
         out.update({f"norm:{g}": v for g, v in probing.sq_by_group(exact, None, groups).items()})
-        comp = _grad(controller, forward, params, snap, plan_codecs(controller, plan, seed))
+        comp = again(plan_codecs(controller, plan, seed))
         out.update({f"err:{g}": v for g, v in probing.sq_by_group(comp, exact, groups).items()})
         del comp
         probing.install(controller, {})
-        halves = sampling_halves(forward, params, snap, exact)
+        snap.restore()
+        halves = passes.half(forward, exact, lambda: sampling_halves(forward, params, snap, exact))
         if halves is not None:
             out.update({f"samp:{g}": v / 4.0 for g, v in probing.sq_by_group(*halves, groups).items()})
         del halves
         for site in sites:
-            alone = _grad(controller, forward, params, snap, plan_codecs(controller, plan, seed + 1, only=site))
+            alone = again(plan_codecs(controller, plan, seed + 1, only=site))
             out[f"site:{site}"] = probing.sq_distance(alone, exact)
             del alone
     return out

@@ -61,6 +61,7 @@ from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.fewbit import derivative
 from llm_act.codecs.registry import FEWBIT_CODECS, make_codec
 from llm_act.measurement import linear_tap, probing
+from llm_act.measurement.head_cut import HeadCut
 from llm_act.sites import ATTN_SOFTMAX, MASK_SITES, MLP_ACT_INPUT, SITES
 
 #: the codec whose random draws measure c at value sites
@@ -191,7 +192,8 @@ def sensitive_sites(controller: ControlledModel) -> list[str]:
 def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any], params: Any, *,
                         sites: Optional[Sequence[str]] = None, seed: int = 0,
                         sampling: bool = True, groups: Optional[Sequence[str]] = None,
-                        biased: Optional[dict[str, str]] = None, tap: bool = True) -> Sensitivity:
+                        biased: Optional[dict[str, str]] = None, tap: bool = True,
+                        head: Optional[torch.nn.Module] = None) -> Sensitivity:
     """c_i for each site type in `sites` (default: all that carry noise) on the batch
     `forward()` runs (see the module docstring): one exact pass, which also gives c of every
     linear's input (`llm_act.measurement.linear_tap`), and one probe pass per other site type.
@@ -206,7 +208,9 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
     kappa = ||g_codec - g_exact||^2 / (c_whole * sum_l S_l). Stochastic rounding gives 1 in
     expectation; an error that is the same on every token adds up in a weight gradient and
     gives more. Sites whose c is not measured here are skipped; every rank runs the same
-    passes. `tap=False` probes the linears' inputs too (to check the tap against the probe)."""
+    passes. `tap=False` probes the linears' inputs too (to check the tap against the probe).
+    `head`: the model's output layer: every pass after the exact one starts its backward
+    below it (`llm_act.measurement.head_cut`; the same gradients, without the head's cost)."""
     params = probing.params_of(params)
     if not params:
         raise ValueError("params: no trainable parameter given")
@@ -218,10 +222,11 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
     per_group: dict[str, dict[str, float]] = {}
     with probing.isolated(controller, params) as snap, torch.enable_grad():
         tap = linear_tap.LinearTap(controller, tapped, params, PROBE_CODEC, groups, biased=biased, seed=seed)
+        passes = HeadCut(head, params, batch_loss, per_row_losses)
         probing.install(controller, {})
         snap.restore()
         with tap:
-            exact = probing.optional_grad(batch_loss(forward()), params)
+            exact = passes.exact(forward, halves=sampling)
         c, s_sum, by_group = tap.results()
         for site in tapped:
             out.c[site], out.probe_s[site] = c[site], s_sum[site]
@@ -237,7 +242,7 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
             }
             snap.restore()
             probing.install(controller, probes)
-            grad = probing.optional_grad(batch_loss(forward()), params)
+            grad = passes.again(forward)
             d2, total_s = probing.sq_distance(grad, exact), sum(record)
             out.diff_sq[site] = d2
             out.probe_s[site] = total_s
@@ -249,10 +254,11 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
         out.coherence = tap.coherence(out.c)
         todo = {site: name for site, name in (biased or {}).items() if site in out.c and site not in tapped}
         if todo:
-            out.coherence.update(_coherence(controller, forward, params, snap, todo, out.c, seed, exact))
+            out.coherence.update(_coherence(controller, forward, passes, snap, todo, out.c, seed, exact))
         if sampling:
             probing.install(controller, {})
-            halves = sampling_halves(forward, params, snap, exact)
+            snap.restore()
+            halves = passes.half(forward, exact, lambda: sampling_halves(forward, params, snap, exact))
             if halves is not None:
                 out.sampling_noise = probing.sq_distance(*halves) / 4.0
                 if groups is not None:
@@ -265,11 +271,12 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
     return out
 
 
-def _coherence(controller: ControlledModel, forward: Callable[[], Any], params: list[torch.Tensor],
-               snap: probing.RngSnapshot, biased: dict[str, str], c: dict[str, float], seed: int,
+def _coherence(controller: ControlledModel, forward: Callable[[], Any], passes: HeadCut,
+               snap: probing.RngSnapshot,
+               biased: dict[str, str], c: dict[str, float], seed: int,
                exact: list[torch.Tensor]) -> dict[str, float]:
     """kappa per site of `biased` (see `measure_sensitivity`), against `c` (whole gradient)
-    and the exact pass's gradient `exact`."""
+    and the exact pass's gradient `exact` (`passes` ran it: `HeadCut.again` after it)."""
     out = {}
     for site, name in biased.items():
         record: list[float] = []
@@ -283,7 +290,7 @@ def _coherence(controller: ControlledModel, forward: Callable[[], Any], params: 
             codecs[(layer, site)] = _Recording(inner, act, record)
         snap.restore()
         probing.install(controller, codecs)
-        grad = probing.optional_grad(batch_loss(forward()), params)
+        grad = passes.again(forward)
         d2, s_sum = probing.sq_distance(grad, exact), sum(record)
         if c[site] > 0 and s_sum > 0:  # else nothing to scale: this rank reports no kappa there
             out[site] = d2 / (c[site] * s_sum)

@@ -98,6 +98,8 @@ class Adapter:
         """site type -> kappa a biased codec's noise is charged at (`biased_codecs="charge"`):
         the median of the last SENS_WINDOW measurements"""
         self.coherence_recent: list[dict[str, float]] = []
+        self.coherence_codecs: dict[str, str] = {}
+        """site type -> the biased codec its last coherence was measured with"""
         self.sampling_noise: Optional[float] = None
         self.budget: Optional[int] = None
         self.times: Optional[dict] = None
@@ -387,6 +389,7 @@ class Adapter:
             "last": {k: dict(v) for k, v in self.last.items()},
             "sensitivity": dict(self.sensitivity), "c_recent": [dict(m) for m in self.c_recent],
             "coherence": dict(self.coherence), "coherence_recent": [dict(m) for m in self.coherence_recent],
+            "coherence_codecs": dict(self.coherence_codecs),
             "sampling_noise": self.sampling_noise,
             "budget": self.budget, "times": self.times, "solver_failures": self.solver_failures,
             "sens_next": self.sens_next, "sampling_recent": list(self.sampling_recent),
@@ -405,6 +408,7 @@ class Adapter:
         self.c_recent = [dict(m) for m in state.get("c_recent", [])]
         self.coherence = dict(state.get("coherence", {}))
         self.coherence_recent = [dict(m) for m in state.get("coherence_recent", [])]
+        self.coherence_codecs = dict(state.get("coherence_codecs", {}))
         self.sampling_noise = state["sampling_noise"]
         self.budget = state["budget"]
         self.times = state["times"]

@@ -7,7 +7,8 @@ first tracking, they do not drift with the data), and every other time GACT's se
 the coherence of biased codecs and the mini-batch sampling noise (`measure_sensitivity`),
 each reduced over the ranks (`llm_act.runtime.agreement`). The planner takes the median of
 the last `SENS_WINDOW` measurements of each figure: a two-draw estimate can be off by 10x on
-a small batch, and one wild draw must not move the plan. To keep a point cheap, every codec
+a small batch, and one wild draw must not move the plan (a probed type's as a share of the
+linears' c, which every point measures: `scaled_medians`). To keep a point cheap, every codec
 is measured on every site only every `FULL_PROFILE_EVERY` points and the sensitivities of
 `SENS_SITES_PER_TRACK` site types in rotation. The gradient-fidelity report
 (`llm_act.measurement.fidelity`) is measured here too.
@@ -22,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE, UNBIASED_CODECS
-from llm_act.measurement import fidelity, linear_tap
+from llm_act.measurement import fidelity, head_cut, linear_tap
 from llm_act.measurement.measure import measure_profile
 from llm_act.measurement.sensitivity import measure_sensitivity, sensitive_sites
 from llm_act.runtime import agreement
@@ -39,9 +40,10 @@ SENS_WINDOW = 3
 #: only the codecs whose bytes depend on the data (outlier channels) and those in force
 #: (their errors feed the noise check), the others' figures carried over
 FULL_PROFILE_EVERY = 4
-#: after the first measurement of every site type, this many types are measured again at
-#: each sensitivity point, in rotation (sparse sampling: the cost of a point stays small)
-SENS_SITES_PER_TRACK = 2
+#: after the first measurement of every site type, this many probed types are measured
+#: again at each sensitivity point, in rotation (each costs a pass; between measurements a
+#: probed type's c follows the tapped sites' scale, `scaled_medians`)
+SENS_SITES_PER_TRACK = 1
 
 
 def median(values: list[float]) -> float:
@@ -56,10 +58,30 @@ def window_medians(recent: list[dict[str, float]]) -> dict[str, float]:
     return {site: median([m[site] for m in recent if site in m][-SENS_WINDOW:]) for site in seen}
 
 
+def scaled_medians(recent: list[dict[str, float]], tapped: list[str]) -> dict[str, float]:
+    """The window medians of c (`window_medians`), a probed site's scaled to now: each of
+    its values is taken as a share of the tapped sites' summed c of the same measurement
+    (every measurement has them all: the exact pass gives them) and multiplied by the
+    tapped sites' summed medians. A probed type is measured once every few points, while
+    early in training every gradient shrinks, c with it; its share of c does not."""
+    out = window_medians(recent)
+    total = lambda m: sum(m[s] for s in tapped) if all(s in m for s in tapped) else 0.0  # noqa: E731
+    now = sum(out.get(s, 0.0) for s in tapped)
+    if not tapped or now <= 0:
+        return out
+    for site in set(out) - set(tapped):
+        shares = [m[site] / total(m) for m in recent if site in m and total(m) > 0][-SENS_WINDOW:]
+        if shares:
+            out[site] = median(shares) * now
+    return out
+
+
 # ---- the profile ---------------------------------------------------------------------------
 def track_profile(a: "Adapter", probe: Callable[[], Any], g: Any) -> tuple[Any, dict[str, dict]]:
     """The sites measured at this tracking point, agreed over the ranks (`MeasuredProfile`),
-    and the statistics a shift is looked for in (outlier rates, channels)."""
+    and the statistics a shift is looked for in: the outlier rates of the site types the plan
+    in force stores lossily (at a kept or recomputed site they change neither the bytes nor
+    the noise; the next solve sees them in the profile anyway), and the channels."""
     c = a.controller
     refresh = a.profile is None or a.track_count % FULL_PROFILE_EVERY == 0
     fresh = None if refresh else sorted(data_codecs(a))
@@ -69,7 +91,8 @@ def track_profile(a: "Adapter", probe: Callable[[], Any], g: Any) -> tuple[Any, 
     profile = agreement.agree_profile(profile, g)
     if a.times is None:
         a.times = profile.times()
-    stats = {"outlier": profile.outlier_rates(),
+    lossy = {site for layer, site in profile.sites if c.plan.get(layer, {}).get(site, KEEP) not in (KEEP, RECOMPUTE)}
+    stats = {"outlier": {site: rate for site, rate in profile.outlier_rates().items() if site in lossy},
              "channels": {site: st.shape[-1] for (_, site), st in profile.sites.items() if st.shape}}
     return profile, stats
 
@@ -92,15 +115,17 @@ def track_sensitivity(a: "Adapter", probe: Callable[[], Any], profile: Any, stat
     c = a.controller
     named = named_params(a)
     sites = sensitivity_sites(a)
+    biased = coherence_due(a, coherence_codecs(a, sites))
     sens = measure_sensitivity(c, probe, [p for _, p in named], seed=a.config.seed + c.iteration,
                                sites=sites, groups=[fidelity.group_name(n) for n, _ in named],
-                               biased=coherence_codecs(a, sites))
+                               biased=biased, head=head_cut.head_of(a.replay.roots))
     world = g.world if g else None
     fresh = agreement.reduce_dict(sens.c, "mean", world)
     a.c_recent = (a.c_recent + [fresh])[-SENS_WINDOW * sens_rounds(a):]
-    a.sensitivity = window_medians(a.c_recent)
+    a.sensitivity = scaled_medians(a.c_recent, split_sites(a)[0])
     if charges_biased(a):
         kappa = agreement.reduce_dict(sens.coherence, "mean", world)
+        a.coherence_codecs.update({site: name for site, name in (biased or {}).items() if site in kappa})
         a.coherence_recent = (a.coherence_recent + [kappa])[-SENS_WINDOW * sens_rounds(a):]
         a.coherence = window_medians(a.coherence_recent)
     sn = agreement.reduce_dict({} if sens.sampling_noise is None else {"s": sens.sampling_noise},
@@ -184,6 +209,18 @@ def coherence_codecs(a: "Adapter", sites: Optional[list[str]]) -> Optional[dict[
     return out
 
 
+def coherence_due(a: "Adapter", biased: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+    """The sites of `biased` whose coherence is measured at this point: every tapped one
+    (the exact pass gives it, no pass of its own), and a probed one (a pass each) only
+    where it has no kappa yet for that codec: kappa is a property of the codec's rounding
+    against the gradient's structure, as stable as c's share."""
+    if biased is None:
+        return None
+    tapped = set(split_sites(a)[0])
+    return {site: name for site, name in biased.items()
+            if site in tapped or a.coherence_codecs.get(site) != name or site not in a.coherence}
+
+
 # ---- the gradient fidelity -----------------------------------------------------------------
 def report_fidelity(a: "Adapter", probe: Optional[Callable[[], Any]]) -> None:
     """The gradient-fidelity report of the iteration just ended (`llm_act.measurement.fidelity`),
@@ -203,7 +240,8 @@ def report_fidelity(a: "Adapter", probe: Optional[Callable[[], Any]]) -> None:
     start = time.perf_counter()
     try:
         named = named_params(a)
-        sums = fidelity.measure_sums(c, probe, named, c.plan, sites, seed=a.config.seed + 31 * c.iteration)
+        sums = fidelity.measure_sums(c, probe, named, c.plan, sites, seed=a.config.seed + 31 * c.iteration,
+                                     head=head_cut.head_of(a.replay.roots))
         sums = agreement.reduce_dict(sums, "mean", g.world if g else None)
     finally:
         spent = time.perf_counter() - start

@@ -76,11 +76,18 @@ def named_params(roots: Sequence[torch.nn.Module], fallback: Sequence[torch.Tens
     return out
 
 
-def lossy_sites(plan: dict[int, dict[str, str]]) -> list[str]:
-    """Site types some layer stores with a lossy codec (masks are stored exactly)."""
+def lossy_sites(plan: dict[int, dict[str, str]],
+                sites_of: Optional[Callable[[int], Sequence[str]]] = None) -> list[str]:
+    """Site types some layer stores with a lossy codec (masks are stored exactly);
+    with `sites_of` (layer -> the sites it has, `Controller.sites`), only sites the layers
+    have: a plan names every site of the schema (the MoE's and the final norm's in every
+    layer), and a report's pass on a site no layer has would measure nothing."""
     out: list[str] = []
-    for choice in plan.values():
+    for layer, choice in plan.items():
+        present = None if sites_of is None else set(sites_of(layer))
         for site, name in choice.items():
+            if present is not None and site not in present:
+                continue
             if name not in (KEEP, RECOMPUTE) and site not in MASK_SITES and site not in out:
                 out.append(site)
     return out

@@ -233,7 +233,7 @@ def report_fidelity(a: "Adapter", probe: Optional[Callable[[], Any]]) -> None:
     if probe is None:
         return
     a.fidelity_requested = False
-    lossy = fidelity.lossy_sites(c.plan)
+    lossy = fidelity.lossy_sites(c.plan, c.sites)
     sites = [lossy[(a.fidelity_next + i) % len(lossy)]
              for i in range(min(fidelity.SITES_PER_REPORT, len(lossy)))]
     a.fidelity_next += len(sites)

@@ -86,7 +86,7 @@ def test_sites_measured_alone_rotate_and_name_the_broken_one():
         model, c = _trained("compress", steps=1)
         seen = dict(c.adapter.fidelity[-1].sites)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        while len(seen) < len(lossy_sites(c.plan)):
+        while len(seen) < len(lossy_sites(c.plan, c.sites)):
             c.request_fidelity()
             ids, pos, labels = R.batch(seed=len(seen))
             model(ids, pos, None, labels=labels).float().mean().backward()
@@ -94,6 +94,8 @@ def test_sites_measured_alone_rotate_and_name_the_broken_one():
             opt.zero_grad(set_to_none=True)
             assert len(c.adapter.fidelity[-1].sites) == fidelity.SITES_PER_REPORT
             seen.update(c.adapter.fidelity[-1].sites)
+    assert set(seen) == set(lossy_sites(c.plan, c.sites))  # sites the layers have, every one
+    assert "final_norm.input" not in lossy_sites({0: c.plan[0]}, c.sites)  # not layer 0's
     worst = max(seen, key=seen.get)
     assert worst == "mlp.fc2_input" and seen[worst] > 0.2, seen
     assert all(v < 0.2 for s, v in seen.items() if s != worst), seen

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.dist
 #: all parameters and per parameter (`check_gradients`). Measured (fp32 and bf16 alike):
 #: the real codecs 0.110 total, worst parameter 0.243; zeros decoded at ln1.input of layer 1
 #: 0.111 and 1.005 (the old bound, 0.25 on the total alone, let it through); at
-#: mlp.fc2_input of layer 0 0.33-0.34 and 1.000.
+#: mlp.fc2_input of layer 0 0.33-0.34 and 1.000; at final_norm.input (the last layer's, replicated
+#: over TP) 0.164 and 1.04 (17th session, fp32 and bf16).
 BOUND = (0.16, 0.4)
 
 
@@ -56,7 +57,9 @@ def _keep_worker(rank, world_size, port):
         assert torch.equal(loss_c, loss_r)
         assert R.rel_error(grads_c, grads_r) > 0
         R.check_gradients(grads_c, grads_r, *BOUND)
-        for site, layer in (("ln1.input", 1), ("mlp.fc2_input", 0)):  # the bound is not loose
+        # the bound is not loose; the final norm's input (replicated over TP, after the last
+        # block) is one of the sites it catches
+        for site, layer in (("ln1.input", 1), ("mlp.fc2_input", 0), ("final_norm.input", 1)):
             with broken_codec.broken(site, layer):
                 broken = R.build(dtype=dtype, dropout=0.1)
                 apply(broken, ActConfig(plan="compress"))

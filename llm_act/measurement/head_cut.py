@@ -27,6 +27,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from llm_act.measurement import probing
+from llm_act.measurement.replay import unwrap
+
 #: megatron-core's hidden states are [s, b, h]: the batch (the loss's rows) is dim 1
 BATCH_DIM = 1
 
@@ -45,26 +48,24 @@ def head_of(roots: Sequence[torch.nn.Module]) -> Optional[torch.nn.Module]:
     pipeline chunks: each pass then runs whole)."""
     if len(roots) != 1:
         return None
-    model = roots[0]
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
+    model = unwrap(roots[0])
     head = getattr(model, "output_layer", None)
     if not isinstance(head, torch.nn.Module) or getattr(model, "post_process", True) is False:
         return None
     return head
 
 
-def _grads(outputs: Any, inputs: Sequence[torch.Tensor], grad_outputs: Any = None) -> list:
-    return list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
+def _add(head: list, blocks: list, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The head's share plus the blocks' gradient, entry by entry, None counting as zero
+    (not a dense zero: under ZeRO-3 a parameter's local tensor is an empty shard, while its
+    gradient is whole); zeros where neither has one, as `probing.optional_grad` gives."""
+    summed = [b if h is None else h if b is None else h + b for h, b in zip(head, blocks)]
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, summed)]
 
 
-def _dense(grads: list, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-
-
-def _add(a: list, b: list, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """a + b entry by entry, None counting as zero."""
-    return _dense([x if y is None else y if x is None else x + y for x, y in zip(a, b)], params)
+def _blocks(h: torch.Tensor, params: Sequence[torch.Tensor], dh: torch.Tensor) -> list:
+    """The blocks' gradient from `h` with `dh` (None where a parameter takes no part)."""
+    return list(torch.autograd.grad(h, params, dh, allow_unused=True))
 
 
 class HeadCut:
@@ -76,7 +77,6 @@ class HeadCut:
                  loss_of: Callable[[Any], torch.Tensor], rows_of: Callable[[Any], Optional[torch.Tensor]]):
         self.head, self.params = head, list(params)
         self.loss_of, self.rows_of = loss_of, rows_of
-        self.h: Optional[torch.Tensor] = None
         self.dh: Optional[torch.Tensor] = None
         """d(batch loss)/dh of the exact pass; None while no pass was cut"""
         self.head_grads: list = []
@@ -95,7 +95,7 @@ class HeadCut:
         """The exact gradient of the batch loss (split at the head where there is one);
         with `halves`, also what `half` needs of the head."""
         if self.head is None:
-            return _dense(_grads(self.loss_of(forward()), self.params), self.params)
+            return self._whole(forward())
         box: dict[str, Any] = {}
 
         def pre(module, args, kwargs):
@@ -120,17 +120,17 @@ class HeadCut:
                 handle.remove()
         loss = self.loss_of(out)
         if "h" not in box:  # the forward took another path: one whole backward
-            return _dense(_grads(loss, self.params), self.params)
+            return probing.optional_grad(loss, self.params)
         h, detached = box["h"], box["detached"]
         if halves:
             self._hook_half(out, box)
-        first = _grads(loss, [detached, *self.params])
+        first = list(torch.autograd.grad(loss, [detached, *self.params], allow_unused=True))
         dh, head_grads = first[0], first[1:]
         del out, loss, first
         if dh is None:  # the loss does not read the head's output
             dh = torch.zeros_like(h)
-        blocks = _grads(h, self.params, dh)
-        self.h, self.dh, self.head_grads = h.detach(), dh, head_grads
+        blocks = _blocks(h, self.params, dh)
+        self.dh, self.head_grads = dh, head_grads
         return _add(head_grads, blocks, self.params)
 
     def _hook_half(self, out: Any, box: dict[str, Any]) -> None:
@@ -164,7 +164,7 @@ class HeadCut:
         the blocks' backward from h (with `dh`, default the exact pass's), plus the head's
         share (default the exact pass's); a whole pass where the exact one was not cut."""
         if not self.cut:
-            return _dense(_grads(self.loss_of(forward()), self.params), self.params)
+            return self._whole(forward())
 
         def stop(module, args, kwargs):
             h = args[0] if args else kwargs.get("input_")
@@ -180,8 +180,12 @@ class HeadCut:
                                "in the exact pass")
         finally:
             handle.remove()
-        blocks = _grads(h, self.params, self.dh if dh is None else dh)
+        blocks = _blocks(h, self.params, self.dh if dh is None else dh)
         return _add(self.head_grads if head_grads is None else head_grads, blocks, self.params)
+
+    def _whole(self, out: Any) -> list[torch.Tensor]:
+        """One whole backward from the batch loss of `out`."""
+        return probing.optional_grad(self.loss_of(out), self.params)
 
     def half(self, forward: Callable[[], Any], whole: list[torch.Tensor],
              whole_pass: Callable[[], Optional[list]]) -> Optional[list[list[torch.Tensor]]]:

@@ -50,7 +50,8 @@ def _add(terms: list[torch.Tensor]) -> torch.Tensor:
     return sum(t.sum() for t in terms).reshape(1)
 
 
-def _unwrap(module: Any) -> Any:
+def unwrap(module: Any) -> Any:
+    """The module inside its wrappers (DDP, megatron's Float16Module: `.module`)."""
     while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
         module = module.module
     return module
@@ -67,7 +68,7 @@ class _Call:
         self.grads: dict[int, torch.Tensor] = {}
         self.n_outputs = 0
         # a later pipeline stage's hidden states are [s, b, h]: the batch is dim 1 there
-        self.batch_dim = 1 if getattr(_unwrap(root), "post_process", True) is False else 0
+        self.batch_dim = 1 if getattr(unwrap(root), "post_process", True) is False else 0
 
     @property
     def complete(self) -> bool:

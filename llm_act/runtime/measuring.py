@@ -91,7 +91,7 @@ def track_profile(a: "Adapter", probe: Callable[[], Any], g: Any) -> tuple[Any, 
     profile = agreement.agree_profile(profile, g)
     if a.times is None:
         a.times = profile.times()
-    lossy = {site for layer, site in profile.sites if c.plan.get(layer, {}).get(site, KEEP) not in (KEEP, RECOMPUTE)}
+    lossy = fidelity.lossy_sites(c.plan, c.sites)
     stats = {"outlier": {site: rate for site, rate in profile.outlier_rates().items() if site in lossy},
              "channels": {site: st.shape[-1] for (_, site), st in profile.sites.items() if st.shape}}
     return profile, stats
@@ -114,19 +114,21 @@ def track_sensitivity(a: "Adapter", probe: Callable[[], Any], profile: Any, stat
         return
     c = a.controller
     named = named_params(a)
-    sites = sensitivity_sites(a)
-    biased = coherence_due(a, coherence_codecs(a, sites))
+    tapped, probed = split_sites(a)
+    sites = sensitivity_sites(a, tapped, probed)
+    biased = coherence_due(a, coherence_codecs(a, sites), tapped)
     sens = measure_sensitivity(c, probe, [p for _, p in named], seed=a.config.seed + c.iteration,
                                sites=sites, groups=[fidelity.group_name(n) for n, _ in named],
                                biased=biased, head=head_cut.head_of(a.replay.roots))
     world = g.world if g else None
     fresh = agreement.reduce_dict(sens.c, "mean", world)
-    a.c_recent = (a.c_recent + [fresh])[-SENS_WINDOW * sens_rounds(a):]
-    a.sensitivity = scaled_medians(a.c_recent, split_sites(a)[0])
+    rounds = sens_rounds(probed)
+    a.c_recent = (a.c_recent + [fresh])[-SENS_WINDOW * rounds:]
+    a.sensitivity = scaled_medians(a.c_recent, tapped)
     if charges_biased(a):
         kappa = agreement.reduce_dict(sens.coherence, "mean", world)
         a.coherence_codecs.update({site: name for site, name in (biased or {}).items() if site in kappa})
-        a.coherence_recent = (a.coherence_recent + [kappa])[-SENS_WINDOW * sens_rounds(a):]
+        a.coherence_recent = (a.coherence_recent + [kappa])[-SENS_WINDOW * rounds:]
         a.coherence = window_medians(a.coherence_recent)
     sn = agreement.reduce_dict({} if sens.sampling_noise is None else {"s": sens.sampling_noise},
                                "mean", world)
@@ -152,13 +154,13 @@ def plan_relevant_c(c: dict[str, float], sampling_noise: Optional[float],
     return {site: v / total for site, v in c.items()}
 
 
-def sensitivity_sites(a: "Adapter") -> Optional[list[str]]:
+def sensitivity_sites(a: "Adapter", tapped: list[str], probed: list[str]) -> list[str]:
     """The site types whose c is measured at this tracking point: every linear's input (its
     c comes from the exact pass, `llm_act.measurement.linear_tap`, at no extra pass) and
     `SENS_SITES_PER_TRACK` of the others in rotation (GACT's c is stable along training;
     each probed type costs a forward/backward pass), all of them the first time when a
-    noise budget (`variance_budget`) makes the plan depend on every c."""
-    tapped, probed = split_sites(a)
+    noise budget (`variance_budget`) makes the plan depend on every c. `tapped`, `probed`:
+    `split_sites(a)`."""
     first = not a.sensitivity and noise_bounded(a)
     if first or len(probed) <= SENS_SITES_PER_TRACK:
         return tapped + probed
@@ -175,9 +177,10 @@ def split_sites(a: "Adapter") -> tuple[list[str], list[str]]:
     return tapped, [site for site in every if site not in tapped]
 
 
-def sens_rounds(a: "Adapter") -> int:
-    """Measurements it takes for every site type to be measured SENS_WINDOW times."""
-    return max(1, -(-len(split_sites(a)[1]) // SENS_SITES_PER_TRACK))
+def sens_rounds(probed: list[str]) -> int:
+    """Measurements it takes for every probed site type (`split_sites`) to be measured
+    SENS_WINDOW times."""
+    return max(1, -(-len(probed) // SENS_SITES_PER_TRACK))
 
 
 def noise_bounded(a: "Adapter") -> bool:
@@ -209,14 +212,14 @@ def coherence_codecs(a: "Adapter", sites: Optional[list[str]]) -> Optional[dict[
     return out
 
 
-def coherence_due(a: "Adapter", biased: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
-    """The sites of `biased` whose coherence is measured at this point: every tapped one
-    (the exact pass gives it, no pass of its own), and a probed one (a pass each) only
-    where it has no kappa yet for that codec: kappa is a property of the codec's rounding
-    against the gradient's structure, as stable as c's share."""
+def coherence_due(a: "Adapter", biased: Optional[dict[str, str]],
+                  tapped: list[str]) -> Optional[dict[str, str]]:
+    """The sites of `biased` whose coherence is measured at this point: every one of
+    `tapped` (the exact pass gives it, no pass of its own), and a probed one (a pass each)
+    only where it has no kappa yet for that codec: kappa is a property of the codec's
+    rounding against the gradient's structure, as stable as c's share."""
     if biased is None:
         return None
-    tapped = set(split_sites(a)[0])
     return {site: name for site, name in biased.items()
             if site in tapped or a.coherence_codecs.get(site) != name or site not in a.coherence}
 

@@ -84,7 +84,7 @@ def test_a_probed_sites_coherence_is_measured_once_per_codec(monkeypatch):
     biased = coherence_codecs(a, tapped + probed)
     site = probed[0]
     a.coherence_codecs[site] = "some_other_codec"  # the plan moved it to another biased codec
-    assert set(coherence_due(a, biased)) == set(tapped) | {site}
+    assert set(coherence_due(a, biased, tapped)) == set(tapped) | {site}
 
 
 def test_an_outlier_shift_at_a_kept_site_does_not_reset_the_schedule():

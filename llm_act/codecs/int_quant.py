@@ -169,6 +169,14 @@ class IntQuant(Codec):
     def step_sizes(self, x: torch.Tensor) -> torch.Tensor:
         """Quantization step Delta (float64) per element of `x` (flattened), from finite
         min/max."""
+        delta, _ = self._steps(x)
+        if self.axis is None:
+            return delta.repeat_interleave(self.group_size)[:x.numel()]
+        rows = x.numel() // max(1, x.shape[self._axis_of(x.dim())])
+        return delta.repeat_interleave(ref.AXIS_CHUNK, dim=0)[:rows].reshape(-1)
+
+    def _steps(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Delta per group, or per row chunk and column, float64; the elements each covers)."""
         self.check_input(x)
         xf = x.detach().reshape(-1).float()
         n = xf.numel()
@@ -178,18 +186,20 @@ class IntQuant(Codec):
             xp = torch.cat([xf, xf.new_zeros(pad)]).view(G, self.group_size)
             valid = (torch.arange(G * self.group_size, device=xf.device) < n).view_as(xp)
             lo, hi, amax, _ = ref.finite_stats(xp, valid, 1)
+            count = torch.full((G,), float(self.group_size), dtype=torch.float64, device=xf.device)
+            count[-1] = self.group_size - pad
         else:  # per column and chunk of AXIS_CHUNK rows, as the kernels store them
             ax = self._axis_of(x.dim())
             xm = x.detach().movedim(ax, -1).float().reshape(-1, x.shape[ax])
             lo, hi, amax, _ = ref.axis_stats(xm)
+            rows = xm.shape[0]
+            count = torch.full((lo.shape[0], 1), float(ref.AXIS_CHUNK), dtype=torch.float64, device=xf.device)
+            count[-1] = rows - (lo.shape[0] - 1) * ref.AXIS_CHUNK
         if self.symmetric:
             delta = amax.double() / (2 ** (self.bits - 1) - 1)
         else:  # float64: a float32 range can overflow
             delta = (hi.double() - lo.double()) / (2**self.bits - 1)
-        if self.axis is None:
-            return delta.repeat_interleave(self.group_size)[:n]
-        rows = xm.shape[0]
-        return delta.repeat_interleave(ref.AXIS_CHUNK, dim=0)[:rows].reshape(-1)
+        return delta, count
 
     def expected_error(self, x: torch.Tensor) -> float:
         """Mean over elements of Delta_g^2 / 6 (stochastic) or Delta_g^2 / 12 (nearest).
@@ -201,6 +211,11 @@ class IntQuant(Codec):
         if x.numel() == 0:
             self.check_input(x)
             return 0.0
-        delta = self.step_sizes(x)
+        return float(self.expected_error_tensor(x))
+
+    def expected_error_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """`expected_error` as a float64 tensor on x's device (no host sync: a training
+        step's measurement reads it at the step boundary)."""
+        delta, count = self._steps(x)
         factor = 1.0 / 6.0 if self.stochastic else 1.0 / 12.0
-        return float((delta.double() ** 2).mean()) * factor
+        return (count * delta ** 2).sum() / max(1, x.numel()) * factor

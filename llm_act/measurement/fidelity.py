@@ -46,7 +46,7 @@ from llm_act.sites import MASK_SITES
 log = logging.getLogger(__name__)
 
 #: lossy site types measured alone per report (each costs one more forward/backward)
-SITES_PER_REPORT = 2
+SITES_PER_REPORT = 1
 #: reports kept in the controller's state
 HISTORY = 64
 _LAYER_INDEX = re.compile(r"\.(layers|h|blocks)\.\d+\.")
@@ -109,13 +109,16 @@ def plan_codecs(controller: ControlledModel, plan: dict[int, dict[str, str]], se
 
 def measure_sums(controller: ControlledModel, forward: Callable[[], Any], named: list[tuple[str, torch.Tensor]],
                  plan: dict[int, dict[str, str]], sites: Sequence[str] = (), seed: int = 0,
-                 head: Optional[torch.nn.Module] = None) -> dict[str, float]:
+                 head: Optional[torch.nn.Module] = None,
+                 sampling: Optional[dict[str, float]] = None) -> dict[str, float]:
     """The squared sums a report is made of, as one flat mapping (so ranks can combine it):
     `err:<group>` ||g_plan - g_exact||^2 and `norm:<group>` ||g_exact||^2 per parameter
     group, `samp:<group>` its sampling variance (none for a batch of one), and
     `site:<site>` the total ||g_site - g_exact||^2 with only that site type compressed, for
     each of `sites`. `head`: the output layer, below which every pass after the exact one
-    starts its backward (`llm_act.measurement.head_cut`)."""
+    starts its backward (`llm_act.measurement.head_cut`). `sampling`: the sampling variance
+    per group, measured already (plan "auto" measures it at its tracking points) in the
+    units of the batch `forward()` runs: the halves' pass is then not run."""
     params = [p for _, p in named]
     groups = [group_name(n) for n, _ in named]
     out: dict[str, float] = {}
@@ -134,12 +137,15 @@ def measure_sums(controller: ControlledModel, forward: Callable[[], Any], named:
         comp = again(plan_codecs(controller, plan, seed))
         out.update({f"err:{g}": v for g, v in probing.sq_by_group(comp, exact, groups).items()})
         del comp
-        probing.install(controller, {})
-        snap.restore()
-        halves = passes.half(forward, exact, lambda: sampling_halves(forward, params, snap, exact))
-        if halves is not None:
-            out.update({f"samp:{g}": v / 4.0 for g, v in probing.sq_by_group(*halves, groups).items()})
-        del halves
+        if sampling:
+            out.update({f"samp:{g}": v for g, v in sampling.items() if g in set(groups)})
+        else:
+            probing.install(controller, {})
+            snap.restore()
+            halves = passes.half(forward, exact, lambda: sampling_halves(forward, params, snap, exact))
+            if halves is not None:
+                out.update({f"samp:{g}": v / 4.0 for g, v in probing.sq_by_group(*halves, groups).items()})
+            del halves
         for site in sites:
             alone = again(plan_codecs(controller, plan, seed + 1, only=site))
             out[f"site:{site}"] = probing.sq_distance(alone, exact)
@@ -161,9 +167,14 @@ class FidelityReport:
     (None: the batch had one sample)"""
     noise_ratios: dict[str, float] = field(default_factory=dict)
     """the same per parameter group"""
+    rows: Optional[tuple[int, int]] = None
+    """(rows measured, rows of the batch) where the report replayed the batch's first rows
+    (plan "auto"); None: the whole batch. Errors that average out over rows are larger on
+    fewer, so such a report errs on the high side"""
 
     @classmethod
-    def from_sums(cls, iteration: int, sums: dict[str, float]) -> "FidelityReport":
+    def from_sums(cls, iteration: int, sums: dict[str, float],
+                  rows: Optional[tuple[int, int]] = None) -> "FidelityReport":
         norm = {k[5:]: v for k, v in sums.items() if k.startswith("norm:")}
         err = {k[4:]: v for k, v in sums.items() if k.startswith("err:")}
         whole = sum(norm.values())
@@ -172,24 +183,27 @@ class FidelityReport:
         samp = {k[5:]: v for k, v in sums.items() if k.startswith("samp:")}
         ratios = {g: _ratio(err.get(g, 0.0), v) for g, v in samp.items()}
         total = _ratio(sum(err.values()), sum(samp.values())) if samp else None
-        return cls(iteration, _rel(sum(err.values()), whole), groups, sites, total, ratios)
+        return cls(iteration, _rel(sum(err.values()), whole), groups, sites, total, ratios,
+                   None if rows is None else (int(rows[0]), int(rows[1])))
 
     def to_dict(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "total": self.total, "groups": dict(self.groups),
                 "sites": dict(self.sites), "noise_ratio": self.noise_ratio,
-                "noise_ratios": dict(self.noise_ratios)}
+                "noise_ratios": dict(self.noise_ratios), "rows": None if self.rows is None else list(self.rows)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FidelityReport":
-        ratio = d.get("noise_ratio")
+        ratio, rows = d.get("noise_ratio"), d.get("rows")
         return cls(int(d["iteration"]), float(d["total"]), dict(d.get("groups", {})), dict(d.get("sites", {})),
-                   None if ratio is None else float(ratio), dict(d.get("noise_ratios", {})))
+                   None if ratio is None else float(ratio), dict(d.get("noise_ratios", {})),
+                   None if rows is None else (int(rows[0]), int(rows[1])))
 
     def format(self, worst: int = 5) -> str:
         """One line: the total, the worst parameter groups and the measured sites."""
         top = sorted(self.groups.items(), key=lambda kv: -kv[1] if math.isfinite(kv[1]) else -math.inf)
         parts = [f"{g} {v:.3g}" for g, v in top[:worst]]
-        line = (f"gradient fidelity at iteration {self.iteration}: relative error {self.total:.3g} "
+        on = "" if self.rows is None else f" on the first {self.rows[0]} of {self.rows[1]} rows"
+        line = (f"gradient fidelity at iteration {self.iteration}{on}: relative error {self.total:.3g} "
                 f"(worst groups: {', '.join(parts) or 'none'})")
         if self.noise_ratio is not None:
             line += f"; {self.format_noise(worst)}"

@@ -85,6 +85,13 @@ class HeadCut:
         """rows of half a (the first ones); None where the half runs whole"""
         self.head_half: dict[int, torch.Tensor] = {}
         """parameter index -> the head's share of half a's gradient"""
+        self.rows: Optional[int] = None
+        """per-row losses the exact pass's output had (None: a scalar loss)"""
+
+    @property
+    def signed_rows(self) -> bool:
+        """Whether the exact pass had rows to split in halves (two or more per-row losses)."""
+        return self.rows is not None and self.rows >= 2
 
     @property
     def cut(self) -> bool:
@@ -95,7 +102,7 @@ class HeadCut:
         """The exact gradient of the batch loss (split at the head where there is one);
         with `halves`, also what `half` needs of the head."""
         if self.head is None:
-            return self._whole(forward())
+            return self._whole(forward(), exact=True)
         box: dict[str, Any] = {}
 
         def pre(module, args, kwargs):
@@ -118,6 +125,7 @@ class HeadCut:
         finally:
             for handle in handles:
                 handle.remove()
+        self._count_rows(out)
         loss = self.loss_of(out)
         if "h" not in box:  # the forward took another path: one whole backward
             return probing.optional_grad(loss, self.params)
@@ -183,9 +191,15 @@ class HeadCut:
         blocks = _blocks(h, self.params, self.dh if dh is None else dh)
         return _add(self.head_grads if head_grads is None else head_grads, blocks, self.params)
 
-    def _whole(self, out: Any) -> list[torch.Tensor]:
-        """One whole backward from the batch loss of `out`."""
+    def _whole(self, out: Any, exact: bool = False) -> list[torch.Tensor]:
+        """One whole backward from the batch loss of `out` (`exact`: of the exact pass)."""
+        if exact:
+            self._count_rows(out)
         return probing.optional_grad(self.loss_of(out), self.params)
+
+    def _count_rows(self, out: Any) -> None:
+        per = self.rows_of(out)
+        self.rows = None if per is None else int(per.shape[0])
 
     def half(self, forward: Callable[[], Any], whole: list[torch.Tensor],
              whole_pass: Callable[[], Optional[list]]) -> Optional[list[list[torch.Tensor]]]:

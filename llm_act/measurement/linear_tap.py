@@ -55,12 +55,15 @@ class LinearTap:
     """While entered, records c_l and the probe codec's S_l of every (layer, site) in
     `sites` from the passes that run (forward hooks on the linears, tensor hooks on their
     outputs). `params`/`groups`: the parameters whose gradient counts and a group name per
-    parameter (a weight not among them adds nothing)."""
+    parameter (a weight not among them adds nothing). `first_only`: each linear's first
+    forward that records for backward counts, later ones (more micro-batches of a training
+    step) not."""
 
     def __init__(self, controller: ControlledModel, sites: Sequence[str], params: Sequence[torch.Tensor],
                  probe_codec: str, groups: Optional[Sequence[str]] = None,
-                 biased: Optional[dict[str, str]] = None, seed: int = 0):
+                 biased: Optional[dict[str, str]] = None, seed: int = 0, first_only: bool = False):
         self.sites = tuple(sites)
+        self.first_only = first_only
         self.targets = {(layer, site): controller.module(layer, site)
                         for site in self.sites for layer in controller.layers if site in controller.sites(layer)}
         names = groups if groups is not None else [""] * len(params)
@@ -93,13 +96,20 @@ class LinearTap:
             if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
                     and y.requires_grad and y.shape[:-1] == x.shape[:-1]):
                 return  # a forward without grad (a checkpoint's first pass) stores nothing
+            if self.first_only and key in self.s_l:
+                return
             xd = x.detach()
             token_power = xd.double().pow(2).sum(dim=-1)
-            power = float(token_power.sum()) / max(1, xd.numel())  # mean(x^2)
-            self.s_l[key] = float(self.probe.expected_error(xd)) / power if power > 0 else 0.0
+            # tensors until `results` (no host sync inside a training step: `StepTap`)
+            power = token_power.sum() / max(1, xd.numel())  # mean(x^2)
+            as_tensor = getattr(self.probe, "expected_error_tensor", None)
+            err = as_tensor(xd) if as_tensor is not None else torch.tensor(
+                float(self.probe.expected_error(xd)), dtype=torch.float64, device=xd.device)
+            self.s_l[key] = torch.where(power > 0, err / power.clamp_min(1e-300), torch.zeros_like(err))
             codec = self.biased.get(key)
             if codec is not None:
-                self.biased_s[key] = float(codec.expected_error(xd)) / power if power > 0 else 0.0
+                p = float(power)
+                self.biased_s[key] = float(codec.expected_error(xd)) / p if p > 0 else 0.0
 
             def on_grad(dy: torch.Tensor) -> None:
                 dy = dy.detach()
@@ -136,14 +146,14 @@ class LinearTap:
         by_group: dict[str, dict[str, float]] = {}
         for site in self.sites:
             keys = [k for k in self.targets if k[1] == site]
-            total_s = sum(self.s_l.get(k, 0.0) for k in keys)
+            total_s = sum(float(self.s_l.get(k, 0.0)) for k in keys)
             s_sum[site] = total_s
             groups: dict[str, float] = {}
             for k in keys:
                 g = self._weight_group(k)
                 if g is None or k not in self.c_l:
                     continue
-                groups[g] = groups.get(g, 0.0) + self.s_l.get(k, 0.0) * float(self.c_l[k])
+                groups[g] = groups.get(g, 0.0) + float(self.s_l.get(k, 0.0)) * float(self.c_l[k])
             noise = sum(groups.values())
             c[site] = noise / total_s if total_s > 0 else 0.0
             by_group[site] = {g: v / total_s for g, v in groups.items()} if total_s > 0 else {}

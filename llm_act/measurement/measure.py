@@ -12,17 +12,24 @@ streams, gradients and the real codecs untouched):
    the exact side tensors the compressed path keeps beside the encoding (a norm's mean
    and rstd);
 3. on those tensors, every codec the site admits: its stored bytes (the size formula at the
-   tensor's shape, `nbytes_for`, with the outlier channels the data has), its error model (`expected_error`, relative to the tensor's
+   tensor's shape, `nbytes_for`: every codec's size depends on the shape alone), its error model (`expected_error`, relative to the tensor's
    power: S of GACT sec. 4, in the units of the analytic prior) -- errors and outlier
    channels on a sample of the tensor's token rows (`token_sample`, sparse sampling keeps
-   a tracking point cheap) -- its encode and decode times on the whole tensor; and each site's producer op re-run on its captured input (the cost of
-   recomputing it).
+   a tracking point cheap) -- its encode and decode times; and each site's producer op
+   re-run on its captured input (the cost of recomputing it).
 
 Times: CUDA events on a GPU, wall clock on CPU, medians of a few runs; only their ratios
 within one run mean anything. They are taken on the first layer of each group of
-identical layers (the same ops on the same shapes) and can be carried over from an
-earlier profile (`times_from`): the controller measures them once, then re-measures only
-the data-dependent figures (outlier rates, bytes, errors) at its tracking points.
+identical layers (the same ops on the same shapes), each codec once per shape on a GPU (on
+the whole tensor) and once per codec on CPU (on a sample, scaled by the size: the
+reference codecs' time is linear in it), and carried over from an earlier profile
+(`times_from`): the controller times them once, at the first tracking point, and keeps them
+with the profile; later points re-measure only the data-dependent figures (errors, outlier
+rates).
+
+`profile_from_samples(controller, samples, last)` rebuilds the profile of a later tracking
+iteration with no pass of its own, from the samples its training step took
+(`llm_act.measurement.step_tap`) and the last full profile's bytes and times.
 
 `MeasuredProfile.blocks()` gives the `BlockProfile`s for `solve_plan` (identical layers
 share one block with `count` = their number, bytes averaged so that the total over the
@@ -30,10 +37,11 @@ layers is exact); `predicted_bytes(plan)` the bytes a plan would hold.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 
@@ -46,6 +54,7 @@ from llm_act.ledger import SavedTensorLedger
 from llm_act.measurement import probing
 from llm_act.measurement.controlled import ControlledModel
 from llm_act.measurement.measured_profile import BLOCK_TIME, MeasuredProfile, OptionStats, SiteStats
+from llm_act.measurement.step_tap import CORE_ARG_NAMES, SAMPLE_ELEMS, input_arg, token_sample  # noqa: F401
 from llm_act.sites import (
     ATTN_OUT,
     ATTN_Q,
@@ -132,73 +141,77 @@ def derivative_power(x: torch.Tensor, activation: str) -> float:
     return _power(derivative(activation)(x.detach().float()))
 
 
-#: codec statistics (errors, outlier channels) are taken on at most about this many elements
-#: of a site's tensor: evenly spaced token rows (dim 0), every channel kept; the stored
-#: bytes still come from the whole tensor's shape (`nbytes_for`)
-SAMPLE_ELEMS = 1 << 14
-
-
-def token_sample(x: torch.Tensor) -> torch.Tensor:
-    """Every k-th row of `x` along dim 0 (tokens in megatron's [s, b, ...] layout), k such
-    that about `SAMPLE_ELEMS` elements remain; `x` itself when it is small."""
-    if x.dim() < 2 or x.numel() <= SAMPLE_ELEMS:
-        return x
-    step = -(-x.numel() // SAMPLE_ELEMS)
-    step = min(step, x.shape[0])
-    return x[::step].contiguous() if step > 1 else x
-
-
-def _full_nbytes(codec: Codec, x: torch.Tensor, xs: torch.Tensor, enc: Encoded) -> int:
-    """Stored bytes of `codec` on the whole `x`, from the encoding `enc` of its sample `xs`
-    (the size formula at x's shape; outlier channels as many as the sample has)."""
-    if xs is x:
-        return enc.nbytes
+def _nbytes(codec: Codec, x: torch.Tensor) -> int:
+    """Stored bytes of `codec` on `x`: its size formula at x's shape (every codec's size
+    depends on the shape alone: outlier_int4 keeps a fixed number of slots), else a trial
+    encode."""
     try:
-        if "n_outliers" in enc.meta:
-            return codec.nbytes_for(x.shape, x.dtype, n_outliers=int(enc.meta["n_outliers"]))
         return codec.nbytes_for(x.shape, x.dtype)
     except (NotImplementedError, TypeError):
         return codec.encode(x).nbytes
 
 
+def _errors(codec: Codec, name: str, xs: torch.Tensor, power: float, dpower: float) -> tuple[float, float]:
+    """(expected squared error per element, relative error S) of `codec` on `xs`: the codec's
+    error model, analytic (no encode), over the power of what it stores."""
+    err = 0.0 if codec.lossless else float(codec.expected_error(xs))
+    return err, err / (dpower if name in FEWBIT_CODECS else power)
+
+
 def _option(codec: Codec, name: str, x: torch.Tensor, xs: torch.Tensor, side: int, power: float,
-            dpower: float, timed: bool, repeats: int) -> tuple[OptionStats, Optional[Encoded]]:
+            dpower: float, timed: bool, repeats: int, clock: Optional[dict] = None) -> OptionStats:
     """`codec` on site tensor `x`: bytes on all of it, errors on its sample `xs` (on all of
     it for a per-channel codec, whose scales span the rows), times when
     `timed` (on a GPU on all of it; on CPU, where the reference codecs' time is linear in the
-    size, on the sample, scaled up by the size ratio)."""
+    size, on the sample, scaled up by the size ratio), each (codec, shape, dtype) once per
+    profile (`clock`: the times taken so far; the same op on the same shape)."""
     if name == "regen":
         nbytes = codec.nbytes_for(x.shape, x.dtype, device=x.device)
         st = OptionStats(nbytes + side, 0.0, 0.0)
         if timed:  # backward draws the mask again
             st.decode_ms = probing.time_ms(lambda: torch.rand(x.shape, device=x.device) >= 0.5,
                                            x.device, repeats)
-        return st, None
+        return st
     if getattr(codec, "axis", None) is not None:
         # one scale per channel over every token row: a sample of the rows sees a smaller
         # range than the whole tensor holds, and so a smaller error than the codec makes
         xs = x
-    enc = codec.encode(xs)
-    err = 0.0 if codec.lossless else float(codec.expected_error(xs))
-    rel = err / (dpower if name in FEWBIT_CODECS else power)
-    st = OptionStats(_full_nbytes(codec, x, xs, enc) + side, err, rel)
+    err, rel = _errors(codec, name, xs, power, dpower)
+    st = OptionStats(_nbytes(codec, x) + side, err, rel)
     if timed:
-        tx = x if x.device.type == "cuda" else xs
+        gpu = x.device.type == "cuda"
+        tx = x if gpu else xs
         scale = x.numel() / max(1, tx.numel())
-        full = enc if tx is xs else codec.encode(tx)
+        # a GPU kernel's time is its own at each shape; a CPU reference's is linear in the
+        # size: one timing of a sample per codec, scaled to each site's size
+        key = (name, tuple(x.shape) if gpu else None, x.dtype)
+        if clock is not None and key in clock:
+            per_elem = clock[key]
+            st.encode_ms, st.decode_ms = per_elem[0] * x.numel(), per_elem[1] * x.numel()
+            return st
+        full = codec.encode(tx)
         st.encode_ms = scale * probing.time_ms(lambda: codec.encode(tx), x.device, repeats)
         st.decode_ms = scale * probing.time_ms(lambda: codec.decode(full), x.device, repeats)
-    return st, enc
+        if clock is not None:
+            clock[key] = (st.encode_ms / x.numel(), st.decode_ms / x.numel())
+    return st
 
 
 def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
                     times_from: Optional[Any] = None, repeats: int = 3,
                     codecs: Optional[Sequence[str]] = None,
-                    keep_from: Optional[MeasuredProfile] = None) -> MeasuredProfile:
+                    keep_from: Optional[MeasuredProfile] = None,
+                    every_layer: Optional[Sequence[str]] = None,
+                    all_codecs_at: Collection[tuple[int, str]] = ()) -> MeasuredProfile:
     """Measure every site the controller drives on the batch `forward()` runs (see the module
     docstring). `times_from`: reuse the times of that profile or of its `times()` dict
     (same model and shapes) instead of measuring them;
     `codecs`: restrict the codecs measured (default: all the registry admits);
+    `every_layer`: the codecs whose errors are measured on every layer; the others on the
+    first layer of each group of identical layers, their figures copied to the rest (the
+    adapter refreshes them layer by layer later: `profile_from_samples`); default: every
+    codec on every layer; `all_codecs_at`: (layer, site) pairs measured for every codec
+    whatever `codecs` says;
     `keep_from`: an earlier profile whose keep bytes (and bytes outside the sites) are
     taken where every site has the same shape and dtype again -- they depend on nothing
     else -- so the keep-everything pass is skipped."""
@@ -210,6 +223,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
     attn_call: dict[int, tuple] = {}
     groups_first = set()
     block_ms: dict[int, float] = {}
+    module_ms: dict[tuple[int, str], float] = {}
     with probing.isolated(controller) as snap, torch.enable_grad():
         probing.install(controller, {})
         # the profile describes the attention every non-keep plan runs (memory-efficient
@@ -231,6 +245,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
         probing.install(controller, probes)
         handles = _attention_hooks(controller, attn_call) if times_from is None else []
         handles += _block_timer(controller, block_ms) if times_from is None else []
+        handles += _producer_timer(controller, module_ms) if times_from is None else []
         handles += _qkv_hooks(controller, captured)
         try:
             with SavedTensorLedger() as probe_ledger:
@@ -261,10 +276,13 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
     profile = MeasuredProfile(sites, other, str(probing.device_of(controller)),
                               {layer: _no_recompute(controller, layer) for layer in controller.layers})
     profile.block_ms = {layer: ms for layer, ms in block_ms.items() if _whole(profile, layer)}
+    first_of: dict[int, int] = {}
     for group in profile.groups():
         groups_first.add(group[0])
+        first_of.update({layer: group[0] for layer in group})
     activation = {layer: _activation_name(controller, layer) for layer in profile.layers}
     snap = probing.RngSnapshot()  # timing dropout draws must not move the real streams
+    clock: dict = {}
     with torch.no_grad():
         for key, st in sites.items():
             layer, site = key
@@ -276,20 +294,73 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
             few = site == MLP_ACT_INPUT and any(n in FEWBIT_CODECS
                                                  for n in site_codec_names(controller, layer, site, x))
             dpower = derivative_power(xs, activation[layer]) if few else 1.0
+            copied = every_layer is not None and layer not in groups_first and site not in schema.MODEL_SITES
             for name in site_codec_names(controller, layer, site, x):
-                if codecs is not None and name not in codecs:
+                if codecs is not None and name not in codecs and key not in all_codecs_at:
+                    continue
+                ref = sites.get((first_of.get(layer, layer), site))
+                if copied and name not in every_layer and ref is not None and name in ref.options:
+                    st.options[name] = dataclasses.replace(ref.options[name])
                     continue
                 codec = _codec(name, activation[layer])
-                opt, enc = _option(codec, name, x, xs, st.side_bytes, power, dpower, timed, repeats)
-                st.options[name] = opt
-                if name == "outlier_int4" and enc is not None and x.shape:
+                st.options[name] = _option(codec, name, x, xs, st.side_bytes, power, dpower, timed, repeats,
+                                           clock)
+                if name == "outlier_int4" and x.shape:
                     st.outlier_rate = codec.count_outliers(x) / max(1, x.shape[-1])
             if timed:
-                st.forward_ms = _producer_ms(controller, layer, site, captured, attn_call, repeats)
+                st.forward_ms = _producer_ms(controller, layer, site, captured, attn_call, repeats, module_ms)
         if times_from is not None:
             _copy_times(profile, times_from)
     snap.restore()
     return profile
+
+
+def profile_from_samples(controller: ControlledModel, samples: dict, last: MeasuredProfile,
+                         codecs: Optional[Sequence[str]] = None,
+                         all_codecs_at: Collection[tuple[int, str]] = ()) -> Optional[MeasuredProfile]:
+    """The profile of a tracking iteration from its own training step, with no pass of its
+    own: `samples` are the step's site tensors (`llm_act.measurement.step_tap.StepTap`),
+    `last` the last profile of the same model, whose bytes and times it keeps (they depend
+    on the shapes alone). Each sampled site's codecs in `codecs` (default: those `last`
+    measured; every codec at the (layer, site) pairs of `all_codecs_at`) get their errors and the
+    outlier rate from the sample; the codec in force at
+    a per-channel site its error on the whole tensor (`SiteSample.whole`); everything else,
+    and every site the step did not hold (a site inside a block recomputed whole keeps none
+    until backward; masks), is carried from `last`. None where a sampled site's shape or
+    dtype differs from `last` (a new sequence length): a full `measure_profile` is due."""
+    sites: dict[tuple[int, str], SiteStats] = {}
+    for key, old in last.sites.items():
+        smp = samples.get(key)
+        if smp is None:
+            sites[key] = dataclasses.replace(old, options=dict(old.options))
+            continue
+        if smp.shape != old.shape or smp.dtype != old.dtype:
+            return None
+        layer, site = key
+        st = dataclasses.replace(old, options=dict(old.options))
+        xs = smp.sample
+        power = _power(xs)
+        act = _activation_name(controller, layer)
+        few = site == MLP_ACT_INPUT and any(n in FEWBIT_CODECS for n in old.options)
+        dpower = derivative_power(xs, act) if few else 1.0
+        whole = smp.whole
+        every = codecs is None or key in all_codecs_at
+        for name, opt in old.options.items():
+            if (not every and name not in codecs) or name == "regen":
+                continue
+            codec = _codec(name, act)
+            if whole is not None and whole[0] == name:
+                err = float(whole[1])
+                rel = err / (float(whole[2]) or 1.0)
+            elif getattr(codec, "axis", None) is not None:
+                continue  # a sample of the rows understates its error: the last whole figure stays
+            else:
+                err, rel = _errors(codec, name, xs, power, dpower)
+            st.options[name] = dataclasses.replace(opt, error=err, rel_error=rel)
+        if "outlier_int4" in old.options and xs.dim() > 0 and (every or "outlier_int4" in codecs):
+            st.outlier_rate = _codec("outlier_int4", act).count_outliers(xs) / max(1, xs.shape[-1])
+        sites[key] = st
+    return MeasuredProfile(sites, last.other_bytes, last.device, dict(last.no_recompute), dict(last.block_ms))
 
 
 def _same_shapes(old: Optional[MeasuredProfile], captured: dict) -> bool:
@@ -328,16 +399,6 @@ def _qkv_by_hook(controller: ControlledModel, layer: int, site: str) -> bool:
     return site in schema.QKV_SITES and isinstance(controller.module(layer, site), torch.nn.Module)
 
 
-#: megatron-core's core attention's forward: the names of its positional inputs
-_CORE_ARG_NAMES = ("query", "key", "value")
-
-
-def _core_arg(site: str) -> int:
-    """Which input of the core attention (its slot) holds `site` (the schema's "input" tag)."""
-    spec = schema.SITE_OF[site]
-    return next(t.arg for t in spec.tags if t.how == "input" and t.slot == spec.slot)
-
-
 def _qkv_hooks(controller: ControlledModel, sink: dict) -> list:
     """Forward pre-hooks that capture the core attention's q, k, v (after rotary; GQA K/V
     un-expanded) into `sink[(layer, ATTN_Q)]` etc. for the layers that plan those sites."""
@@ -348,11 +409,11 @@ def _qkv_hooks(controller: ControlledModel, sink: dict) -> list:
         if not planned:
             continue
         core = controller.module(layer, planned[0])
-        args_of = {site: _core_arg(site) for site in planned}
+        args_of = {site: input_arg(site) for site in planned}
 
         def pre(module, args, kwargs, layer=layer, args_of=args_of):
             for site, i in args_of.items():
-                x = args[i] if i < len(args) else kwargs.get(_CORE_ARG_NAMES[i])
+                x = args[i] if i < len(args) else kwargs.get(CORE_ARG_NAMES[i])
                 if torch.is_tensor(x) and x.requires_grad:
                     sink.setdefault((layer, site), x)
 
@@ -368,19 +429,46 @@ def _whole(profile: MeasuredProfile, layer: int) -> bool:
 def _block_timer(controller: ControlledModel, sink: dict[int, float]) -> list:
     """Forward hooks timing each layer's forward (synchronised on a GPU): the cost of
     recomputing it whole."""
-    handles = []
+    return _module_timer(dict(controller.layer_modules), sink)
+
+
+#: the layer submodules a producer's time is read from (`_producer_ms`): the schema's
+#: `made_by`, and the pieces of the special producers (the QKV projection, the core
+#: attention and the output projection)
+def _timed_paths() -> tuple[str, ...]:
+    paths = [s.made_by for s in schema.BLOCK if s.made_by]
+    paths += [schema.SITE_OF[ATTN_QKV_INPUT].slot, schema.SITE_OF[ATTN_Q].slot, schema.SITE_OF[ATTN_OUT].slot]
+    return tuple(dict.fromkeys(paths))
+
+
+def _producer_timer(controller: ControlledModel, sink: dict) -> list:
+    """Forward hooks timing, in the forward that runs anyway, every producer module of each
+    layer (`_timed_paths`): sink[(layer, path)] = ms of its first call."""
+    modules = {}
     for layer, tl in controller.layer_modules.items():
+        for path in _timed_paths():
+            module = _submodule(tl, path)
+            if module is not None:
+                modules[(layer, path)] = module
+    return _module_timer(modules, sink)
+
+
+def _module_timer(modules: dict, sink: dict) -> list:
+    """Forward pre/post hooks timing each of `modules` ({key: module}) on its first call
+    (synchronised on a GPU): sink[key] = ms."""
+    handles = []
+    for key, module in modules.items():
         start: list[float] = []
 
-        def pre(module, args, start=start):
-            _sync(module)
+        def pre(m, args, start=start):
+            _sync(m)
             start.append(time.perf_counter())
 
-        def post(module, args, out, start=start, layer=layer):
-            _sync(module)
-            sink.setdefault(layer, 1e3 * (time.perf_counter() - start.pop()))
+        def post(m, args, out, start=start, key=key):
+            _sync(m)
+            sink.setdefault(key, 1e3 * (time.perf_counter() - start.pop()))
 
-        handles += [tl.register_forward_pre_hook(pre), tl.register_forward_hook(post)]
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     return handles
 
 
@@ -446,13 +534,16 @@ def _attention_hooks(controller: ControlledModel, sink: dict[int, tuple]) -> lis
 
 
 def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: dict, attn_call: dict,
-                 repeats: int) -> Optional[float]:
-    """Forward time of the op that produces `site`, re-run on its captured input: the schema's
-    `made_by` submodule where it names one, else the special producers below."""
+                 repeats: int, module_ms: Optional[dict] = None) -> Optional[float]:
+    """Forward time of the op that produces `site`: the schema's `made_by` submodule where it
+    names one, else the special producers below; a module's time is its call in the capture
+    forward (`module_ms`, `_producer_timer`) where that was timed, else a re-run on its
+    captured input, as the elementwise pieces are (an activation, a dropout)."""
     tl = _layer_of(controller, layer)
     x_of = lambda s: captured.get((layer, s))  # noqa: E731
     dev = probing.device_of(controller)
     t = lambda fn: probing.time_ms(fn, dev, repeats)  # noqa: E731
+    timed = (module_ms or {}).get
     if site == CHECKPOINT_SITE:
         return None
     if site in schema.MASK_SITES:
@@ -462,6 +553,8 @@ def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: d
         return None
     spec = schema.SITE_OF.get(site)
     if spec is not None and spec.made_by:
+        if timed((layer, spec.made_by)) is not None:
+            return timed((layer, spec.made_by))
         producer, x = _submodule(tl, spec.made_by), x_of(spec.recomputed_from[0])
         return None if producer is None or x is None else t(lambda: producer(x))
     if site == MLP_FC2_INPUT and x_of(MLP_ACT_INPUT) is not None:
@@ -471,7 +564,10 @@ def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: d
     if site == LN2_INPUT and x_of(ATTN_OUT) is not None and x_of(CHECKPOINT_SITE) is not None:
         p = float(getattr(tl, "hidden_dropout", 0.0) or 0.0)
         res = x_of(CHECKPOINT_SITE)
-        proj = _submodule(tl, schema.SITE_OF[ATTN_OUT].slot)  # linear_proj, which attn.out enters
+        path = schema.SITE_OF[ATTN_OUT].slot  # linear_proj, which attn.out enters
+        proj = _submodule(tl, path)
+        if timed((layer, path)) is not None:
+            return timed((layer, path)) + t(lambda: torch.nn.functional.dropout(res, p, True) + res)
 
         def run():
             y, _ = proj(x_of(ATTN_OUT))
@@ -480,7 +576,10 @@ def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: d
         return t(run)
     if site == ATTN_OUT and x_of(ATTN_QKV_INPUT) is not None:
         call = attn_call.get(layer)
-        linear_qkv = _submodule(tl, schema.SITE_OF[ATTN_QKV_INPUT].slot)
+        qkv_path, core_path = schema.SITE_OF[ATTN_QKV_INPUT].slot, schema.SITE_OF[ATTN_Q].slot
+        if timed((layer, qkv_path)) is not None and (call is None or timed((layer, core_path)) is not None):
+            return timed((layer, qkv_path)) + (timed((layer, core_path)) or 0.0 if call is not None else 0.0)
+        linear_qkv = _submodule(tl, qkv_path)
         qkv = t(lambda: linear_qkv(x_of(ATTN_QKV_INPUT)))
         if call is None:
             return qkv

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Optional, Sequence
 
 import torch
 
@@ -149,6 +149,36 @@ class MeasuredProfile:
                 st.options.setdefault(name, opt)
             st.options = {n: st.options[n] for n in CODEC_NAMES if n in st.options}  # registry order
 
+    # ---- checkpoints ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for the controller's checkpoint: a resumed run carries the figures the
+        run carried, and re-plans as it would have)."""
+        return {
+            "sites": [{"layer": st.layer, "site": st.site, "shape": list(st.shape), "dtype": str(st.dtype),
+                       "keep_bytes": st.keep_bytes, "side_bytes": st.side_bytes, "forward_ms": st.forward_ms,
+                       "outlier_rate": st.outlier_rate,
+                       "options": {n: [o.nbytes, o.error, o.rel_error, o.encode_ms, o.decode_ms]
+                                   for n, o in st.options.items()}}
+                      for st in self.sites.values()],
+            "other_bytes": self.other_bytes, "device": self.device,
+            "no_recompute": {str(k): list(v) for k, v in self.no_recompute.items()},
+            "block_ms": {str(k): v for k, v in self.block_ms.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "MeasuredProfile":
+        sites = {}
+        for e in d["sites"]:
+            st = SiteStats(int(e["layer"]), e["site"], tuple(int(x) for x in e["shape"]),
+                           getattr(torch, e["dtype"].replace("torch.", "")), int(e["keep_bytes"]),
+                           int(e["side_bytes"]), {n: OptionStats(int(o[0]), *map(float, o[1:]))
+                                                  for n, o in e["options"].items()},
+                           e["forward_ms"], float(e["outlier_rate"]))
+            sites[(st.layer, st.site)] = st
+        return cls(sites, int(d["other_bytes"]), d.get("device", "cpu"),
+                   {int(k): tuple(v) for k, v in d.get("no_recompute", {}).items()},
+                   {int(k): float(v) for k, v in d.get("block_ms", {}).items()})
+
     # ---- statistics the controller tracks ----------------------------------------------
     def outlier_rates(self) -> dict[str, float]:
         """Mean share of outlier channels per site type (sites with an outlier_int4 option)."""
@@ -219,23 +249,25 @@ class MeasuredProfile:
                per_layer: bool = False, recompute: bool = False,
                candidates: Optional[Mapping[str, Sequence[str]]] = None,
                exclude: Sequence[str] = (), coherence: Optional[Mapping[str, float]] = None,
-               unbiased_only: bool = False) -> list[BlockProfile]:
+               unbiased_only: bool | Collection[str] = False) -> list[BlockProfile]:
         """`BlockProfile`s in layer order: one per group of identical layers (`count` = its
         size; bytes the mean over the group, rounded up, so totals are exact for the uniform
         plan a group gets), or one per layer with `per_layer`. `recompute`: offer
         "recompute" (the producer's measured forward time); `candidates`: site -> the codec
         names to offer (default: all measured); `exclude`: sites left out (fixed choices);
         `coherence`: site -> the factor a biased codec's noise is charged at (issue 28);
-        `unbiased_only`: offer no biased codec (`UNBIASED_CODECS` only)."""
+        `unbiased_only`: offer no biased codec (`UNBIASED_CODECS` only): True everywhere, or
+        at the sites named (those whose coherence is not measured yet)."""
         sens = dict(sensitivity or {})
         out = []
         for group, sites in self.units(per_layer, exclude):
             profiles = []
             for site in sites:
                 stats = [self.sites[(layer, site)] for layer in group]
+                unbiased = unbiased_only if isinstance(unbiased_only, bool) else site in unbiased_only
                 names = [n for n in stats[0].options
                          if (candidates is None or site not in candidates or n in candidates[site])
-                         and (not unbiased_only or n in UNBIASED_CODECS)]
+                         and (not unbiased or n in UNBIASED_CODECS)]
                 options = tuple(
                     CodecOption(
                         name,

@@ -50,6 +50,18 @@ def _add(terms: list[torch.Tensor]) -> torch.Tensor:
     return sum(t.sum() for t in terms).reshape(1)
 
 
+def first_rows(tree: Any, batch: int, rows: int) -> Any:
+    """`tree` (a forward's arguments) with every tensor whose leading dimension is the
+    batch (`batch` samples: token ids, position ids, labels, a per-sample mask) cut to its
+    first `rows` samples; other leaves unchanged (a broadcast [1, ...] mask, flags)."""
+    def cut(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+            return t.narrow(0, 0, rows)
+        return t
+
+    return pytree.tree_map(cut, tree)
+
+
 def unwrap(module: Any) -> Any:
     """The module inside its wrappers (DDP, megatron's Float16Module: `.module`)."""
     while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
@@ -74,19 +86,36 @@ class _Call:
     def complete(self) -> bool:
         return self.n_outputs > 0 and len(self.grads) > 0
 
-    def run(self) -> torch.Tensor:
-        """The linearised loss of this call, per sample (scaled so its mean is the sum)."""
+    @property
+    def rows(self) -> Optional[int]:
+        """The batch size of the recorded outputs (their gradients' size along the batch
+        dimension), None where they disagree or have no batch dimension."""
+        sizes = {g.shape[min(self.batch_dim, g.dim() - 1)] for g in self.grads.values() if g.dim() > 0}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def run(self, rows: Optional[int] = None) -> torch.Tensor:
+        """The linearised loss of this call, per sample (scaled so its mean is the sum);
+        `rows`: of the first `rows` samples alone (`first_rows`), each weighted as in the
+        whole batch."""
+        b = self.rows
+        cut = rows is not None and b is not None and rows < b
+        args, kwargs = (first_rows(self.args, b, rows), first_rows(self.kwargs, b, rows)) if cut \
+            else (self.args, self.kwargs)
         saved = [(m, m.input_tensor) for m, _ in self.inputs]
         try:
             for m, t in self.inputs:
-                m.input_tensor = t.detach()
-            outs = _loss_outputs(self.root(*self.args, **self.kwargs))
+                # a later pipeline stage's input: [s, b, h]
+                m.input_tensor = (t.narrow(1, 0, rows) if cut and t.dim() > 1 and t.shape[1] == b
+                                  else t).detach()
+            outs = _loss_outputs(self.root(*args, **kwargs))
         finally:
             for m, t in saved:
                 m.input_tensor = t
         terms = []
         for i, out in enumerate(outs):
             g = self.grads.get(i)
+            if g is not None and cut and g.dim() > 0:
+                g = g.narrow(min(self.batch_dim, g.dim() - 1), 0, rows)
             if g is None or g.shape != out.shape:
                 continue
             prod = out.float() * g.float()
@@ -107,8 +136,10 @@ class StepReplay:
     `due()` tells whether the forward about to run belongs to an iteration the schedule
     measures."""
 
-    def __init__(self, due: Callable[[], bool]):
+    def __init__(self, due: Callable[[], bool], on_record: Optional[Callable[[], None]] = None):
         self.due = due
+        self.on_record = on_record
+        """called when a step starts being recorded (its first root forward of the iteration)"""
         self.roots: list[torch.nn.Module] = []
         self.handles: list[Any] = []
         self.calls: dict[int, _Call] = {}
@@ -140,6 +171,8 @@ class StepReplay:
         if id(module) in self.calls or not self.due():
             return
         self.calls[id(module)] = _Call(module, args, dict(kwargs))
+        if self.on_record is not None:
+            self.on_record()
 
     def _post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         call = self.calls.get(id(module))
@@ -150,17 +183,25 @@ class StepReplay:
         for i, t in enumerate(outs):
             t.register_hook(lambda g, i=i, call=call: call.grads.setdefault(i, g.detach()))
 
-    def probe(self) -> Optional[Callable[[], torch.Tensor]]:
+    def probe(self, rows: Optional[int] = None) -> Optional[Callable[[], torch.Tensor]]:
         """The measuring closure over the recorded step, or None when none was recorded
-        completely (no training forward ran, or its backward never reached the output)."""
+        completely (no training forward ran, or its backward never reached the output);
+        `rows`: over the first `rows` samples of the batch alone (`batch_rows`), each
+        weighted as in the whole batch: a measurement costs that share of a pass."""
         calls = [c for c in self.calls.values() if c.complete]
         if not calls:
             return None
 
         def forward() -> torch.Tensor:
-            return _add([c.run() for c in calls])
+            return _add([c.run(rows) for c in calls])
 
         return forward
+
+    def batch_rows(self) -> Optional[int]:
+        """The samples of the recorded batch (every root's outputs agree), None where they
+        cannot be told or the roots disagree: a closure over fewer rows is then not offered."""
+        sizes = {c.rows for c in self.calls.values() if c.complete}
+        return sizes.pop() if len(sizes) == 1 and None not in sizes else None
 
     def clear(self) -> None:
         """Drop the recorded step (its inputs and gradients) after the boundary."""

@@ -193,7 +193,10 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
                         sites: Optional[Sequence[str]] = None, seed: int = 0,
                         sampling: bool = True, groups: Optional[Sequence[str]] = None,
                         biased: Optional[dict[str, str]] = None, tap: bool = True,
-                        head: Optional[torch.nn.Module] = None) -> Sensitivity:
+                        head: Optional[torch.nn.Module] = None, signed: bool = False,
+                        rows: Optional[tuple[int, int]] = None,
+                        tapped_from: Optional[linear_tap.LinearTap] = None,
+                        sampling_from: Optional[tuple[float, dict[str, float]]] = None) -> Sensitivity:
     """c_i for each site type in `sites` (default: all that carry noise) on the batch
     `forward()` runs (see the module docstring): one exact pass, which also gives c of every
     linear's input (`llm_act.measurement.linear_tap`), and one probe pass per other site type.
@@ -210,30 +213,54 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
     gives more. Sites whose c is not measured here are skipped; every rank runs the same
     passes. `tap=False` probes the linears' inputs too (to check the tap against the probe).
     `head`: the model's output layer: every pass after the exact one starts its backward
-    below it (`llm_act.measurement.head_cut`; the same gradients, without the head's cost)."""
+    below it (`llm_act.measurement.head_cut`; the same gradients, without the head's cost).
+    `signed`: every pass backpropagates the difference of the batch's two halves' mean
+    losses (`signed_loss`) instead of their mean: the exact pass's gradient is then
+    g_a - g_b, whose ||.||^2 / 4 is the sampling noise, so no pass of its own is run for it;
+    a probe's error enters with the sign of its row, which leaves E||g - g0||^2 unchanged
+    for errors independent across rows (four times the unsigned one's: `SIGNED_GAIN`), and
+    a linear's c the same. A biased codec's coherence (errors alike across rows, which the
+    signs would cancel) needs the plain passes: `biased` is refused with `signed`.
+    `rows`: (the rows `forward()` runs, the rows of the whole batch), where the closure runs
+    the first rows of the batch alone (`StepReplay.probe(rows=...)`): every figure is
+    scaled to the whole batch (`scale_rows`).
+    `tapped_from`: a `LinearTap` that recorded the training step itself (`StepTap`): the
+    linears' inputs take their c from it, the step's own backward over the whole batch, and
+    the passes tap nothing.
+    `sampling_from`: (the sampling noise, per group) a measurement without sampling uses
+    for the worst group's c (an earlier one's: a round of plain passes has none)."""
     params = probing.params_of(params)
     if not params:
         raise ValueError("params: no trainable parameter given")
     if groups is not None and len(groups) != len(params):
         raise ValueError(f"groups: expected one name per parameter ({len(params)}), got {len(groups)}")
+    if signed and biased:
+        raise ValueError("biased: a coherence needs the unsigned passes (signed=False)")
     sites = list(sensitive_sites(controller) if sites is None else sites)
     tapped = [site for site in sites if tap and linear_tap.exact_for(controller, site)]
-    out = Sensitivity(tapped=tuple(tapped))
+    stepped = [site for site in tapped if tapped_from is not None and site in tapped_from.sites
+               and site not in (biased or {})]
+    tapped = [site for site in tapped if site not in stepped]
+    out = Sensitivity(tapped=tuple(tapped + stepped))
     per_group: dict[str, dict[str, float]] = {}
     with probing.isolated(controller, params) as snap, torch.enable_grad():
         tap = linear_tap.LinearTap(controller, tapped, params, PROBE_CODEC, groups, biased=biased, seed=seed)
-        passes = HeadCut(head, params, batch_loss, per_row_losses)
+        loss_of = signed_loss if signed else batch_loss
+        passes = HeadCut(head, params, loss_of, per_row_losses)
         probing.install(controller, {})
         snap.restore()
         with tap:
-            exact = passes.exact(forward, halves=sampling)
+            exact = passes.exact(forward, halves=sampling and not signed)
+        gain = SIGNED_GAIN if signed and passes.signed_rows else 1.0
+        if signed and not passes.signed_rows:
+            sampling = False  # a batch of one: nothing to sign, the plain mean was used
         c, s_sum, by_group = tap.results()
         for site in tapped:
-            out.c[site], out.probe_s[site] = c[site], s_sum[site]
+            out.c[site], out.probe_s[site] = c[site] / gain, s_sum[site]
             out.diff_sq[site] = c[site] * s_sum[site]
-            per_group[site] = by_group[site]
+            per_group[site] = {g: v / gain for g, v in by_group[site].items()}
         for site in sites:
-            if site in out.c:
+            if site in out.c or site in stepped:
                 continue
             record: list[float] = []
             probes = {
@@ -246,16 +273,21 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
             d2, total_s = probing.sq_distance(grad, exact), sum(record)
             out.diff_sq[site] = d2
             out.probe_s[site] = total_s
-            out.c[site] = d2 / total_s if total_s > 0 else 0.0
+            out.c[site] = d2 / (gain * total_s) if total_s > 0 else 0.0
             if groups is not None and total_s > 0:
-                per_group[site] = {g: v / total_s for g, v in probing.sq_by_group(grad, exact, groups).items()}
+                per_group[site] = {g: v / (gain * total_s)
+                                   for g, v in probing.sq_by_group(grad, exact, groups).items()}
             del grad
         # every rank runs the same passes (the forwards hold collectives): no filter on local values
         out.coherence = tap.coherence(out.c)
         todo = {site: name for site, name in (biased or {}).items() if site in out.c and site not in tapped}
         if todo:
             out.coherence.update(_coherence(controller, forward, passes, snap, todo, out.c, seed, exact))
-        if sampling:
+        if sampling and signed:  # the exact pass's gradient is g_a - g_b
+            out.sampling_noise = probing.sq_distance(exact, [torch.zeros_like(g) for g in exact]) / 4.0
+            if groups is not None:
+                out.sampling_by_group = {g: v / 4.0 for g, v in probing.sq_by_group(exact, None, groups).items()}
+        elif sampling:
             probing.install(controller, {})
             snap.restore()
             halves = passes.half(forward, exact, lambda: sampling_halves(forward, params, snap, exact))
@@ -264,11 +296,49 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
                 if groups is not None:
                     by_half = probing.sq_by_group(halves[0], halves[1], groups)
                     out.sampling_by_group = {g: v / 4.0 for g, v in by_half.items()}
+    if rows is not None:
+        scale_rows(out, per_group, *rows)
+    if stepped:  # the training step's own figures: the whole batch, unsigned
+        c, s_sum, by_group = tapped_from.results()
+        for site in stepped:
+            out.c[site], out.probe_s[site] = c[site], s_sum[site]
+            out.diff_sq[site] = c[site] * s_sum[site]
+            per_group[site] = dict(by_group[site])
     out.c_whole = dict(out.c)
-    if per_group and out.sampling_noise:
-        out.c = {site: worst_group(per_group.get(site), out.sampling_by_group, out.sampling_noise, c)
-                 for site, c in out.c.items()}
+    samp, samp_groups = ((out.sampling_noise, out.sampling_by_group) if out.sampling_noise
+                         else sampling_from or (None, {}))
+    if per_group and samp:
+        out.c = {site: worst_group(per_group.get(site), samp_groups, samp, c) for site, c in out.c.items()}
     return out
+
+
+#: E||g_probe - g_exact||^2 of the signed passes (`signed_loss`) over the unsigned ones'
+#: (`batch_loss`), for errors independent across rows: each half's mean enters whole, where
+#: the plain mean takes half of each (2^2), and the halves' errors add independently
+SIGNED_GAIN = 4.0
+
+
+def scale_rows(out: Sensitivity, per_group: dict[str, dict[str, float]], measured: int, whole: int) -> None:
+    """Scale the figures of a measurement on the first `measured` of `whole` rows to the
+    whole batch. The replay weights every row as in the whole batch, so the gradient is
+    the sum of the measured rows' shares: its error from independent row errors, and its
+    sampling variance, grow with the rows (x whole / measured). A biased codec's
+    coherence also grows with the rows its error is alike across; the measurement cannot
+    tell rows from tokens there, so it is extrapolated as if all of kappa's excess over 1
+    came from pairs of rows (the largest it can be): 1 + (kappa - 1) (whole - 1) / (measured - 1)."""
+    if measured >= whole or measured < 1:
+        return
+    f = whole / measured
+    out.c = {k: v * f for k, v in out.c.items()}
+    out.diff_sq = {k: v * f for k, v in out.diff_sq.items()}
+    for site, groups in per_group.items():
+        per_group[site] = {g: v * f for g, v in groups.items()}
+    if out.sampling_noise is not None:
+        out.sampling_noise *= f
+    out.sampling_by_group = {g: v * f for g, v in out.sampling_by_group.items()}
+    if measured > 1:
+        out.coherence = {k: (1.0 + (v - 1.0) * (whole - 1) / (measured - 1)) if v > 1.0 else v
+                         for k, v in out.coherence.items()}
 
 
 def _coherence(controller: ControlledModel, forward: Callable[[], Any], passes: HeadCut,
@@ -317,6 +387,17 @@ def per_row_losses(out: Any) -> Optional[torch.Tensor]:
     if not isinstance(loss, torch.Tensor) or loss.dim() == 0 or loss.shape[0] < 2:
         return None
     return loss.float().reshape(loss.shape[0], -1).mean(dim=1)
+
+
+def signed_loss(out: Any) -> torch.Tensor:
+    """The mean loss of the batch's first half minus that of its second (`sampling_halves`'
+    halves): its gradient is g_a - g_b (see `measure_sensitivity`'s `signed`); the plain
+    `batch_loss` for a batch of one."""
+    per = per_row_losses(out)
+    if per is None:
+        return probing.scalar_loss(out)
+    half = per.shape[0] // 2
+    return per[:half].mean() - per[half:2 * half].mean()
 
 
 def batch_loss(out: Any) -> torch.Tensor:

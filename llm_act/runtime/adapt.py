@@ -7,11 +7,13 @@ iterations apart, at most `ActConfig.adapt_interval_max`. At each one the `Adapt
 0. takes the current batch from the probe given (`controller.step(probe=...)`,
    `set_probe`) or, in every door without one, from the training step the controller's
    hooks recorded (`llm_act.measurement.replay`: the same forward, its loss linearised at the output);
-1. re-measures the sites, and every other time the sensitivities and the sampling noise
-   (`llm_act.runtime.measuring`), reduced over the ranks (`llm_act.runtime.agreement`);
+1. re-measures the sites (from the tracking iteration's own training step, `StepTap`, after
+   the first point) and runs one round of measuring passes for the sensitivities and the
+   sampling noise (`llm_act.runtime.measuring`), reduced over the ranks
+   (`llm_act.runtime.agreement`);
 2. solves the MILP on one rank per pipeline stage under the budget and the noise budget and
-   broadcasts the decision (`llm_act.runtime.solving`); every rank switches at this step
-   boundary;
+   broadcasts the decision (`llm_act.runtime.solving`; the plan in force stays where it is
+   as good within the time resolution); every rank switches at this step boundary;
 3. warns when the plan's predicted noise dominates the sampling noise.
 
 Independently of the plan mode, every `ActConfig.fidelity_every` iterations (or on
@@ -43,9 +45,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from llm_act.codecs.registry import KEEP
+from llm_act.measurement import fidelity
 from llm_act.measurement.fidelity import FidelityReport
+from llm_act.measurement.measured_profile import MeasuredProfile
 from llm_act.measurement.replay import StepReplay
 from llm_act.measurement.sensitivity import check_noise
+from llm_act.measurement.step_tap import StepTap
 from llm_act.runtime import agreement, measuring, memory, output_choice, schedule, solving
 from llm_act.runtime.budget_check import BudgetTooSmall, check_user_budget, FirstForward
 from llm_act.runtime.logs import speaks_for_stage
@@ -103,7 +108,7 @@ class Adapter:
         self.sampling_noise: Optional[float] = None
         self.budget: Optional[int] = None
         self.times: Optional[dict] = None
-        self.profile = None  # the last MeasuredProfile (not checkpointed)
+        self.profile = None  # the last MeasuredProfile (checkpointed as plain data)
         self.solution = None  # the last planner answer (not checkpointed)
         self.noise_ratio: Optional[float] = None
         self.solver_failures = 0
@@ -121,7 +126,7 @@ class Adapter:
         """tracking points of this run (a resumed run refuses a new budget as a fresh one does)"""
         self.first = FirstForward(self)
         """the first forward's measurement, from hooks on the model (no probe needed)"""
-        self.replay = StepReplay(lambda: self.measure_due() or self.fidelity_due())
+        self.replay = StepReplay(lambda: self.measure_due() or self.fidelity_due(), on_record=self._tap_step)
         """the training step recorded for measuring where no probe is given"""
         self.measure_seconds = 0.0
         """wall time spent measuring and planning at tracking points (this run)"""
@@ -131,10 +136,16 @@ class Adapter:
         ("profile", "sensitivity", "solve": agreement and planner, "total")"""
         self.report_costs: list[dict[str, float]] = []
         """per gradient-fidelity report of this run: its iteration and seconds ("total")"""
-        self.sens_next = 0
-        """where the rotation of sparsely sampled sensitivity sites continues"""
         self.sampling_recent: list[float] = []
         """the last SENS_WINDOW measurements of the mini-batch sampling noise"""
+        self.sampling_groups_recent: list[dict[str, float]] = []
+        """the same per parameter group"""
+        self.last_round: Optional[dict[str, Any]] = None
+        """what the last tracking point's round of measuring passes measured
+        (`measuring.next_round`: kind, sites, biased codecs, rows)"""
+        self.step_tap: Optional[StepTap] = None
+        """the tracking iteration's own training step, measured (`StepTap`): installed on its
+        first recorded forward, removed at the step boundary"""
         self.fidelity: list[Any] = []
         """the last `fidelity.HISTORY` gradient-fidelity reports (`FidelityReport`)"""
         self.fidelity_requested = False
@@ -181,6 +192,19 @@ class Adapter:
             self._after_iteration(probe)
         finally:
             self.replay.clear()
+            if self.step_tap is not None:
+                self.step_tap.remove()
+                self.step_tap = None
+
+    def _tap_step(self) -> None:
+        """The recorded step's first forward of a tracking iteration: measure the training
+        step itself (`StepTap`: the sites' samples, the linears' c) until the boundary."""
+        if self.step_tap is not None or not self.measure_due():
+            return
+        named = measuring.named_params(self)
+        tapped, _ = measuring.split_sites(self)
+        self.step_tap = StepTap(self.controller, tapped, [p for _, p in named],
+                                [fidelity.group_name(n) for n, _ in named]).install()
 
     def _after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
         it = self.controller.iteration
@@ -263,6 +287,7 @@ class Adapter:
             reset = bool(agreement.reduce_dict({"r": float(reset)}, "max", g.world)["r"])
         in_force = c.pending_plan or c.plan
         if self.sensitivity and self.sampling_noise is not None:
+            # measured figures only: a stand-in c (the largest measured) would warn of a guess
             self.noise_ratio = check_noise(profile.noise(in_force, self.sensitivity, self.coherence),
                                            self.sampling_noise,
                                            where=f" (iteration {it})")
@@ -392,7 +417,9 @@ class Adapter:
             "coherence_codecs": dict(self.coherence_codecs),
             "sampling_noise": self.sampling_noise,
             "budget": self.budget, "times": self.times, "solver_failures": self.solver_failures,
-            "sens_next": self.sens_next, "sampling_recent": list(self.sampling_recent),
+            "profile": None if self.profile is None else self.profile.to_dict(),
+            "sampling_recent": list(self.sampling_recent),
+            "sampling_groups_recent": [dict(m) for m in self.sampling_groups_recent],
             "fidelity": [r.to_dict() for r in self.fidelity], "fidelity_next": self.fidelity_next,
         }
 
@@ -412,9 +439,9 @@ class Adapter:
         self.sampling_noise = state["sampling_noise"]
         self.budget = state["budget"]
         self.times = state["times"]
+        self.profile = MeasuredProfile.from_dict(state["profile"]) if state.get("profile") else None
         self.solver_failures = int(state.get("solver_failures", 0))
-        self.sens_next = int(state.get("sens_next", 0))
         self.sampling_recent = [float(v) for v in state.get("sampling_recent", [])]
-
+        self.sampling_groups_recent = [dict(m) for m in state.get("sampling_groups_recent", [])]
         self.fidelity = [FidelityReport.from_dict(r) for r in state.get("fidelity", [])]
         self.fidelity_next = int(state.get("fidelity_next", 0))

@@ -1,17 +1,28 @@
 """What plan "auto" measures at a tracking point, and the statistics it keeps of it.
 
 One job: the measurements of the `Adapter` (`llm_act.runtime.adapt`) and their bookkeeping.
-At a tracking point the sites are measured again on the current batch (`measure_profile`:
-bytes with the real outlier counts, compression ratios, errors; the op times only at the
-first tracking, they do not drift with the data), and every other time GACT's sensitivities,
-the coherence of biased codecs and the mini-batch sampling noise (`measure_sensitivity`),
-each reduced over the ranks (`llm_act.runtime.agreement`). The planner takes the median of
-the last `SENS_WINDOW` measurements of each figure: a two-draw estimate can be off by 10x on
-a small batch, and one wild draw must not move the plan (a probed type's as a share of the
-linears' c, which every point measures: `scaled_medians`). To keep a point cheap, every codec
-is measured on every site only every `FULL_PROFILE_EVERY` points and the sensitivities of
-`SENS_SITES_PER_TRACK` site types in rotation. The gradient-fidelity report
-(`llm_act.measurement.fidelity`) is measured here too.
+A tracking point costs about a training step (issue 27: at most 1.5, and 2% of a run):
+
+- the profile (`track_profile`): at the first point, and where the shapes change, a full
+  one (`measure_profile`: a keep and a capture forward, every codec's bytes and errors,
+  each codec and producer timed once at the run's shapes, kept with the profile); at every
+  later point it is rebuilt from the tracking iteration's own training step
+  (`llm_act.measurement.step_tap.StepTap`: a sample of every site's tensor, whatever the
+  plan stores there), with no pass of its own (`profile_from_samples`);
+- one round of measuring passes (`track_sensitivity`, `next_round`): the exact pass, whose
+  halves' difference gives the mini-batch sampling noise, and one probed site type, or a
+  plain round for a biased codec's coherence. A linear's input takes its c from the
+  tracking iteration's own backward. Where the adapter measures from the training step
+  (no probe given), the passes replay the first rows of the step's batch, as many as fit
+  `ROW_PASSES` passes over the whole batch (`round_rows`), and scale to the whole batch.
+
+Every figure is reduced over the ranks (`llm_act.runtime.agreement`). The planner takes the
+median of the last `SENS_WINDOW` measurements of each figure: a two-draw estimate can be off
+by 10x on a small batch, and one wild draw must not move the plan (a probed type's as a share
+of the linears' c, which every point measures: `scaled_medians`). What is not measured yet is
+charged a stand-in (`planner_c`; a biased codec is not offered where its coherence is not
+measured), and the rounds go first to what the plan in force depends on. The gradient-fidelity report (`llm_act.measurement.fidelity`) is
+measured here too.
 
 The functions take the `Adapter` and read and update its state (`profile`, `times`,
 `c_recent`, `sensitivity`, ...): that state is checkpointed with it.
@@ -24,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE, UNBIASED_CODECS
 from llm_act.measurement import fidelity, head_cut, linear_tap
-from llm_act.measurement.measure import measure_profile
+from llm_act.measurement.measure import measure_profile, profile_from_samples
 from llm_act.measurement.sensitivity import measure_sensitivity, sensitive_sites
 from llm_act.runtime import agreement
 from llm_act.sites import DEFAULT_CODECS, MLP_ACT_INPUT
@@ -36,14 +47,13 @@ log = logging.getLogger("llm_act.runtime.controller")  # the adapter speaks as i
 #: the planner uses the median of the last this many sensitivity measurements (a two-draw
 #: estimate can be off by 10x on a small batch; one wild draw must not move the plan)
 SENS_WINDOW = 3
-#: every this many tracking points every codec is measured again on every site; in between,
-#: only the codecs whose bytes depend on the data (outlier channels) and those in force
-#: (their errors feed the noise check), the others' figures carried over
+#: every codec's errors are measured again at every site once every this many tracking
+#: points, a share of the sites at each (`track_profile`); the codecs in force and
+#: outlier_int4 (its outlier rate is watched) at every site at every point
 FULL_PROFILE_EVERY = 4
-#: after the first measurement of every site type, this many probed types are measured
-#: again at each sensitivity point, in rotation (each costs a pass; between measurements a
-#: probed type's c follows the tapped sites' scale, `scaled_medians`)
-SENS_SITES_PER_TRACK = 1
+#: timed runs (after one warm-up) of each codec and producer at the first tracking point:
+#: times are taken once per run and kept (`MeasuredProfile.times`)
+TIMING_REPEATS = 2
 
 
 def median(values: list[float]) -> float:
@@ -83,11 +93,26 @@ def track_profile(a: "Adapter", probe: Callable[[], Any], g: Any) -> tuple[Any, 
     in force stores lossily (at a kept or recomputed site they change neither the bytes nor
     the noise; the next solve sees them in the profile anyway), and the channels."""
     c = a.controller
-    refresh = a.profile is None or a.track_count % FULL_PROFILE_EVERY == 0
-    fresh = None if refresh else sorted(data_codecs(a))
-    profile = measure_profile(c, probe, times_from=a.times, codecs=fresh, keep_from=a.profile)
-    if not refresh:
-        profile.carry_options(a.profile)
+    fresh = sorted(data_codecs(a))
+    # every codec at a share of the sites in turn: each (layer, site) every FULL_PROFILE_EVERY points
+    pairs = [(layer, site) for layer in c.layers for site in c.sites(layer)]
+    turn = {key for i, key in enumerate(pairs) if i % FULL_PROFILE_EVERY == a.track_count % FULL_PROFILE_EVERY}
+    profile = None
+    if a.profile is not None and a.step_tap is not None and a.step_tap.samples:
+        # from the tracking iteration's own step: no pass (None: the shapes moved)
+        profile = profile_from_samples(c, a.step_tap.samples, a.profile, codecs=fresh, all_codecs_at=turn)
+    if profile is None and a.profile is not None:  # a probe given: its capture pass
+        profile = measure_profile(c, probe, times_from=a.times, codecs=fresh, keep_from=a.profile,
+                                  all_codecs_at=turn, repeats=TIMING_REPEATS)
+        if _same_sites(profile, a.profile):
+            profile.carry_options(a.profile)
+        else:
+            profile = None
+    if profile is None:
+        # the first point (or new shapes): every codec on the first layer of each group of
+        # identical layers, those of the plan on every layer
+        profile = measure_profile(c, probe, times_from=a.times, keep_from=a.profile, every_layer=fresh,
+                                  repeats=TIMING_REPEATS)
     profile = agreement.agree_profile(profile, g)
     if a.times is None:
         a.times = profile.times()
@@ -95,6 +120,12 @@ def track_profile(a: "Adapter", probe: Callable[[], Any], g: Any) -> tuple[Any, 
     stats = {"outlier": {site: rate for site, rate in profile.outlier_rates().items() if site in lossy},
              "channels": {site: st.shape[-1] for (_, site), st in profile.sites.items() if st.shape}}
     return profile, stats
+
+
+def _same_sites(new: Any, old: Any) -> bool:
+    """Whether two profiles hold the same sites at the same shapes (figures carry over)."""
+    return set(new.sites) == set(old.sites) and all(
+        new.sites[k].shape == old.sites[k].shape and new.sites[k].dtype == old.sites[k].dtype for k in new.sites)
 
 
 def data_codecs(a: "Adapter") -> set[str]:
@@ -107,38 +138,173 @@ def data_codecs(a: "Adapter") -> set[str]:
 # ---- the sensitivities ---------------------------------------------------------------------
 def track_sensitivity(a: "Adapter", probe: Callable[[], Any], profile: Any, stats: dict[str, dict],
                       g: Any) -> None:
-    """Every other tracking point (with `ActConfig.sensitivity`): measure the sensitivities,
-    coherences and sampling noise, keep their window medians on `a`, and add the sensitivities
-    and each site's share of the predicted noise to `stats`."""
-    if not (a.config.sensitivity and a.track_count % 2 == 0):
+    """At every tracking point (with `ActConfig.sensitivity`): one round of measuring passes
+    (`next_round`), whose figures join the window medians kept on `a`; add the measured
+    sensitivities and each site's share of the predicted noise to `stats`. Every linear's
+    input takes its c from the tracking iteration's own backward (`StepTap`) where the step
+    was recorded, else from the round's exact pass."""
+    if not a.config.sensitivity:
         return
     c = a.controller
     named = named_params(a)
     tapped, probed = split_sites(a)
-    sites = sensitivity_sites(a, tapped, probed)
-    biased = coherence_due(a, coherence_codecs(a, sites), tapped)
-    sens = measure_sensitivity(c, probe, [p for _, p in named], seed=a.config.seed + c.iteration,
-                               sites=sites, groups=[fidelity.group_name(n) for n, _ in named],
-                               biased=biased, head=head_cut.head_of(a.replay.roots))
+    first = a.track_count == 0
+    budget = FIRST_ROW_PASSES if first else ROW_PASSES
+    # the first point also takes the full profile: its round is the exact pass alone
+    kind, sites, biased = (next_round(a, tapped, probed, capacity(a, budget)) if not first
+                           else (SIGNED, [], {}))
+    step = a.step_tap.linear if a.step_tap is not None and a.step_tap.linear.c_l else None
+    passes = (1 + len(sites) if kind == SIGNED else 1 + 2 * len(sites))
+    forward, rows = round_forward(a, probe, passes, budget)
+    samp_groups = window_medians(a.sampling_groups_recent)
+    sens = measure_sensitivity(c, forward, [p for _, p in named], seed=a.config.seed + c.iteration,
+                               sites=tapped + sites, groups=[fidelity.group_name(n) for n, _ in named],
+                               biased=biased or None, head=head_cut.head_of(a.replay.roots),
+                               signed=kind == SIGNED, sampling=kind == SIGNED, rows=rows, tapped_from=step,
+                               sampling_from=(a.sampling_noise, samp_groups) if a.sampling_noise else None)
     world = g.world if g else None
-    fresh = agreement.reduce_dict(sens.c, "mean", world)
-    rounds = sens_rounds(probed)
-    a.c_recent = (a.c_recent + [fresh])[-SENS_WINDOW * rounds:]
+    # a plain round's probed c stays out of the windows: in bf16 a probe's gradient
+    # difference carries a floor of re-rounded intermediates that the signed and the plain
+    # passes see differently (2-3x on the bench GPT), and a window mixing them would move
+    # for nothing; a linear's c is analytic (`linear_tap`), the same in both
+    measured = {site: v for site, v in sens.c.items() if kind == SIGNED or site in tapped}
+    fresh = agreement.reduce_dict(measured, "mean", world)
+    if fresh:
+        a.c_recent = (a.c_recent + [fresh])[-SENS_WINDOW * sens_rounds(probed):]
     a.sensitivity = scaled_medians(a.c_recent, tapped)
-    if charges_biased(a):
-        kappa = agreement.reduce_dict(sens.coherence, "mean", world)
-        a.coherence_codecs.update({site: name for site, name in (biased or {}).items() if site in kappa})
-        a.coherence_recent = (a.coherence_recent + [kappa])[-SENS_WINDOW * rounds:]
+    if a.coherence_recent or biased:
+        # a site whose c is 0 has no noise to charge: its kappa cannot be measured, and is 1
+        kappa = agreement.reduce_dict({**{site: 1.0 for site in biased}, **sens.coherence}, "mean", world)
+        a.coherence_codecs.update({site: name for site, name in biased.items() if site in kappa})
+        a.coherence_recent = (a.coherence_recent + [kappa])[-SENS_WINDOW * len(sensitive_sites(c)):]
         a.coherence = window_medians(a.coherence_recent)
     sn = agreement.reduce_dict({} if sens.sampling_noise is None else {"s": sens.sampling_noise},
                                "mean", world)
     if "s" in sn:  # one micro-batch's halves: a rough estimate, hence the median
         a.sampling_recent = (a.sampling_recent + [sn["s"]])[-SENS_WINDOW:]
+        groups = agreement.reduce_dict(sens.sampling_by_group, "mean", world)
+        a.sampling_groups_recent = (a.sampling_groups_recent + [groups])[-SENS_WINDOW:]
     a.sampling_noise = median(a.sampling_recent) if a.sampling_recent else None
+    a.last_round = {"kind": kind, "sites": list(sites), "biased": dict(biased), "rows": rows}
     stats["c"] = plan_relevant_c(a.sensitivity, a.sampling_noise, a.config.variance_budget)
-    by_site = profile.noise_by_site(c.plan, a.sensitivity, a.coherence)
+    stats["relative"] = a.config.variance_budget is None
+    by_site = profile.noise_by_site(c.plan, planner_c(a), a.coherence)
     total = sum(by_site.values())
     stats["share"] = {s: v / total for s, v in by_site.items()} if total > 0 else {}
+
+
+#: a round whose passes backpropagate the halves' difference (`measure_sensitivity`'s
+#: `signed`): its exact pass gives the sampling noise, its probes the probed types' c
+SIGNED = "signed"
+#: a round of plain passes (the halves' mean): a biased codec's coherence
+PLAIN = "plain"
+#: probed site types (or coherences) one round measures once every type is measured (the
+#: rotation; more rows per type); a round catching up on types never measured takes as
+#: many as fit its rows' budget at `MIN_ROWS` rows (`capacity`)
+ITEMS_PER_ROUND = 1
+#: the fewest rows a round replays (the halves of a signed pass)
+MIN_ROWS = 2
+#: a round's passes take at most this many passes' worth of the recorded batch's rows (a
+#: pass over the whole batch costs about a training step's forward and backward)
+ROW_PASSES = 1.0
+#: the first tracking point also takes the full profile (a keep and a capture forward,
+#: every codec timed): its round, the exact pass alone, gets a quarter
+FIRST_ROW_PASSES = 0.25
+
+
+def round_rows(batch: Optional[int], passes: int, budget: float) -> Optional[int]:
+    """The rows of a recorded batch of `batch` samples that a round of `passes` passes runs:
+    the largest even number with passes x rows <= budget x batch, at least 2; None for the
+    whole batch (a batch of two or fewer, or one whose rows cannot be told)."""
+    if batch is None or batch <= 2:
+        return None
+    rows = int(budget * batch / max(1, passes)) // 2 * 2
+    rows = max(2, rows)
+    return None if rows >= batch else rows
+
+
+def round_forward(a: "Adapter", probe: Callable[[], Any], passes: int, budget: float
+                  ) -> tuple[Callable[[], Any], Optional[tuple[int, int]]]:
+    """(the closure `passes` passes measure with, (its rows, the batch's rows) or None): the
+    recorded step on its first `round_rows` rows for the row `budget` where the adapter
+    measures from the training step (a probe given by the loop runs whole)."""
+    replayed = a.controller._probe is None and a.controller._step_probe is None
+    batch = a.replay.batch_rows() if replayed and a.replay.calls else None
+    rows = round_rows(batch, passes, budget)
+    if rows is None:
+        return probe, None
+    return a.replay.probe(rows=rows), (rows, batch)
+
+
+def capacity(a: "Adapter", budget: float) -> int:
+    """Probed types a signed round catching up may take: those whose passes fit the row
+    `budget` at `MIN_ROWS` rows each, beside the exact pass (1 where the rows cannot be cut:
+    a probe given by the loop, a batch of two)."""
+    replayed = a.controller._probe is None and a.controller._step_probe is None
+    batch = a.replay.batch_rows() if replayed and a.replay.calls else None
+    if batch is None or batch <= MIN_ROWS:
+        return ITEMS_PER_ROUND
+    return max(ITEMS_PER_ROUND, int(budget * batch / MIN_ROWS) - 1)
+
+
+def next_round(a: "Adapter", tapped: list[str], probed: list[str],
+               catch_up: int = ITEMS_PER_ROUND) -> tuple[str, list[str], dict[str, str]]:
+    """(kind, probed site types, site -> biased codec) of this point's round, the first of:
+
+    1. a probed type never measured that the plan in force stores lossily (its c is a
+       stand-in until then: `planner_c`), where no coherence is due;
+    2. the coherences of the linears' inputs not measured yet, all at once (the exact pass
+       of a plain round gives them, `linear_tap`): until a site's coherence is measured
+       the planner offers no biased codec there (`solving.unbiased_sites`);
+    3. a probed site's coherence not measured yet, those the plan stores lossily first
+       (a plain round: the exact pass, the site's c and its biased codec's pass);
+    4. a probed type never measured (those stored lossily first);
+    5. the probed type measured longest ago (GACT's c is stable along training; between its
+       measurements a probed type's c follows the linears', `scaled_medians`).
+
+    Plain rounds (2, 3) and signed ones (1, 4, 5, which also give the sampling noise: it
+    falls fast early in training) take turns while both have work. A signed round that
+    catches up on types never measured takes up to `catch_up` of them (`capacity`)."""
+    c = a.controller
+    measured = {site for m in a.c_recent for site in m}
+    lossy = set(fidelity.lossy_sites(c.plan, c.sites))
+    never = sorted((site for site in probed if site not in measured), key=lambda s: s not in lossy)
+    first = [site for site in never if site in lossy][:catch_up]
+    after_plain = a.last_round is not None and a.last_round.get("kind") == PLAIN
+    due = {} if after_plain else coherence_due(a, coherence_codecs(a, tapped + probed), tapped)
+    if first and not due:
+        return SIGNED, never[:catch_up], {}
+    linears = {site: name for site, name in due.items() if site in tapped}
+    if linears:
+        return PLAIN, [], linears
+    todo = sorted((site for site in due if site in probed), key=lambda s: (s not in lossy, probed.index(s)))
+    if todo:
+        return PLAIN, todo[:ITEMS_PER_ROUND], {site: due[site] for site in todo[:ITEMS_PER_ROUND]}
+    if never:
+        return SIGNED, never[:catch_up], {}
+    if not probed:
+        return SIGNED, [], {}
+    age = {site: max((i for i, m in enumerate(a.c_recent) if site in m), default=-1) for site in probed}
+    return SIGNED, sorted(probed, key=lambda s: (age[s], probed.index(s)))[:ITEMS_PER_ROUND], {}
+
+
+def standin_sites(a: "Adapter") -> list[str]:
+    """The sensitive site types whose c is not measured yet (`planner_c` charges them a
+    stand-in)."""
+    return [site for site in sensitive_sites(a.controller) if site not in a.sensitivity]
+
+
+def planner_c(a: "Adapter") -> dict[str, float]:
+    """The c the planner charges: the measured window medians (`a.sensitivity`), and for a
+    sensitive site type not measured yet the largest measured c (a stand-in; measuring
+    rounds go first to the types the plan stores lossily, `next_round`)."""
+    out = dict(a.sensitivity)
+    if not out:
+        return out
+    top = max(out.values())
+    for site in sensitive_sites(a.controller):
+        out.setdefault(site, top)
+    return out
 
 
 def plan_relevant_c(c: dict[str, float], sampling_noise: Optional[float],
@@ -154,21 +320,6 @@ def plan_relevant_c(c: dict[str, float], sampling_noise: Optional[float],
     return {site: v / total for site, v in c.items()}
 
 
-def sensitivity_sites(a: "Adapter", tapped: list[str], probed: list[str]) -> list[str]:
-    """The site types whose c is measured at this tracking point: every linear's input (its
-    c comes from the exact pass, `llm_act.measurement.linear_tap`, at no extra pass) and
-    `SENS_SITES_PER_TRACK` of the others in rotation (GACT's c is stable along training;
-    each probed type costs a forward/backward pass), all of them the first time when a
-    noise budget (`variance_budget`) makes the plan depend on every c. `tapped`, `probed`:
-    `split_sites(a)`."""
-    first = not a.sensitivity and noise_bounded(a)
-    if first or len(probed) <= SENS_SITES_PER_TRACK:
-        return tapped + probed
-    start = a.sens_next % len(probed)
-    a.sens_next = start + SENS_SITES_PER_TRACK
-    return tapped + [probed[(start + i) % len(probed)] for i in range(SENS_SITES_PER_TRACK)]
-
-
 def split_sites(a: "Adapter") -> tuple[list[str], list[str]]:
     """(tapped, probed): the sensitive site types whose c the exact pass gives, and the rest."""
     c = a.controller
@@ -180,12 +331,12 @@ def split_sites(a: "Adapter") -> tuple[list[str], list[str]]:
 def sens_rounds(probed: list[str]) -> int:
     """Measurements it takes for every probed site type (`split_sites`) to be measured
     SENS_WINDOW times."""
-    return max(1, -(-len(probed) // SENS_SITES_PER_TRACK))
+    return max(1, -(-len(probed) // ITEMS_PER_ROUND))
 
 
 def noise_bounded(a: "Adapter") -> bool:
     """Whether plans are held to a noise budget (given, or a fraction of the sampling
-    noise): then every site's sensitivity is measured at the first tracking."""
+    noise)."""
     cfg = a.config
     return cfg.sensitivity and (cfg.variance_budget is not None or cfg.noise_fraction is not None)
 
@@ -195,33 +346,30 @@ def charges_biased(a: "Adapter") -> bool:
     return noise_bounded(a) and a.config.biased_codecs == "charge"
 
 
-def coherence_codecs(a: "Adapter", sites: Optional[list[str]]) -> Optional[dict[str, str]]:
-    """site -> the biased codec whose coherence is measured there (with `charges_biased`):
-    the one the plan in force uses at that site, else the site's default codec when it
-    is biased, else int4_channel (fewbit3 at the activation's input)."""
+def coherence_codecs(a: "Adapter", sites: Optional[list[str]]) -> dict[str, str]:
+    """site -> the biased codec whose coherence is measured there (with `charges_biased`;
+    else none): the one the plan in force uses at that site (in the layers that have it),
+    else the site's default codec when it is biased, else int4_channel (fewbit3 at the
+    activation's input)."""
     if not charges_biased(a):
-        return None
+        return {}
     c = a.controller
     out = {}
-    for site in sites or sensitive_sites(c):
-        in_force = [ch[site] for ch in c.plan.values() if ch.get(site) not in (None, KEEP, RECOMPUTE)]
-        biased = [n for n in in_force if n not in UNBIASED_CODECS]
+    for site in sensitive_sites(c) if sites is None else sites:
+        in_force = [c.plan.get(layer, {}).get(site) for layer in c.layers if site in c.sites(layer)]
+        biased = [n for n in in_force if n not in (None, KEEP, RECOMPUTE) and n not in UNBIASED_CODECS]
         default = DEFAULT_CODECS.get(site)
         out[site] = (biased[0] if biased else default if default and default not in UNBIASED_CODECS
                      else "fewbit3" if site == MLP_ACT_INPUT else "int4_channel")
     return out
 
 
-def coherence_due(a: "Adapter", biased: Optional[dict[str, str]],
-                  tapped: list[str]) -> Optional[dict[str, str]]:
-    """The sites of `biased` whose coherence is measured at this point: every one of
-    `tapped` (the exact pass gives it, no pass of its own), and a probed one (a pass each)
-    only where it has no kappa yet for that codec: kappa is a property of the codec's
-    rounding against the gradient's structure, as stable as c's share."""
-    if biased is None:
-        return None
+def coherence_due(a: "Adapter", biased: dict[str, str], tapped: list[str]) -> dict[str, str]:
+    """The sites of `biased` whose coherence is not measured for that codec yet: kappa is a
+    property of the codec's rounding against the gradient's structure, as stable as c's
+    share, so it is measured once per codec (again when its figures aged out of the window)."""
     return {site: name for site, name in biased.items()
-            if site in tapped or a.coherence_codecs.get(site) != name or site not in a.coherence}
+            if a.coherence_codecs.get(site) != name or site not in a.coherence}
 
 
 # ---- the gradient fidelity -----------------------------------------------------------------
@@ -243,14 +391,21 @@ def report_fidelity(a: "Adapter", probe: Optional[Callable[[], Any]]) -> None:
     start = time.perf_counter()
     try:
         named = named_params(a)
-        sums = fidelity.measure_sums(c, probe, named, c.plan, sites, seed=a.config.seed + 31 * c.iteration,
-                                     head=head_cut.head_of(a.replay.roots))
+        # plan "auto" keeps the sampling variance (its tracking points measure it) and sits
+        # in the measuring budget: its report replays the step's first rows, as a round
+        # does; a fixed plan's measures the halves of the whole batch
+        known = window_medians(a.sampling_groups_recent) if a.active and a.sampling_groups_recent else None
+        forward, rows = round_forward(a, probe, 2 + len(sites), ROW_PASSES) if known else (probe, None)
+        if known and rows is not None:
+            known = {grp: v * rows[0] / rows[1] for grp, v in known.items()}
+        sums = fidelity.measure_sums(c, forward, named, c.plan, sites, seed=a.config.seed + 31 * c.iteration,
+                                     head=head_cut.head_of(a.replay.roots), sampling=known)
         sums = agreement.reduce_dict(sums, "mean", g.world if g else None)
     finally:
         spent = time.perf_counter() - start
         a.measure_seconds += spent
         a.report_costs.append({"iteration": float(c.iteration), "total": spent})
-    report = fidelity.FidelityReport.from_sums(c.iteration, sums)
+    report = fidelity.FidelityReport.from_sums(c.iteration, sums, rows)
     a.fidelity = (a.fidelity + [report])[-fidelity.HISTORY:]
     log.info("llm_act: %s", report.format())
 

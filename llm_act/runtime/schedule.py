@@ -41,6 +41,14 @@ def _ratio(a: float, b: float, eps: float) -> float:
     return max(a, b) / min(a, b) if min(a, b) > 0 else (1.0 if a == b else float("inf"))
 
 
+def _shares_of_common(a: dict[str, float], b: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """`a` and `b` restricted to their common keys, each renormalised to sum to 1 there."""
+    common = [k for k in a if k in b]
+    sa, sb = sum(a[k] for k in common), sum(b[k] for k in common)
+    return ({k: a[k] / sa for k in common} if sa > 0 else {k: a[k] for k in common},
+            {k: b[k] / sb for k in common} if sb > 0 else {k: b[k] for k in common})
+
+
 def shifts(last: dict[str, dict[str, float]], stats: dict[str, dict[str, float]]) -> list[str]:
     """Sharp shifts of `stats` against `last` (the statistics of the last tracking), one
     reason each; `last` is updated to these statistics."""
@@ -51,8 +59,12 @@ def shifts(last: dict[str, dict[str, float]], stats: dict[str, dict[str, float]]
         if before is not None and _ratio(rate, before, eps) > SHIFT_FACTOR:
             reasons.append(f"outlier rate of {site} {before:.3f}->{rate:.3f}")
     if "c" in stats and last.get("c"):
-        for site, val in stats["c"].items():
-            before = last["c"].get(site)
+        now, then = stats["c"], last["c"]
+        if stats.get("relative"):  # shares: of the sites measured both times (a newly
+            # measured site adds to the sum without moving the others against each other)
+            now, then = _shares_of_common(now, then)
+        for site, val in now.items():
+            before = then.get(site)
             share = max(stats["share"].get(site, 0.0), last.get("share", {}).get(site, 0.0))
             if before is not None and share >= SENS_SHARE and _ratio(val, before, 0.0) > SHIFT_FACTOR:
                 reasons.append(f"sensitivity of {site} {before:.3g}->{val:.3g}")

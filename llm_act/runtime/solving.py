@@ -18,6 +18,8 @@ run. The functions take the `Adapter` (`llm_act.runtime.adapt`) and read its sta
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -25,10 +27,13 @@ from llm_act.plan import plan_from
 from llm_act.planner import evaluate_plan, InfeasibleVariance, solve_plan
 from llm_act.planner.milp import TIME_RESOLUTION, InfeasibleBudget
 from llm_act.runtime import agreement, memory, output_choice
-from llm_act.runtime.measuring import noise_bounded
+from llm_act.measurement.sensitivity import sensitive_sites
+from llm_act.runtime.measuring import charges_biased, noise_bounded, planner_c, standin_sites
 
 if TYPE_CHECKING:
     from llm_act.runtime.adapt import Adapter
+
+log = logging.getLogger("llm_act.runtime.controller")
 
 #: the share of device memory left free when the budget comes from the free memory
 GPU_MARGIN = 0.05
@@ -38,6 +43,18 @@ def offers_biased(a: "Adapter") -> bool:
     """Whether the planner may choose a biased codec: not under a noise budget with
     `biased_codecs="exclude"`."""
     return not (noise_bounded(a) and a.config.biased_codecs == "exclude")
+
+
+def unbiased_sites(a: "Adapter") -> bool | set[str]:
+    """Where the planner offers unbiased codecs only: everywhere under a noise budget with
+    `biased_codecs="exclude"`; with "charge", at the sites whose coherence is not measured yet
+    (a biased codec's noise is not guessed: `measuring.next_round` measures the coherence at
+    the sites the plan stores lossily); nowhere without a noise budget."""
+    if not offers_biased(a):
+        return True
+    if not charges_biased(a):
+        return False
+    return {site for site in sensitive_sites(a.controller) if site not in a.coherence}
 
 
 def noise_budget(a: "Adapter") -> Optional[float]:
@@ -60,8 +77,8 @@ def problem(a: "Adapter", profile: Any) -> tuple[list, int]:
     with what is not activations and what no planned site owns."""
     pins = a.pins()
     inflight = memory.inflight()
-    blocks = profile.blocks(a.sensitivity or None, inflight=inflight, recompute=True, exclude=pins,
-                            coherence=a.coherence, unbiased_only=not offers_biased(a))
+    blocks = profile.blocks(planner_c(a) or None, inflight=inflight, recompute=True, exclude=pins,
+                            coherence=a.coherence, unbiased_only=unbiased_sites(a))
     pinned = sum(st.stored(pins[site]) for (_, site), st in profile.sites.items() if site in pins)
     return blocks, a._static_bytes() + profile.other_bytes + inflight * pinned
 
@@ -112,6 +129,39 @@ def decide(a: "Adapter", profile: Any, blocks: list, static: int, budget: int, r
     return agreement.broadcast(decision, g)
 
 
+def feasible_without(blocks: list, budget: int, static: int, noise: Optional[float], sites: list[str]) -> bool:
+    """Whether a plan meets the noise budget once the site types in `sites` add no noise
+    (their c is a stand-in): if so, the stand-ins are why none does now."""
+    quiet = [dataclasses.replace(b, sites=tuple(dataclasses.replace(s, sensitivity=0.0) if s.name in sites else s
+                                                for s in b.sites)) for b in blocks]
+    try:
+        solve_plan(quiet, budget, static_bytes=static, variance_budget=noise, time_resolution=TIME_RESOLUTION)
+    except (InfeasibleVariance, InfeasibleBudget):
+        return False
+    return True
+
+
+def in_force_if_as_good(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
+                        noise: Optional[float], sol: Any) -> Optional[Any]:
+    """The plan in force, priced on this point's profile, where it still fits the budget and
+    the noise budget and is slower than the solver's `sol` by no more than the time
+    resolution; else None. Plans change for a gain, not for the drift of the measured
+    figures from point to point, which flips a near-tie one way and back (two norms' inputs
+    of one shape, INT4 at one or the other)."""
+    c = a.controller
+    try:
+        current = evaluate_plan(blocks, profile.choice_for(c.pending_plan or c.plan, exclude=a.pins()))
+    except (ValueError, KeyError):  # a choice this profile does not offer: re-plan
+        return None
+    if current.activation_bytes + static > budget:
+        return None
+    if noise is not None and current.variance > noise:
+        return None
+    if current.overhead_ms > sol.overhead_ms * (1.0 + TIME_RESOLUTION) + 1e-9:
+        return None
+    return current
+
+
 def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
           reasons: list[str]) -> dict[str, Any]:
     """The decision of the source rank, as plain data for the broadcast: a plan, or
@@ -129,10 +179,16 @@ def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
             return solve_plan(blocks, b, static_bytes=static, variance_budget=noise,
                               time_resolution=TIME_RESOLUTION)
         except InfeasibleVariance as err:
-            # memory is the hard limit: the least noisy plan that fits it, said once
-            a._warn_once("variance", "llm_act: iteration %d: no plan within the memory budget meets "
-                         "the noise budget (%s); using the least noisy plan that fits (said once). "
-                         "Fix: a larger budget, or a larger noise_fraction / variance_budget", it, err)
+            # memory is the hard limit: the least noisy plan that fits it, said once -- unless
+            # a stand-in c (a type not measured yet, charged the largest measured c) is why
+            standins = standin_sites(a)
+            if standins and feasible_without(blocks, b, static, noise, standins):
+                log.debug("llm_act: iteration %d: the noise budget is not met with stand-ins for %s; "
+                          "the least noisy plan that fits until they are measured", it, ", ".join(standins))
+            else:
+                a._warn_once("variance", "llm_act: iteration %d: no plan within the memory budget meets "
+                             "the noise budget (%s); using the least noisy plan that fits (said once). "
+                             "Fix: a larger budget, or a larger noise_fraction / variance_budget", it, err)
             return solve_plan(blocks, b, static_bytes=static, objective="variance",
                               time_resolution=TIME_RESOLUTION)
 
@@ -155,6 +211,7 @@ def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
     except Exception as err:  # a re-planning step must never end the run
         out["failure"] = f"{type(err).__name__}: {err}"
         return out
+    sol = in_force_if_as_good(a, profile, blocks, static, budget, noise, sol) or sol
     a.solution = sol
     out.update(plan=profile.plan_from(sol, exclude=a.pins()), predicted_bytes=sol.activation_bytes + static,
                noise=float(sol.variance) if a.sensitivity else None, noise_budget=noise,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from llm_act import ActConfig
+from llm_act.measurement import fidelity
 from llm_act.measurement.fidelity import FidelityReport, group_name, lossy_sites
 from tests.patches.broken_codec import broken
 from tests.patches.megatron import gpt_runs as R
@@ -66,7 +67,7 @@ def test_compress_is_close_and_a_broken_codec_is_not():
     (good,) = c.adapter.fidelity
     assert 0 < good.total < 0.2, good.format()
     assert 0 < good.groups[FC2] < 0.3
-    assert len(good.sites) == 2 and all(0 < v < 0.2 for v in good.sites.values())
+    assert len(good.sites) == fidelity.SITES_PER_REPORT and all(0 < v < 0.2 for v in good.sites.values())
     with broken("mlp.fc2_input"):  # decodes to zeros: fc2's weight gradient is lost
         _, c = _trained("compress")
     (bad,) = c.adapter.fidelity
@@ -80,8 +81,6 @@ def test_compress_is_close_and_a_broken_codec_is_not():
 
 
 def test_sites_measured_alone_rotate_and_name_the_broken_one():
-    from llm_act.measurement import fidelity
-
     with broken("mlp.fc2_input"):
         model, c = _trained("compress", steps=1)
         seen = dict(c.adapter.fidelity[-1].sites)

@@ -3,7 +3,8 @@ choose a different plan, every rank ends with the same plan, switched at the sam
 
 Every planned site but `mlp.fc1_input` is pinned (`ActConfig.codecs`) at its default codec
 (outlier_int4 at the linear and norm inputs). On rank 1 every outlier_int4 record counts
-twice the bytes (`RANK1_EXTRA`, patched into `Encoded.nbytes` there alone): once outlier_int4
+twice the bytes (`RANK1_EXTRA`, patched into its size formula, `OutlierInt4.nbytes_for`,
+which the measured profile prices it by, there alone): once outlier_int4
 stored as many outlier channels as the data had, and data crafted per rank made that
 difference; its slots are fixed now (no host sync, issue 26), so no data can. The budget is
 what rank 0 needs to keep `mlp.fc1_input`: alone, rank 0 keeps it (zero cost) and rank 1 must
@@ -44,15 +45,14 @@ def _worker(rank, world, port, mode):
     from llm_act.sites import DEFAULT_CODECS
     from tests.patches.megatron import gpt_runs as R
 
-    from llm_act.codecs.base import Encoded
+    from llm_act.codecs.outlier import OutlierInt4
 
     tp = 2 if mode == "tp" else 1
     T.init_parallel(tp=tp, rank=rank, world_size=world, port=port)
     model = R.build(dropout=0.0, num_layers=2, seed=0)
     if rank == 1:
-        true_nbytes = Encoded.nbytes.fget
-        Encoded.nbytes = property(lambda e: int(true_nbytes(e) * (
-            1 + RANK1_EXTRA if e.codec == "outlier_int4" else 1)))
+        true_nbytes = OutlierInt4.nbytes_for
+        OutlierInt4.nbytes_for = lambda self, *args, **kw: int(true_nbytes(self, *args, **kw) * (1 + RANK1_EXTRA))
     gen = torch.Generator().manual_seed(100 + (rank if mode == "dp" else 0))
 
     def batch():

@@ -1,8 +1,10 @@
 """What a tracking point of plan "auto" measures (`llm_act.runtime.measuring`), on a real
-megatron-core GPT (CPU): a later sensitivity point runs three passes (exact, one probed
-type, the sampling half), a probed type's c follows the gradients' scale between its
-measurements, a biased codec's coherence is measured once per codec at a probed site, and
-an outlier shift at a site the plan keeps does not reset the schedule."""
+megatron-core GPT (CPU): one round of measuring passes per point (the exact pass alone at the
+first, then the exact pass and one probed type, or a plain round for a coherence), chosen by
+what the plan in force depends on; stand-ins for what is not measured yet; the recorded step
+replayed on the first rows of its batch; a later point's profile from the training step
+itself, with no pass of its own; a probed type's c following the gradients' scale between
+its measurements; and an outlier shift at a site the plan keeps resetting nothing."""
 from __future__ import annotations
 
 import warnings
@@ -10,8 +12,19 @@ import warnings
 import pytest
 import torch
 
+from llm_act import _testing as T
 from llm_act.runtime import measuring
-from llm_act.runtime.measuring import SENS_SITES_PER_TRACK, coherence_codecs, coherence_due, scaled_medians
+from llm_act.runtime.measuring import (
+    PLAIN,
+    SIGNED,
+    coherence_codecs,
+    coherence_due,
+    next_round,
+    planner_c,
+    round_rows,
+    scaled_medians,
+)
+from tests.patches.megatron import gpt_runs as R
 from tests.runtime.test_controller_adapt import _setup, _train
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
@@ -35,6 +48,14 @@ def test_a_probed_c_is_scaled_by_the_tapped_sites_between_its_measurements():
     assert scaled_medians(recent, []) == measuring.window_medians(recent)
 
 
+def test_round_rows_fit_the_passes_into_the_row_budget():
+    assert round_rows(8, 2, 1.0) == 4 and round_rows(8, 3, 1.0) == 2 and round_rows(8, 1, 0.25) == 2
+    assert round_rows(16, 2, 1.0) == 8 and round_rows(6, 2, 1.0) == 2
+    # at least two rows (the halves); the whole batch where it has two or fewer
+    assert round_rows(8, 9, 1.0) == 2 and round_rows(2, 2, 1.0) is None and round_rows(None, 2, 1.0) is None
+    assert round_rows(8, 1, 1.0) is None  # one pass fits the whole batch
+
+
 def _count_passes(monkeypatch) -> list:
     """Patch the adapter's sensitivity measurement to count the forwards each one runs."""
     counts: list = []
@@ -48,43 +69,138 @@ def _count_passes(monkeypatch) -> list:
             return forward()
 
         out = real(controller, fwd, *args, **kwargs)
-        counts.append((controller.iteration, n[0], dict(kwargs.get("biased") or {})))
+        counts.append((controller.iteration, n[0], kwargs.get("signed"), dict(kwargs.get("biased") or {})))
         return out
 
     monkeypatch.setattr(measuring, "measure_sensitivity", counted)
     return counts
 
 
-def test_a_later_sensitivity_point_runs_three_passes(monkeypatch):
+def test_every_point_runs_one_round_the_first_the_exact_pass_alone(monkeypatch):
     counts = _count_passes(monkeypatch)
     model, controller, opt, gen = _setup(budget=10**9)
-    _train(model, controller, opt, gen, 4)  # tracking at 1, 2, 4: sensitivities at 1 and 4
+    _train(model, controller, opt, gen, 8)  # tracking at 1, 2, 4, 8
     a = controller.adapter
+    assert [it for it, *_ in counts] == [1, 2, 4, 8]
+    assert counts[0][1:3] == (1, True)  # the exact pass (signed: it gives the sampling noise)
+    for _, passes, signed, biased in counts[1:]:
+        # a signed round: the exact pass and one probed type; a plain one: the exact pass and
+        # a probed site's c and coherence
+        assert (passes, biased) == (2, {}) if signed else passes == 1 + 2 * len([s for s in biased if s not in
+                                                                                 measuring.split_sites(a)[0]])
+    assert a.sampling_noise is not None and a.sampling_noise > 0
     tapped, probed = measuring.split_sites(a)
-    assert [it for it, _, _ in counts] == [1, 4]
-    first, later = counts[0][1], counts[1][1]
-    # exact, every probed type, the coherence of each (biased codecs are charged by
-    # default), the half; later: exact, one probed type (its kappa known), the half
-    assert first == 1 + 2 * len(probed) + 1
-    assert later == 1 + SENS_SITES_PER_TRACK + 1 == 3
-    assert set(a.sensitivity) == set(tapped + probed)
+    assert set(tapped) <= set(a.sensitivity)
+    # every sensitive type is charged something: measured, or the largest measured c
+    c = planner_c(a)
+    assert set(c) == set(tapped + probed)
+    for site in set(probed) - set(a.sensitivity):
+        assert c[site] == max(a.sensitivity.values())
 
 
-def test_a_probed_sites_coherence_is_measured_once_per_codec(monkeypatch):
-    counts = _count_passes(monkeypatch)
+def test_the_round_goes_first_where_the_plan_depends_on_a_stand_in():
+    """The order of `next_round`: an unmeasured probed type the plan stores lossily, the
+    linears' coherences (all in one pass), a probed site's coherence (lossy ones first),
+    the other unmeasured types, then the stalest; plain and signed rounds take turns; where
+    a coherence is not measured the planner offers no biased codec."""
+    from llm_act.runtime.solving import unbiased_sites
+
     model, controller, opt, gen = _setup(budget=10**9)
-    assert controller.config.biased_codecs == "charge"
-    _train(model, controller, opt, gen, 4)
     a = controller.adapter
     tapped, probed = measuring.split_sites(a)
-    first, later = counts[0][2], counts[1][2]
-    assert set(first) == set(tapped + probed)  # every site's kappa at the first point
-    assert set(later) == set(tapped)  # the probed ones have theirs for the same codecs
-    assert counts[1][1] == 3
-    biased = coherence_codecs(a, tapped + probed)
-    site = probed[0]
-    a.coherence_codecs[site] = "some_other_codec"  # the plan moved it to another biased codec
-    assert set(coherence_due(a, biased, tapped)) == set(tapped) | {site}
+    assert "ln2.input" in probed and "ln1.input" in probed
+    keep_all = {layer: {s: "keep" for s in controller.sites(layer)} for layer in controller.layers}
+    controller._plan = {layer: dict(ch, **{"ln2.input": "int4"}) for layer, ch in keep_all.items()}
+    plain, signed = {"kind": PLAIN}, {"kind": SIGNED}
+    a.last_round = plain
+    assert next_round(a, tapped, probed) == (SIGNED, ["ln2.input"], {})
+    assert next_round(a, tapped, probed, catch_up=3)[1][0] == "ln2.input"  # the lossy type first
+    a.c_recent = [{s: 1.0 for s in tapped + ["ln2.input"]}]
+    a.last_round = signed
+    kind, sites, biased = next_round(a, tapped, probed)
+    assert (kind, sites) == (PLAIN, []) and set(biased) == set(tapped)
+    assert unbiased_sites(a) == set(tapped + probed)  # nothing measured: no biased codec anywhere
+    a.coherence = {s: 1.2 for s in tapped}
+    a.coherence_codecs = dict(biased)
+    a.last_round = plain  # then a signed round: the other types never measured
+    never = [s for s in probed if s != "ln2.input"]
+    assert next_round(a, tapped, probed) == (SIGNED, never[:1], {})
+    a.last_round = signed
+    kind, sites, biased = next_round(a, tapped, probed)
+    assert (kind, sites) == (PLAIN, ["ln2.input"]) and set(biased) == {"ln2.input"}  # the lossy one first
+    assert unbiased_sites(a) == set(probed)
+    a.coherence.update({s: 1.5 for s in probed})
+    a.coherence_codecs.update(coherence_codecs(a, probed))
+    assert next_round(a, tapped, probed) == (SIGNED, never[:1], {})  # no coherence due
+    a.c_recent = [{s: 1.0 for s in tapped + probed if s != "ln1.input"}, {s: 1.0 for s in tapped + ["ln1.input"]}]
+    # everything measured: the type measured longest ago
+    assert next_round(a, tapped, probed)[1] == [s for s in probed if s != "ln1.input"][:1]
+    # coherence is due again when the plan moves the site to another biased codec
+    a.coherence_codecs["ln2.input"] = "some_other_codec"
+    assert coherence_due(a, coherence_codecs(a, ["ln2.input"]), tapped) == {"ln2.input": "int4_channel"}
+    # every sensitive type is charged a c: the largest measured where none is
+    a.c_recent, a.sensitivity = [], {"attn.qkv_input": 2.0, "mlp.fc1_input": 1.0}
+    assert planner_c(a)["ln1.input"] == 2.0 and planner_c(a)["mlp.fc1_input"] == 1.0
+
+
+def _train_replayed(model, controller, opt, gen, steps, batch, on_point=None):
+    """`steps` iterations of a plain loop that gives no probe: the controller measures from
+    the recorded training step (`StepReplay`)."""
+    for _ in range(steps):
+        ids, pos, labels = T.gpt_batch(batch, R.SEQ, R.VOCAB, generator=gen)
+        with controller.step():
+            model(ids, pos, None, labels=labels).float().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def test_a_replayed_point_measures_on_the_first_rows_with_no_profile_pass():
+    """Without a probe: the rounds replay the step on the first rows of its batch of 8 (4
+    for the two passes of a signed round, 2 for the first point's exact pass), and a later
+    point's profile comes from the training step's own samples: every forward the point
+    runs is a round's."""
+    model, controller, opt, gen = _setup(budget=10**9)
+    rows_seen: list = []
+    tracking = [False]
+
+    def count(module, args, kwargs):
+        if tracking[0]:
+            rows_seen.append(int(args[0].shape[0]))
+
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    a = controller.adapter
+    real = a.track
+
+    def track(probe):
+        tracking[0] = True
+        try:
+            real(probe)
+        finally:
+            tracking[0] = False
+
+    a.track = track
+    try:
+        _train_replayed(model, controller, opt, gen, 1, batch=8)
+        first = list(rows_seen)
+        rows_seen.clear()
+        _train_replayed(model, controller, opt, gen, 1, batch=8)
+        later = list(rows_seen)
+    finally:
+        handle.remove()
+    assert a.tracked == [1, 2]
+    # the first point: the keep and the capture forwards of the full profile, then the exact pass
+    assert first == [8, 8, 2], first
+    # the second: the profile from the step (no forward); the plan keeps everything, so the
+    # round measures the linears' coherences, one plain pass over the whole batch
+    assert later == [8], later
+    assert a.last_round["kind"] == PLAIN and set(a.last_round["biased"]) == set(measuring.split_sites(a)[0])
+    assert a.step_tap is None  # removed at the boundary
+    # the next is signed (a plain round is never followed by another), catching up on the
+    # probed types: as many as fit at 2 rows each beside the exact pass
+    _train_replayed(model, controller, opt, gen, 2, batch=8)
+    assert a.last_round["kind"] == SIGNED and a.last_round["rows"] == (2, 8) and len(a.last_round["sites"]) == 3
+    assert set(a.profile.sites) == {(layer, s) for layer in controller.layers for s in controller.sites(layer)
+                                    if (layer, s) in a.profile.sites}
 
 
 def test_an_outlier_shift_at_a_kept_site_does_not_reset_the_schedule():

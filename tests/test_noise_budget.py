@@ -13,7 +13,7 @@ import pytest
 from llm_act import ActConfig
 from llm_act.config import NOISE_FRACTION
 from llm_act.measurement.sensitivity import sensitive_sites
-from llm_act.runtime.measuring import median, planner_c, split_sites, standin_sites
+from llm_act.runtime.measuring import median, planner_c, planner_coherence, split_sites, standin_sites
 from tests.runtime.test_controller_adapt import _setup, _train
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
@@ -23,10 +23,10 @@ pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 
 
 def _noise(controller) -> float:
-    """Predicted noise of the plan in force, on the adapter's last profile and the c the
-    planner charges (measured, or the largest measured for a type not measured yet)."""
+    """Predicted noise of the plan in force, on the adapter's last profile and the c and
+    coherence the planner charges (measured, else their stand-ins)."""
     a = controller.adapter
-    return a.profile.noise(controller.plan, planner_c(a), a.coherence)
+    return a.profile.noise(controller.plan, planner_c(a), planner_coherence(a))
 
 
 def test_the_default_budget_is_a_fraction_of_the_measured_sampling_noise():
@@ -75,7 +75,7 @@ def test_a_smaller_fraction_buys_less_noise_under_the_same_memory():
     else:
         assert _noise(runs[0.05]) <= 0.05 * bounded.sampling_noise * (1 + 1e-6)
     # the unbounded run's plan, judged on the same measured profile and sensitivities
-    free = bounded.profile.noise(runs[None].plan, planner_c(bounded), bounded.coherence)
+    free = bounded.profile.noise(runs[None].plan, planner_c(bounded), planner_coherence(bounded))
     assert _noise(runs[0.05]) < free
 
 
@@ -110,34 +110,36 @@ def test_a_given_variance_budget_wins_and_none_turns_the_fraction_off():
 def test_biased_codecs_are_charged_their_measured_coherence_or_excluded():
     """Issue 28 item 3: under a noise budget a nearest-rounding codec's error, the same on
     every token, is charged at its measured coherence (default), or such codecs are left
-    out ("exclude"). With "charge" a site is offered biased codecs only once its coherence
-    is measured: the rounds measure the linears' inputs' in one pass, then the probed sites'."""
+    out ("exclude"). With "charge" a site whose coherence is not measured yet charges its
+    biased codecs `STANDIN_KAPPA`; the rounds measure the linears' inputs' in one pass,
+    then the probed sites'."""
     from llm_act.codecs.registry import KEEP, RECOMPUTE, UNBIASED_CODECS
-    from llm_act.runtime.solving import unbiased_sites
+    from llm_act.runtime.measuring import STANDIN_KAPPA, planner_coherence
 
     budget = _tight()
     model, controller, opt, gen = _setup(budget=budget)
     _train(model, controller, opt, gen, 1)
     a = controller.adapter
     assert a.config.biased_codecs == "charge"
-    assert a.coherence == {} and unbiased_sites(a) == set(sensitive_sites(controller))
-    chosen = {n for choice in controller.plan.values() for n in choice.values()} - {KEEP, RECOMPUTE}
-    assert chosen <= UNBIASED_CODECS, chosen  # nothing measured, nothing biased
-    _train(model, controller, opt, gen, 3)  # tracking at 2 (the linears' coherences), 4
+    assert a.coherence == {} and planner_coherence(a) == {s: STANDIN_KAPPA for s in sensitive_sites(controller)}
+    site = "mlp.fc2_input"
+    layers = a.profile.block_layers()[0]
+
+    def charged(name):
+        blocks, _ = a.problem(a.profile)
+        option = {o.name: o for p in blocks[0].sites if p.name == site for o in p.codecs}
+        raw = sum(a.profile.sites[(i, site)].options[name].rel_error for i in layers) / len(layers)
+        return option[name].variance, raw
+
+    got, raw = charged("int4_channel")
+    assert got == pytest.approx(raw * STANDIN_KAPPA)
+    _train(model, controller, opt, gen, 1)  # tracking at 2: the linears' coherences
     tapped, _ = split_sites(a)
     assert set(tapped) <= set(a.coherence) and all(k > 0 for k in a.coherence.values())
-    blocks, _ = a.problem(a.profile)
-    site = "mlp.fc2_input"
-    option = {o.name: o for p in blocks[0].sites if p.name == site for o in p.codecs}
-    layers = a.profile.block_layers()[0]
-    raw = sum(a.profile.sites[(i, site)].options["int4_channel"].rel_error for i in layers) / len(layers)
-    assert option["int4_channel"].variance == pytest.approx(raw * a.coherence[site])
-    raw_int4 = sum(a.profile.sites[(i, site)].options["int4"].rel_error for i in layers) / len(layers)
-    assert option["int4"].variance == pytest.approx(raw_int4)  # unbiased: not charged
-    unmeasured = unbiased_sites(a)
-    for p in blocks[0].sites:  # a site without a coherence is offered no biased codec
-        if p.name in unmeasured:
-            assert {o.name for o in p.codecs} <= UNBIASED_CODECS, p.name
+    got, raw = charged("int4_channel")
+    assert got == pytest.approx(raw * a.coherence[site])
+    got, raw = charged("int4")
+    assert got == pytest.approx(raw)  # unbiased: not charged
     assert controller.state_dict()["adapt"]["coherence"] == a.coherence
 
     model, controller, opt, gen = _setup(budget=budget, biased_codecs="exclude")

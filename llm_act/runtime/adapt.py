@@ -161,6 +161,13 @@ class Adapter:
         return self.controller.enabled and self.config.plan == "auto"
 
     @property
+    def replayed(self) -> bool:
+        """Whether this iteration is measured from the recorded training step (the loop gave
+        no probe: `controller.step(probe=...)`, `set_probe`)."""
+        c = self.controller
+        return c._probe is None and c._step_probe is None
+
+    @property
     def measurable(self) -> bool:
         """Whether the controlled sites can be measured: megatron-core layers (modules that
         store each site). The generic path's blocks (`BlockSites`) are not measured."""
@@ -172,8 +179,7 @@ class Adapter:
         that must record its training step (`llm_act.measurement.replay`): no probe given."""
         c = self.controller
         return (self.active and self.measurable and c.iteration + 1 >= self.next_track
-                and (self.track_count == 0 or self.config.adapt)
-                and c._probe is None and c._step_probe is None)
+                and (self.track_count == 0 or self.config.adapt) and self.replayed)
 
     def fidelity_due(self, iteration: Optional[int] = None) -> bool:
         """Whether `iteration` (default: the one running now, not yet counted) ends with a

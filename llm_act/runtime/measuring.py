@@ -20,9 +20,9 @@ Every figure is reduced over the ranks (`llm_act.runtime.agreement`). The planne
 median of the last `SENS_WINDOW` measurements of each figure: a two-draw estimate can be off
 by 10x on a small batch, and one wild draw must not move the plan (a probed type's as a share
 of the linears' c, which every point measures: `scaled_medians`). What is not measured yet is
-charged a stand-in (`planner_c`; a biased codec is not offered where its coherence is not
-measured), and the rounds go first to what the plan in force depends on. The gradient-fidelity report (`llm_act.measurement.fidelity`) is
-measured here too.
+charged a stand-in (`planner_c`, `planner_coherence`), and the rounds go first to what the
+plan in force depends on. The
+gradient-fidelity report (`llm_act.measurement.fidelity`) is measured here too.
 
 The functions take the `Adapter` and read and update its state (`profile`, `times`,
 `c_recent`, `sensitivity`, ...): that state is checkpointed with it.
@@ -186,9 +186,9 @@ def track_sensitivity(a: "Adapter", probe: Callable[[], Any], profile: Any, stat
         a.sampling_groups_recent = (a.sampling_groups_recent + [groups])[-SENS_WINDOW:]
     a.sampling_noise = median(a.sampling_recent) if a.sampling_recent else None
     a.last_round = {"kind": kind, "sites": list(sites), "biased": dict(biased), "rows": rows}
-    stats["c"] = plan_relevant_c(a.sensitivity, a.sampling_noise, a.config.variance_budget)
+    stats["c"] = plan_relevant_c(settled_c(a), a.sampling_noise, a.config.variance_budget)
     stats["relative"] = a.config.variance_budget is None
-    by_site = profile.noise_by_site(c.plan, planner_c(a), a.coherence)
+    by_site = profile.noise_by_site(c.plan, planner_c(a), planner_coherence(a))
     total = sum(by_site.values())
     stats["share"] = {s: v / total for s, v in by_site.items()} if total > 0 else {}
 
@@ -210,6 +210,10 @@ ROW_PASSES = 1.0
 #: the first tracking point also takes the full profile (a keep and a capture forward,
 #: every codec timed): its round, the exact pass alone, gets a quarter
 FIRST_ROW_PASSES = 0.25
+#: the coherence a biased codec is charged at a site where it is not measured yet (issue
+#: 28 measured 1.0-9.4 on the bench GPT, INT4 with one scale per channel at the attention's
+#: input the most): a noise budget that binds keeps such codecs out until it is measured
+STANDIN_KAPPA = 10.0
 
 
 def round_rows(batch: Optional[int], passes: int, budget: float) -> Optional[int]:
@@ -223,13 +227,18 @@ def round_rows(batch: Optional[int], passes: int, budget: float) -> Optional[int
     return None if rows >= batch else rows
 
 
+def replayed_rows(a: "Adapter") -> Optional[int]:
+    """The rows of the recorded training step where the adapter measures from it, None where
+    a probe given by the loop measures (its batch cannot be cut)."""
+    return a.replay.batch_rows() if a.replayed and a.replay.calls else None
+
+
 def round_forward(a: "Adapter", probe: Callable[[], Any], passes: int, budget: float
                   ) -> tuple[Callable[[], Any], Optional[tuple[int, int]]]:
     """(the closure `passes` passes measure with, (its rows, the batch's rows) or None): the
     recorded step on its first `round_rows` rows for the row `budget` where the adapter
     measures from the training step (a probe given by the loop runs whole)."""
-    replayed = a.controller._probe is None and a.controller._step_probe is None
-    batch = a.replay.batch_rows() if replayed and a.replay.calls else None
+    batch = replayed_rows(a)
     rows = round_rows(batch, passes, budget)
     if rows is None:
         return probe, None
@@ -240,8 +249,7 @@ def capacity(a: "Adapter", budget: float) -> int:
     """Probed types a signed round catching up may take: those whose passes fit the row
     `budget` at `MIN_ROWS` rows each, beside the exact pass (1 where the rows cannot be cut:
     a probe given by the loop, a batch of two)."""
-    replayed = a.controller._probe is None and a.controller._step_probe is None
-    batch = a.replay.batch_rows() if replayed and a.replay.calls else None
+    batch = replayed_rows(a)
     if batch is None or batch <= MIN_ROWS:
         return ITEMS_PER_ROUND
     return max(ITEMS_PER_ROUND, int(budget * batch / MIN_ROWS) - 1)
@@ -255,7 +263,7 @@ def next_round(a: "Adapter", tapped: list[str], probed: list[str],
        stand-in until then: `planner_c`), where no coherence is due;
     2. the coherences of the linears' inputs not measured yet, all at once (the exact pass
        of a plain round gives them, `linear_tap`): until a site's coherence is measured
-       the planner offers no biased codec there (`solving.unbiased_sites`);
+       a biased codec there is charged `STANDIN_KAPPA` (`planner_coherence`);
     3. a probed site's coherence not measured yet, those the plan stores lossily first
        (a plain round: the exact pass, the site's c and its biased codec's pass);
     4. a probed type never measured (those stored lossily first);
@@ -271,7 +279,7 @@ def next_round(a: "Adapter", tapped: list[str], probed: list[str],
     never = sorted((site for site in probed if site not in measured), key=lambda s: s not in lossy)
     first = [site for site in never if site in lossy][:catch_up]
     after_plain = a.last_round is not None and a.last_round.get("kind") == PLAIN
-    due = {} if after_plain else coherence_due(a, coherence_codecs(a, tapped + probed), tapped)
+    due = {} if after_plain else coherence_due(a, coherence_codecs(a, tapped + probed))
     if first and not due:
         return SIGNED, never[:catch_up], {}
     linears = {site: name for site, name in due.items() if site in tapped}
@@ -286,6 +294,13 @@ def next_round(a: "Adapter", tapped: list[str], probed: list[str],
         return SIGNED, [], {}
     age = {site: max((i for i, m in enumerate(a.c_recent) if site in m), default=-1) for site in probed}
     return SIGNED, sorted(probed, key=lambda s: (age[s], probed.index(s)))[:ITEMS_PER_ROUND], {}
+
+
+def settled_c(a: "Adapter") -> dict[str, float]:
+    """The measured c of the site types whose window holds `SENS_WINDOW` measurements: a
+    shift is looked for in those alone (one or two draws of a probed type, measured every
+    few points on a few rows, move by 2x and more from batch to batch)."""
+    return {site: v for site, v in a.sensitivity.items() if sum(site in m for m in a.c_recent) >= SENS_WINDOW}
 
 
 def standin_sites(a: "Adapter") -> list[str]:
@@ -304,6 +319,16 @@ def planner_c(a: "Adapter") -> dict[str, float]:
     top = max(out.values())
     for site in sensitive_sites(a.controller):
         out.setdefault(site, top)
+    return out
+
+
+def planner_coherence(a: "Adapter") -> dict[str, float]:
+    """The coherences a biased codec is charged (`measured_profile.charged_error`, with
+    `charges_biased`): the measured ones, and `STANDIN_KAPPA` at a site not measured yet."""
+    out = dict(a.coherence)
+    if charges_biased(a):
+        for site in sensitive_sites(a.controller):
+            out.setdefault(site, STANDIN_KAPPA)
     return out
 
 
@@ -364,7 +389,7 @@ def coherence_codecs(a: "Adapter", sites: Optional[list[str]]) -> dict[str, str]
     return out
 
 
-def coherence_due(a: "Adapter", biased: dict[str, str], tapped: list[str]) -> dict[str, str]:
+def coherence_due(a: "Adapter", biased: dict[str, str]) -> dict[str, str]:
     """The sites of `biased` whose coherence is not measured for that codec yet: kappa is a
     property of the codec's rounding against the gradient's structure, as stable as c's
     share, so it is measured once per codec (again when its figures aged out of the window)."""

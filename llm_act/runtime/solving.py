@@ -27,8 +27,7 @@ from llm_act.plan import plan_from
 from llm_act.planner import evaluate_plan, InfeasibleVariance, solve_plan
 from llm_act.planner.milp import TIME_RESOLUTION, InfeasibleBudget
 from llm_act.runtime import agreement, memory, output_choice
-from llm_act.measurement.sensitivity import sensitive_sites
-from llm_act.runtime.measuring import charges_biased, noise_bounded, planner_c, standin_sites
+from llm_act.runtime.measuring import noise_bounded, planner_c, planner_coherence, standin_sites
 
 if TYPE_CHECKING:
     from llm_act.runtime.adapt import Adapter
@@ -43,18 +42,6 @@ def offers_biased(a: "Adapter") -> bool:
     """Whether the planner may choose a biased codec: not under a noise budget with
     `biased_codecs="exclude"`."""
     return not (noise_bounded(a) and a.config.biased_codecs == "exclude")
-
-
-def unbiased_sites(a: "Adapter") -> bool | set[str]:
-    """Where the planner offers unbiased codecs only: everywhere under a noise budget with
-    `biased_codecs="exclude"`; with "charge", at the sites whose coherence is not measured yet
-    (a biased codec's noise is not guessed: `measuring.next_round` measures the coherence at
-    the sites the plan stores lossily); nowhere without a noise budget."""
-    if not offers_biased(a):
-        return True
-    if not charges_biased(a):
-        return False
-    return {site for site in sensitive_sites(a.controller) if site not in a.coherence}
 
 
 def noise_budget(a: "Adapter") -> Optional[float]:
@@ -78,7 +65,7 @@ def problem(a: "Adapter", profile: Any) -> tuple[list, int]:
     pins = a.pins()
     inflight = memory.inflight()
     blocks = profile.blocks(planner_c(a) or None, inflight=inflight, recompute=True, exclude=pins,
-                            coherence=a.coherence, unbiased_only=unbiased_sites(a))
+                            coherence=planner_coherence(a), unbiased_only=not offers_biased(a))
     pinned = sum(st.stored(pins[site]) for (_, site), st in profile.sites.items() if site in pins)
     return blocks, a._static_bytes() + profile.other_bytes + inflight * pinned
 

@@ -17,10 +17,12 @@ from llm_act.runtime import measuring
 from llm_act.runtime.measuring import (
     PLAIN,
     SIGNED,
+    STANDIN_KAPPA,
     coherence_codecs,
     coherence_due,
     next_round,
     planner_c,
+    planner_coherence,
     round_rows,
     scaled_medians,
 )
@@ -102,9 +104,7 @@ def test_the_round_goes_first_where_the_plan_depends_on_a_stand_in():
     """The order of `next_round`: an unmeasured probed type the plan stores lossily, the
     linears' coherences (all in one pass), a probed site's coherence (lossy ones first),
     the other unmeasured types, then the stalest; plain and signed rounds take turns; where
-    a coherence is not measured the planner offers no biased codec."""
-    from llm_act.runtime.solving import unbiased_sites
-
+    a coherence is not measured a biased codec is charged the stand-in."""
     model, controller, opt, gen = _setup(budget=10**9)
     a = controller.adapter
     tapped, probed = measuring.split_sites(a)
@@ -119,7 +119,7 @@ def test_the_round_goes_first_where_the_plan_depends_on_a_stand_in():
     a.last_round = signed
     kind, sites, biased = next_round(a, tapped, probed)
     assert (kind, sites) == (PLAIN, []) and set(biased) == set(tapped)
-    assert unbiased_sites(a) == set(tapped + probed)  # nothing measured: no biased codec anywhere
+    assert planner_coherence(a) == {s: STANDIN_KAPPA for s in tapped + probed}  # nothing measured
     a.coherence = {s: 1.2 for s in tapped}
     a.coherence_codecs = dict(biased)
     a.last_round = plain  # then a signed round: the other types never measured
@@ -128,7 +128,7 @@ def test_the_round_goes_first_where_the_plan_depends_on_a_stand_in():
     a.last_round = signed
     kind, sites, biased = next_round(a, tapped, probed)
     assert (kind, sites) == (PLAIN, ["ln2.input"]) and set(biased) == {"ln2.input"}  # the lossy one first
-    assert unbiased_sites(a) == set(probed)
+    assert planner_coherence(a) == {**{s: STANDIN_KAPPA for s in probed}, **{s: 1.2 for s in tapped}}
     a.coherence.update({s: 1.5 for s in probed})
     a.coherence_codecs.update(coherence_codecs(a, probed))
     assert next_round(a, tapped, probed) == (SIGNED, never[:1], {})  # no coherence due
@@ -137,10 +137,16 @@ def test_the_round_goes_first_where_the_plan_depends_on_a_stand_in():
     assert next_round(a, tapped, probed)[1] == [s for s in probed if s != "ln1.input"][:1]
     # coherence is due again when the plan moves the site to another biased codec
     a.coherence_codecs["ln2.input"] = "some_other_codec"
-    assert coherence_due(a, coherence_codecs(a, ["ln2.input"]), tapped) == {"ln2.input": "int4_channel"}
+    assert coherence_due(a, coherence_codecs(a, ["ln2.input"])) == {"ln2.input": "int4_channel"}
     # every sensitive type is charged a c: the largest measured where none is
     a.c_recent, a.sensitivity = [], {"attn.qkv_input": 2.0, "mlp.fc1_input": 1.0}
     assert planner_c(a)["ln1.input"] == 2.0 and planner_c(a)["mlp.fc1_input"] == 1.0
+    # a shift is looked for only in a full window: three measurements of the type
+    a.c_recent = [{"attn.qkv_input": 2.0, "ln1.input": 1.0}] + [{"attn.qkv_input": 2.0}] * 2
+    a.sensitivity = scaled_medians(a.c_recent, ["attn.qkv_input"])
+    assert set(measuring.settled_c(a)) == {"attn.qkv_input"}
+    a.c_recent += [{"attn.qkv_input": 2.0, "ln1.input": 1.0}] * 2
+    assert set(measuring.settled_c(a)) == {"attn.qkv_input", "ln1.input"}
 
 
 def _train_replayed(model, controller, opt, gen, steps, batch, on_point=None):

@@ -23,6 +23,7 @@ that is not a dense 2-D linear (the MoE experts).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -78,6 +79,8 @@ class LinearTap:
         self.biased_s: dict[tuple[int, str], float] = {}
         self.biased_d2: dict[tuple[int, str], torch.Tensor] = {}
         self.handles: list[Any] = []
+        self.seconds = 0.0
+        """host time spent in the hooks (what a training step the tap records pays for it)"""
 
     def __enter__(self) -> "LinearTap":
         for key, module in self.targets.items():
@@ -98,6 +101,7 @@ class LinearTap:
                 return  # a forward without grad (a checkpoint's first pass) stores nothing
             if self.first_only and key in self.s_l:
                 return
+            start = time.perf_counter()
             xd = x.detach()
             token_power = xd.double().pow(2).sum(dim=-1)
             # tensors until `results` (no host sync inside a training step: `StepTap`)
@@ -112,6 +116,7 @@ class LinearTap:
                 self.biased_s[key] = float(codec.expected_error(xd)) / p if p > 0 else 0.0
 
             def on_grad(dy: torch.Tensor) -> None:
+                begin = time.perf_counter()
                 dy = dy.detach()
                 c = (dy.double().pow(2).sum(dim=-1) * token_power).sum()
                 self.c_l[key] = self.c_l.get(key, 0.0) + c
@@ -119,8 +124,10 @@ class LinearTap:
                     err = codec.decode(codec.encode(xd)).float() - xd.float()
                     dw = dy.reshape(-1, dy.shape[-1]).float().t() @ err.reshape(-1, err.shape[-1])
                     self.biased_d2[key] = self.biased_d2.get(key, 0.0) + dw.double().pow(2).sum()
+                self.seconds += time.perf_counter() - begin
 
             y.register_hook(on_grad)
+            self.seconds += time.perf_counter() - start
         return forward_hook
 
     def _weight_group(self, key: tuple[int, str]) -> Optional[str]:

@@ -25,6 +25,7 @@ records for backward): later micro-batches and recomputations are left alone.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -102,6 +103,13 @@ class StepTap:
         self.samples: dict[tuple[int, str], SiteSample] = {}
         self.linear = linear_tap.LinearTap(controller, tapped, params, probe_codec, groups, first_only=True)
         self.handles: list[Any] = []
+        self.sample_seconds = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """Host time the tapped step spent in the tap's hooks: a tracking point's share of
+        the training step (on a GPU the launches; the kernels they queue run with the step)."""
+        return self.sample_seconds + self.linear.seconds
 
     def install(self) -> "StepTap":
         c = self.controller
@@ -134,12 +142,14 @@ class StepTap:
     def _keep(self, key: tuple[int, str], x: Any) -> None:
         if key in self.samples or not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
+        start = time.perf_counter()
         xs = token_sample(x.detach())
         whole = None
         codec = getattr(self.controller.module(*key), "act_codecs", {}).get(key[1])
         if getattr(codec, "axis", None) is not None and hasattr(codec, "expected_error_tensor"):
             whole = (codec.name, codec.expected_error_tensor(x), power_tensor(x))
         self.samples[key] = SiteSample(tuple(x.shape), x.dtype, xs.clone() if xs is x else xs, whole)
+        self.sample_seconds += time.perf_counter() - start
 
     def _pre(self, keys: list):
         def pre(module, args, kwargs):

@@ -143,6 +143,8 @@ class Adapter:
         self.last_round: Optional[dict[str, Any]] = None
         """what the last tracking point's round of measuring passes measured
         (`measuring.next_round`: kind, sites, biased codecs, rows)"""
+        self.rows_refused = False
+        """the recorded step could not be replayed on its first rows: measure on the whole batch"""
         self.step_tap: Optional[StepTap] = None
         """the tracking iteration's own training step, measured (`StepTap`): installed on its
         first recorded forward, removed at the step boundary"""
@@ -241,11 +243,13 @@ class Adapter:
             self.next_track = it + 1
             return
         start = time.perf_counter()
-        self._phases = {"iteration": float(it)}
+        # what the training step paid for its tap (`StepTap`): this point's, though spent in the step
+        tapped = self.step_tap.seconds if self.step_tap is not None else 0.0
+        self._phases = {"iteration": float(it), "step tap": tapped}
         try:
             self.track(probe)
         finally:
-            spent = time.perf_counter() - start
+            spent = time.perf_counter() - start + tapped
             self.measure_seconds += spent
             self.track_costs.append({**self._phases, "total": spent})
 

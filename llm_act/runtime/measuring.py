@@ -33,6 +33,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
+
 from llm_act.codecs.registry import KEEP, RECOMPUTE, UNBIASED_CODECS
 from llm_act.measurement import fidelity, head_cut, linear_tap
 from llm_act.measurement.measure import measure_profile, profile_from_samples
@@ -154,14 +156,15 @@ def track_sensitivity(a: "Adapter", probe: Callable[[], Any], profile: Any, stat
     kind, sites, biased = (next_round(a, tapped, probed, capacity(a, budget)) if not first
                            else (SIGNED, [], {}))
     step = a.step_tap.linear if a.step_tap is not None and a.step_tap.linear.c_l else None
-    passes = (1 + len(sites) if kind == SIGNED else 1 + 2 * len(sites))
-    forward, rows = round_forward(a, probe, passes, budget)
+    passes = (1 + len(sites) if kind == SIGNED else
+              1 + 2 * len(sites) + (COHERENCE_TAP_PASSES if set(biased) & set(tapped) else 0.0))
     samp_groups = window_medians(a.sampling_groups_recent)
-    sens = measure_sensitivity(c, forward, [p for _, p in named], seed=a.config.seed + c.iteration,
-                               sites=tapped + sites, groups=[fidelity.group_name(n) for n, _ in named],
-                               biased=biased or None, head=head_cut.head_of(a.replay.roots),
-                               signed=kind == SIGNED, sampling=kind == SIGNED, rows=rows, tapped_from=step,
-                               sampling_from=(a.sampling_noise, samp_groups) if a.sampling_noise else None)
+    sens, rows = on_rows(a, probe, passes, budget, lambda forward, rows: measure_sensitivity(
+        c, forward, [p for _, p in named], seed=a.config.seed + c.iteration,
+        sites=tapped + sites, groups=[fidelity.group_name(n) for n, _ in named],
+        biased=biased or None, head=head_cut.head_of(a.replay.roots),
+        signed=kind == SIGNED, sampling=kind == SIGNED, rows=rows, tapped_from=step,
+        sampling_from=(a.sampling_noise, samp_groups) if a.sampling_noise else None))
     world = g.world if g else None
     # a plain round's probed c stays out of the windows: in bf16 a probe's gradient
     # difference carries a floor of re-rounded intermediates that the signed and the plain
@@ -210,13 +213,16 @@ ROW_PASSES = 1.0
 #: the first tracking point also takes the full profile (a keep and a capture forward,
 #: every codec timed): its round, the exact pass alone, gets a quarter
 FIRST_ROW_PASSES = 0.25
+#: what the linears' coherences add to a plain pass, in passes: at each linear its biased
+#: codec's error on the input and that error's weight-gradient product (CPU references)
+COHERENCE_TAP_PASSES = 0.25
 #: the coherence a biased codec is charged at a site where it is not measured yet (issue
 #: 28 measured 1.0-9.4 on the bench GPT, INT4 with one scale per channel at the attention's
 #: input the most): a noise budget that binds keeps such codecs out until it is measured
 STANDIN_KAPPA = 10.0
 
 
-def round_rows(batch: Optional[int], passes: int, budget: float) -> Optional[int]:
+def round_rows(batch: Optional[int], passes: float, budget: float) -> Optional[int]:
     """The rows of a recorded batch of `batch` samples that a round of `passes` passes runs:
     the largest even number with passes x rows <= budget x batch, at least 2; None for the
     whole batch (a batch of two or fewer, or one whose rows cannot be told)."""
@@ -229,11 +235,11 @@ def round_rows(batch: Optional[int], passes: int, budget: float) -> Optional[int
 
 def replayed_rows(a: "Adapter") -> Optional[int]:
     """The rows of the recorded training step where the adapter measures from it, None where
-    a probe given by the loop measures (its batch cannot be cut)."""
-    return a.replay.batch_rows() if a.replayed and a.replay.calls else None
+    a probe given by the loop measures (its batch cannot be cut) or a cut failed (`on_rows`)."""
+    return a.replay.batch_rows() if a.replayed and a.replay.calls and not a.rows_refused else None
 
 
-def round_forward(a: "Adapter", probe: Callable[[], Any], passes: int, budget: float
+def round_forward(a: "Adapter", probe: Callable[[], Any], passes: float, budget: float
                   ) -> tuple[Callable[[], Any], Optional[tuple[int, int]]]:
     """(the closure `passes` passes measure with, (its rows, the batch's rows) or None): the
     recorded step on its first `round_rows` rows for the row `budget` where the adapter
@@ -243,6 +249,27 @@ def round_forward(a: "Adapter", probe: Callable[[], Any], passes: int, budget: f
     if rows is None:
         return probe, None
     return a.replay.probe(rows=rows), (rows, batch)
+
+
+def on_rows(a: "Adapter", probe: Callable[[], Any], passes: float, budget: float,
+            measure: Callable[[Callable[[], Any], Optional[tuple[int, int]]], Any]) -> tuple[Any, Any]:
+    """(`measure(forward, rows)`, rows) on the closure `round_forward` gives; where the
+    recorded step cannot be replayed on its first rows (a model whose arguments the cut
+    misreads), on the whole batch from then on, said once. Every rank of a model-parallel
+    group records the same arguments, so they fail alike and fall back together."""
+    forward, rows = round_forward(a, probe, passes, budget)
+    if rows is None:
+        return measure(forward, None), None
+    try:
+        return measure(forward, rows), rows
+    except torch.OutOfMemoryError:
+        raise  # the whole batch would need more
+    except (RuntimeError, ValueError, IndexError, TypeError) as err:
+        a.rows_refused = True
+        a._warn_once("rows", "llm_act: iteration %d: the recorded step could not be replayed on its first "
+                     "rows (%s: %s); plan 'auto' measures on the whole batch from now on (a tracking point "
+                     "then costs more than a training step)", a.controller.iteration, type(err).__name__, err)
+        return measure(probe, None), None
 
 
 def capacity(a: "Adapter", budget: float) -> int:
@@ -420,11 +447,13 @@ def report_fidelity(a: "Adapter", probe: Optional[Callable[[], Any]]) -> None:
         # in the measuring budget: its report replays the step's first rows, as a round
         # does; a fixed plan's measures the halves of the whole batch
         known = window_medians(a.sampling_groups_recent) if a.active and a.sampling_groups_recent else None
-        forward, rows = round_forward(a, probe, 2 + len(sites), ROW_PASSES) if known else (probe, None)
-        if known and rows is not None:
-            known = {grp: v * rows[0] / rows[1] for grp, v in known.items()}
-        sums = fidelity.measure_sums(c, forward, named, c.plan, sites, seed=a.config.seed + 31 * c.iteration,
-                                     head=head_cut.head_of(a.replay.roots), sampling=known)
+
+        def sums_of(forward, rows):
+            samp = known if known is None or rows is None else {k: v * rows[0] / rows[1] for k, v in known.items()}
+            return fidelity.measure_sums(c, forward, named, c.plan, sites, seed=a.config.seed + 31 * c.iteration,
+                                         head=head_cut.head_of(a.replay.roots), sampling=samp)
+
+        sums, rows = on_rows(a, probe, 2 + len(sites), ROW_PASSES, sums_of) if known else (sums_of(probe, None), None)
         sums = agreement.reduce_dict(sums, "mean", g.world if g else None)
     finally:
         spent = time.perf_counter() - start

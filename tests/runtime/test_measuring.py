@@ -56,6 +56,7 @@ def test_round_rows_fit_the_passes_into_the_row_budget():
     # at least two rows (the halves); the whole batch where it has two or fewer
     assert round_rows(8, 9, 1.0) == 2 and round_rows(2, 2, 1.0) is None and round_rows(None, 2, 1.0) is None
     assert round_rows(8, 1, 1.0) is None  # one pass fits the whole batch
+    assert round_rows(8, 1.25, 1.0) == 6
 
 
 def _count_passes(monkeypatch) -> list:
@@ -197,16 +198,45 @@ def test_a_replayed_point_measures_on_the_first_rows_with_no_profile_pass():
     # the first point: the keep and the capture forwards of the full profile, then the exact pass
     assert first == [8, 8, 2], first
     # the second: the profile from the step (no forward); the plan keeps everything, so the
-    # round measures the linears' coherences, one plain pass over the whole batch
-    assert later == [8], later
+    # round measures the linears' coherences, one plain pass (and their codecs' work) on 6 rows
+    assert later == [6], later
     assert a.last_round["kind"] == PLAIN and set(a.last_round["biased"]) == set(measuring.split_sites(a)[0])
     assert a.step_tap is None  # removed at the boundary
+    # what the step paid for its tap is the point's: booked with it
+    assert all(0.0 < p["step tap"] <= p["total"] for p in a.track_costs)
     # the next is signed (a plain round is never followed by another), catching up on the
     # probed types: as many as fit at 2 rows each beside the exact pass
     _train_replayed(model, controller, opt, gen, 2, batch=8)
     assert a.last_round["kind"] == SIGNED and a.last_round["rows"] == (2, 8) and len(a.last_round["sites"]) == 3
     assert set(a.profile.sites) == {(layer, s) for layer in controller.layers for s in controller.sites(layer)
                                     if (layer, s) in a.profile.sites}
+
+
+def test_a_step_that_cannot_be_replayed_on_its_first_rows_is_measured_whole(monkeypatch, caplog):
+    """A model whose arguments the cut misreads (here: a cut that drops the labels' rows
+    only) fails the sub-batch replay: the point measures on the whole batch instead, says
+    so once, and later points do not try again."""
+    import logging
+
+    from llm_act.measurement import replay as replay_module
+
+    real = replay_module.first_rows
+
+    def broken(tree, batch, rows):
+        out = real(tree, batch, rows)
+        if isinstance(out, dict) and "labels" in out:
+            out = dict(out, labels=tree["labels"])  # the labels keep every row: shapes disagree
+        return out
+
+    monkeypatch.setattr(replay_module, "first_rows", broken)
+    model, controller, opt, gen = _setup(budget=10**9)
+    with caplog.at_level(logging.WARNING, logger="llm_act"):
+        _train_replayed(model, controller, opt, gen, 4, batch=8)
+    a = controller.adapter
+    assert a.tracked == [1, 2, 4] and a.rows_refused and a.sampling_noise > 0
+    assert a.last_round["rows"] is None
+    said = [r.getMessage() for r in caplog.records if "could not be replayed on its first rows" in r.getMessage()]
+    assert len(said) == 1
 
 
 def test_an_outlier_shift_at_a_kept_site_does_not_reset_the_schedule():

@@ -110,39 +110,26 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
             pass
 
 
+#: a rendezvous whose port was taken between `free_port` and its listen (EADDRINUSE) is
+#: started again on a new port, up to this many tries in all
+PORT_TRIES = 3
+
+
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> None:
     """Run `fn(rank, world_size, port, *args)` on `world_size` fresh processes (forks of a
     server that has imported torch and megatron-core once: `fresh_process`).
 
     `fn` must be importable (a module-level function). Raises `WorkerError` with every
-    failing rank's traceback, or when a rank hangs past `timeout` seconds.
+    failing rank's traceback, or when a rank hangs past `timeout` seconds. A rank that finds
+    the rendezvous port taken stops every rank at once, and they start again on a new port.
     """
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
     ctx = fresh_context(_PRELOAD)
-    errors = ctx.SimpleQueue()
-    port = free_port()
-    environ = dict(os.environ)
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, environ), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    import time
-
-    deadline = time.monotonic() + timeout
-    hung = []
-    for r, p in enumerate(procs):
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            hung.append(r)
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
+    for attempt in range(PORT_TRIES):
+        failures, hung, procs = _run_ranks(ctx, fn, world_size, args, timeout)
+        if not any(_lost_port(tb) for _, tb in failures):
+            break
     if failures or hung or any(p.exitcode != 0 for p in procs):
         lines = [f"rank {r} failed:\n{tb}" for r, tb in sorted(failures)]
         lines += [f"rank {r} hung for more than {timeout:.0f} s (killed)" for r in hung]
@@ -153,3 +140,44 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> 
             if p.exitcode != 0 and r not in reported
         ]
         raise WorkerError("\n".join(lines))
+
+
+def _lost_port(traceback_text: str) -> bool:
+    """A rendezvous that could not listen on its port: another process had bound it."""
+    return "EADDRINUSE" in traceback_text and "DistNetworkError" in traceback_text
+
+
+def _run_ranks(ctx, fn: Callable, world_size: int, args: tuple, timeout: float):
+    """One try of `spawn`: (failures as (rank, traceback), hung ranks, processes)."""
+    import time
+    from multiprocessing.connection import wait
+
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    environ = dict(os.environ)
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, environ), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    failures: list[tuple[int, str]] = []
+    lost = False
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        wait([p.sentinel for p in procs if p.is_alive()], min(1.0, max(0.0, deadline - time.monotonic())))
+        while not errors.empty():
+            failures.append(errors.get())
+        lost = any(_lost_port(tb) for _, tb in failures)
+        if lost:
+            break  # the others wait for a rendezvous that will not come
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+    for p in procs:
+        p.join()
+    if lost:
+        hung = []  # stopped, not hung: reported by their exit codes
+    while not errors.empty():
+        failures.append(errors.get())
+    return failures, hung, procs

@@ -55,6 +55,7 @@ from llm_act.measurement import probing
 from llm_act.measurement.controlled import ControlledModel
 from llm_act.measurement.measured_profile import BLOCK_TIME, MeasuredProfile, OptionStats, SiteStats
 from llm_act.measurement.step_tap import CORE_ARG_NAMES, SAMPLE_ELEMS, input_arg, token_sample  # noqa: F401
+from llm_act.measurement.step_tap import submodule as _submodule
 from llm_act.sites import (
     ATTN_OUT,
     ATTN_Q,
@@ -508,14 +509,6 @@ def _no_recompute(controller: ControlledModel, layer: int) -> tuple[str, ...]:
     if getattr(tl.config, "bias_dropout_fusion", False) and float(getattr(tl, "hidden_dropout", 0) or 0) > 0:
         out += _rebuilt_from(schema.MASK_SITES)
     return tuple(out)
-
-
-def _submodule(tl: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
-    """The layer's submodule at the schema's dotted `path` (a `Site.slot` or `made_by`), or None."""
-    try:
-        return tl.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def _attention_hooks(controller: ControlledModel, sink: dict[int, tuple]) -> list:

@@ -81,7 +81,9 @@ def input_arg(site: str) -> Optional[int]:
     return next((t.arg for t in spec.tags if t.how == "input" and t.slot == spec.slot), None)
 
 
-def _submodule(root: Any, path: Optional[str]) -> Optional[torch.nn.Module]:
+def submodule(root: Any, path: Optional[str]) -> Optional[torch.nn.Module]:
+    """The submodule of `root` (a TransformerLayer) at the schema's dotted `path` (a
+    `Site.slot` or `made_by`), None where there is none."""
     if root is None or not path:
         return None
     try:
@@ -120,7 +122,7 @@ class StepTap:
                 if site not in schema.SITE_OF or schema.SITE_OF[site].family == "moe":
                     continue
                 arg = input_arg(site)
-                module = c.module(layer, site) if arg is not None else _submodule(
+                module = c.module(layer, site) if arg is not None else submodule(
                     c.layer_modules.get(layer), schema.SITE_OF[site].made_by)
                 if not isinstance(module, torch.nn.Module):
                     continue

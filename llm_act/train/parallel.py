@@ -69,8 +69,42 @@ def is_logging_rank() -> bool:
 # ---- the gloo process group of tests, benches and demos, and the teardown of every run ----
 
 
+#: where `free_port` looks first: below the kernel's ephemeral range, which it hands out to
+#: outgoing connections (gloo's pairs among them) with no bind from anyone, so a port taken
+#: from that range can be gone by the time the rendezvous listens on it.
+PORT_FLOOR = 20000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on right now (for a gloo rendezvous)."""
+    """A TCP port nobody listens on right now (for a gloo rendezvous): a random one outside
+    the ephemeral range where there is room, else one the kernel picks."""
+    import random
+
+    low, _ = _ephemeral_range()
+    if low - PORT_FLOOR >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(PORT_FLOOR, low)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

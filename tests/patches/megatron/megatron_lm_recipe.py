@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+
+from llm_act.train import parallel
 
 #: (file, stock text, text with the recipe) -- the README's additions, in order
 EDITS = (
@@ -50,12 +51,6 @@ def write_recipe(checkout: Path, out: Path) -> None:
         (Path(out) / name).write_text(text)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def environment(checkout: Path) -> dict[str, str]:
     """The run's environment: the checkout on PYTHONPATH (after what is there), one thread
     per rank, and make told the interpreter's extension suffix, so Megatron-LM's dataset
@@ -87,7 +82,7 @@ def command(out: Path, nproc: int, tp: int = 1, pp: int = 1, iters: int = 5,
     weights; `compress` adds `--act-compress` (plan "auto")."""
     args = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_port", str(free_port()), str(Path(out) / "pretrain_gpt.py"),
+        "--master_port", str(parallel.free_port()), str(Path(out) / "pretrain_gpt.py"),
         "--distributed-backend", "gloo", "--transformer-impl", "local",
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -6,7 +6,8 @@ above 1.5 steps).
 The run measures from its own training steps (`llm_act.measurement.replay`), exactly as in
 every other door. A tracking point's phases come from `Adapter.track_costs` (the step tap's
 hooks inside the tracking iteration's own training step, the measured profile, the
-sensitivity passes, agreement and solve); its cost in steps is its seconds over
+sensitivity passes, agreement and solve) and its measuring round in words
+(`measuring.round_label`); its cost in steps is its seconds over
 the median step of the same run that tracked nothing. Both are taken in this one run (times
 mean something only as these ratios). With `budget_fraction`, "auto" gets the budget that
 lets it store that fraction of stock's bytes in the layers (`convergence.budget_for`, from a
@@ -32,7 +33,7 @@ TARGET_STEPS_PER_POINT = 1.5
 def run(steps: int = 1000, quick: bool = False, seed: int = 1234,
         budget_fraction: Optional[float] = None) -> dict:
     """{steps, seconds, measuring_seconds, fraction, tracked, changes, budget, step_s,
-    points: [{iteration, step tap, profile, sensitivity, solve, total, steps}], reports: [{iteration, total,
+    points: [{iteration, step tap, profile, sensitivity, solve, total, steps, round}], reports: [{iteration, total,
     steps}] (the gradient-noise reports)} of one "auto" run."""
     quiet_megatron_warnings()
     data = embedded_corpus()
@@ -81,13 +82,13 @@ def table(row: dict) -> str:
     ]
     if row.get("points"):
         lines += ["", f"| tracking iteration | step tap | profile | sensitivity | agreement + solve | total | in steps "
-                      f"(target <= {TARGET_STEPS_PER_POINT:g}) |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+                      f"(target <= {TARGET_STEPS_PER_POINT:g}) | round |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in row["points"]:
             lines.append(f"| {int(p['iteration'])} | {1000 * p.get('step tap', 0.0):.0f} ms | "
                          f"{1000 * p.get('profile', 0.0):.0f} ms | "
                          f"{1000 * p.get('sensitivity', 0.0):.0f} ms | {1000 * p.get('solve', 0.0):.0f} ms | "
-                         f"{1000 * p['total']:.0f} ms | {p['steps']:.1f} |")
+                         f"{1000 * p['total']:.0f} ms | {p['steps']:.1f} | {p.get('round', '')} |")
     if row.get("reports"):
         lines += ["", "| gradient-noise report at iteration | total | in steps |", "|---:|---:|---:|"]
         lines += [f"| {int(p['iteration'])} | {1000 * p['total']:.0f} ms | {p['steps']:.1f} |" for p in row["reports"]]

@@ -131,9 +131,10 @@ class Adapter:
         self.measure_seconds = 0.0
         """wall time spent measuring and planning at tracking points (this run)"""
         self._phases: Optional[dict[str, float]] = None
-        self.track_costs: list[dict[str, float]] = []
-        """per tracking point of this run: its iteration and the seconds of each phase
-        ("profile", "sensitivity", "solve": agreement and planner, "total")"""
+        self.track_costs: list[dict[str, Any]] = []
+        """per tracking point of this run: its iteration, the seconds of each phase ("step tap",
+        "profile", "sensitivity", "solve": agreement and planner, "total") and its "round" in
+        words (`measuring.round_label`; empty where the point ran none)"""
         self.report_costs: list[dict[str, float]] = []
         """per gradient-fidelity report of this run: its iteration and seconds ("total")"""
         self.sampling_recent: list[float] = []
@@ -246,12 +247,14 @@ class Adapter:
         # what the training step paid for its tap (`StepTap`): this point's, though spent in the step
         tapped = self.step_tap.seconds if self.step_tap is not None else 0.0
         self._phases = {"iteration": float(it), "step tap": tapped}
+        before = self.last_round
         try:
             self.track(probe)
         finally:
             spent = time.perf_counter() - start + tapped
             self.measure_seconds += spent
-            self.track_costs.append({**self._phases, "total": spent})
+            ran = measuring.round_label(self.last_round) if self.last_round is not before else ""
+            self.track_costs.append({**self._phases, "total": spent, "round": ran})
 
     def _schedule(self, it: int, reset: bool) -> None:
         if reset:

@@ -204,6 +204,10 @@ def test_a_replayed_point_measures_on_the_first_rows_with_no_profile_pass():
     assert a.step_tap is None  # removed at the boundary
     # what the step paid for its tap is the point's: booked with it
     assert all(0.0 < p["step tap"] <= p["total"] for p in a.track_costs)
+    # each point's round, in words, for the overhead bench's table
+    assert [p["round"] for p in a.track_costs] == [
+        "signed: the exact pass alone; 2 of 8 rows",
+        "plain: the coherence of " + ", ".join(a.last_round["biased"]) + "; 6 of 8 rows"]
     # the next is signed (a plain round is never followed by another), catching up on the
     # probed types: as many as fit at 2 rows each beside the exact pass
     _train_replayed(model, controller, opt, gen, 2, batch=8)

@@ -145,12 +145,14 @@ class StepTap:
         if key in self.samples or not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
         start = time.perf_counter()
-        xs = token_sample(x.detach())
+        xd = x.detach()
+        xs = token_sample(xd)
         whole = None
         codec = getattr(self.controller.module(*key), "act_codecs", {}).get(key[1])
         if getattr(codec, "axis", None) is not None and hasattr(codec, "expected_error_tensor"):
             whole = (codec.name, codec.expected_error_tensor(x), power_tensor(x))
-        self.samples[key] = SiteSample(tuple(x.shape), x.dtype, xs.clone() if xs is x else xs, whole)
+        # a small tensor is its own sample: copied, as the step may still write to it in place
+        self.samples[key] = SiteSample(tuple(x.shape), x.dtype, xs.clone() if xs is xd else xs, whole)
         self.sample_seconds += time.perf_counter() - start
 
     def _pre(self, keys: list):

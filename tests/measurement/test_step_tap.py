@@ -46,6 +46,19 @@ def _step(model, controller, fwd, micro_batches=1):
     return tap
 
 
+def test_a_sample_is_a_copy_of_the_steps_tensor():
+    """What the step writes to a site's tensor in place after the hook (a residual added
+    into it) does not reach the sample, small tensors (their own sample) and large alike."""
+    _, controller, _ = _gpt()
+    tap = StepTap(controller)
+    for layer, numel in ((0, 64), (1, 1 << 16)):
+        x = torch.randn(numel // 8, 8)
+        tap._keep((layer, LN2_INPUT), x)
+        before = tap.samples[(layer, LN2_INPUT)].sample.clone()
+        x.add_(1.0)
+        assert torch.equal(tap.samples[(layer, LN2_INPUT)].sample, before), numel
+
+
 def test_every_value_site_is_sampled_with_its_shape_whatever_the_plan_stores():
     model, controller, fwd = _gpt()
     whole = measure_profile(controller, fwd)

@@ -126,7 +126,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> 
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
     ctx = fresh_context(_PRELOAD)
-    for attempt in range(PORT_TRIES):
+    for _ in range(PORT_TRIES):
         failures, hung, procs = _run_ranks(ctx, fn, world_size, args, timeout)
         if not any(_lost_port(tb) for _, tb in failures):
             break

@@ -54,8 +54,7 @@ from llm_act.ledger import SavedTensorLedger
 from llm_act.measurement import probing
 from llm_act.measurement.controlled import ControlledModel
 from llm_act.measurement.measured_profile import BLOCK_TIME, MeasuredProfile, OptionStats, SiteStats
-from llm_act.measurement.step_tap import CORE_ARG_NAMES, SAMPLE_ELEMS, input_arg, token_sample  # noqa: F401
-from llm_act.measurement.step_tap import submodule as _submodule
+from llm_act.measurement.step_tap import CORE_ARG_NAMES, input_arg, power_tensor, submodule, token_sample
 from llm_act.sites import (
     ATTN_OUT,
     ATTN_Q,
@@ -131,10 +130,7 @@ def _activation_name(controller: ControlledModel, layer: int) -> str:
 
 def _power(x: torch.Tensor) -> float:
     """Mean of x^2 over the finite elements (float64); 1 for an all-zero tensor."""
-    xf = x.detach().double()
-    xf = xf[torch.isfinite(xf)]
-    p = float(xf.pow(2).mean()) if xf.numel() else 0.0
-    return p if p > 0 else 1.0
+    return float(power_tensor(x)) or 1.0
 
 
 def derivative_power(x: torch.Tensor, activation: str) -> float:
@@ -296,10 +292,10 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
                                                  for n in site_codec_names(controller, layer, site, x))
             dpower = derivative_power(xs, activation[layer]) if few else 1.0
             copied = every_layer is not None and layer not in groups_first and site not in schema.MODEL_SITES
+            ref = sites.get((first_of.get(layer, layer), site))
             for name in site_codec_names(controller, layer, site, x):
                 if codecs is not None and name not in codecs and key not in all_codecs_at:
                     continue
-                ref = sites.get((first_of.get(layer, layer), site))
                 if copied and name not in every_layer and ref is not None and name in ref.options:
                     st.options[name] = dataclasses.replace(ref.options[name])
                     continue
@@ -448,7 +444,7 @@ def _producer_timer(controller: ControlledModel, sink: dict) -> list:
     modules = {}
     for layer, tl in controller.layer_modules.items():
         for path in _timed_paths():
-            module = _submodule(tl, path)
+            module = submodule(tl, path)
             if module is not None:
                 modules[(layer, path)] = module
     return _module_timer(modules, sink)
@@ -515,7 +511,7 @@ def _attention_hooks(controller: ControlledModel, sink: dict[int, tuple]) -> lis
     """Forward pre-hooks that record each layer's core-attention call (the slot holding q)."""
     handles = []
     for layer, tl in controller.layer_modules.items():
-        core = _submodule(tl, schema.SITE_OF[ATTN_Q].slot)
+        core = submodule(tl, schema.SITE_OF[ATTN_Q].slot)
         if core is None:
             continue
 
@@ -548,7 +544,7 @@ def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: d
     if spec is not None and spec.made_by:
         if timed((layer, spec.made_by)) is not None:
             return timed((layer, spec.made_by))
-        producer, x = _submodule(tl, spec.made_by), x_of(spec.recomputed_from[0])
+        producer, x = submodule(tl, spec.made_by), x_of(spec.recomputed_from[0])
         return None if producer is None or x is None else t(lambda: producer(x))
     if site == MLP_FC2_INPUT and x_of(MLP_ACT_INPUT) is not None:
         owner = _binder(controller, layer)
@@ -558,7 +554,7 @@ def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: d
         p = float(getattr(tl, "hidden_dropout", 0.0) or 0.0)
         res = x_of(CHECKPOINT_SITE)
         path = schema.SITE_OF[ATTN_OUT].slot  # linear_proj, which attn.out enters
-        proj = _submodule(tl, path)
+        proj = submodule(tl, path)
         if timed((layer, path)) is not None:
             return timed((layer, path)) + t(lambda: torch.nn.functional.dropout(res, p, True) + res)
 
@@ -571,8 +567,8 @@ def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: d
         call = attn_call.get(layer)
         qkv_path, core_path = schema.SITE_OF[ATTN_QKV_INPUT].slot, schema.SITE_OF[ATTN_Q].slot
         if timed((layer, qkv_path)) is not None and (call is None or timed((layer, core_path)) is not None):
-            return timed((layer, qkv_path)) + (timed((layer, core_path)) or 0.0 if call is not None else 0.0)
-        linear_qkv = _submodule(tl, qkv_path)
+            return timed((layer, qkv_path)) + (timed((layer, core_path)) if call is not None else 0.0)
+        linear_qkv = submodule(tl, qkv_path)
         qkv = t(lambda: linear_qkv(x_of(ATTN_QKV_INPUT)))
         if call is None:
             return qkv

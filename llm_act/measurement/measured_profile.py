@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Collection, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -249,25 +249,23 @@ class MeasuredProfile:
                per_layer: bool = False, recompute: bool = False,
                candidates: Optional[Mapping[str, Sequence[str]]] = None,
                exclude: Sequence[str] = (), coherence: Optional[Mapping[str, float]] = None,
-               unbiased_only: bool | Collection[str] = False) -> list[BlockProfile]:
+               unbiased_only: bool = False) -> list[BlockProfile]:
         """`BlockProfile`s in layer order: one per group of identical layers (`count` = its
         size; bytes the mean over the group, rounded up, so totals are exact for the uniform
         plan a group gets), or one per layer with `per_layer`. `recompute`: offer
         "recompute" (the producer's measured forward time); `candidates`: site -> the codec
         names to offer (default: all measured); `exclude`: sites left out (fixed choices);
         `coherence`: site -> the factor a biased codec's noise is charged at (issue 28);
-        `unbiased_only`: offer no biased codec (`UNBIASED_CODECS` only): True everywhere, or
-        at the sites named (those whose coherence is not measured yet)."""
+        `unbiased_only`: offer no biased codec (`UNBIASED_CODECS` only)."""
         sens = dict(sensitivity or {})
         out = []
         for group, sites in self.units(per_layer, exclude):
             profiles = []
             for site in sites:
                 stats = [self.sites[(layer, site)] for layer in group]
-                unbiased = unbiased_only if isinstance(unbiased_only, bool) else site in unbiased_only
                 names = [n for n in stats[0].options
                          if (candidates is None or site not in candidates or n in candidates[site])
-                         and (not unbiased or n in UNBIASED_CODECS)]
+                         and (not unbiased_only or n in UNBIASED_CODECS)]
                 options = tuple(
                     CodecOption(
                         name,

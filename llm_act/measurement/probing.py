@@ -169,8 +169,10 @@ def optional_grad(loss: torch.Tensor, params: list[torch.Tensor], retain: bool =
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 
-def sq_distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """||a - b||^2 over all tensors together, in float64."""
+def sq_distance(a: list[torch.Tensor], b: Optional[list[torch.Tensor]]) -> float:
+    """||a - b||^2 over all tensors together, in float64 (b None: ||a||^2)."""
+    if b is None:
+        return float(sum(float(x.double().pow(2).sum()) for x in a))
     return float(sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b)))
 
 

@@ -284,7 +284,7 @@ def measure_sensitivity(controller: ControlledModel, forward: Callable[[], Any],
         if todo:
             out.coherence.update(_coherence(controller, forward, passes, snap, todo, out.c, seed, exact))
         if sampling and signed:  # the exact pass's gradient is g_a - g_b
-            out.sampling_noise = probing.sq_distance(exact, [torch.zeros_like(g) for g in exact]) / 4.0
+            out.sampling_noise = probing.sq_distance(exact, None) / 4.0
             if groups is not None:
                 out.sampling_by_group = {g: v / 4.0 for g, v in probing.sq_by_group(exact, None, groups).items()}
         elif sampling:

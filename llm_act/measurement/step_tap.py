@@ -6,7 +6,7 @@ plan in force and in the memory that plan takes. `StepTap` is installed on the f
 training forward of such an iteration (by the recorded step, `llm_act.measurement.replay`)
 and removed at the step boundary; while installed it keeps
 
-- a token sample of every site's tensor (`measure.token_sample`: about `SAMPLE_ELEMS`
+- a token sample of every site's tensor (`token_sample`: about `SAMPLE_ELEMS`
   elements, every channel) with its shape and dtype, taken by forward hooks on the modules
   the block schema names (`llm_act.sites`): a site's "input" tag is an argument of the
   module that stores it, a site made by a submodule (`Site.made_by`, the activation's input)

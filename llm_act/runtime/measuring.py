@@ -196,18 +196,6 @@ def track_sensitivity(a: "Adapter", probe: Callable[[], Any], profile: Any, stat
     stats["share"] = {s: v / total for s, v in by_site.items()} if total > 0 else {}
 
 
-def round_label(r: Optional[dict[str, Any]]) -> str:
-    """A round in words, for the overhead bench's table: its kind, what it measured, on how
-    many rows ("signed: attn.v, attn.q; 2 of 8 rows", "plain: the coherence of ln1.input; 2 of 8
-    rows")."""
-    if not r:
-        return ""
-    what = ", ".join(r["sites"]) if r["kind"] == SIGNED else (
-        "the coherence of " + ", ".join(r["biased"]) if r["biased"] else ", ".join(r["sites"]))
-    rows = "the whole batch" if r.get("rows") is None else "{} of {} rows".format(*r["rows"])
-    return f"{r['kind']}: {what or 'the exact pass alone'}; {rows}"
-
-
 #: a round whose passes backpropagate the halves' difference (`measure_sensitivity`'s
 #: `signed`): its exact pass gives the sampling noise, its probes the probed types' c
 SIGNED = "signed"
@@ -232,6 +220,18 @@ COHERENCE_TAP_PASSES = 0.25
 #: 28 measured 1.0-9.4 on the bench GPT, INT4 with one scale per channel at the attention's
 #: input the most): a noise budget that binds keeps such codecs out until it is measured
 STANDIN_KAPPA = 10.0
+
+
+def round_label(r: Optional[dict[str, Any]]) -> str:
+    """A round in words, for the overhead bench's table: its kind, what it measured, on how
+    many rows ("signed: attn.v, attn.q; 2 of 8 rows", "plain: the coherence of ln1.input; 2 of 8
+    rows")."""
+    if not r:
+        return ""
+    what = ", ".join(r["sites"]) if r["kind"] == SIGNED else (
+        "the coherence of " + ", ".join(r["biased"]) if r["biased"] else ", ".join(r["sites"]))
+    rows = "the whole batch" if r.get("rows") is None else "{} of {} rows".format(*r["rows"])
+    return f"{r['kind']}: {what or 'the exact pass alone'}; {rows}"
 
 
 def round_rows(batch: Optional[int], passes: float, budget: float) -> Optional[int]:

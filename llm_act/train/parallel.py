@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 from typing import Optional
 
@@ -96,8 +97,6 @@ def _bindable(port: int) -> bool:
 def free_port() -> int:
     """A TCP port nobody listens on right now (for a gloo rendezvous): a random one outside
     the ephemeral range where there is room, else one the kernel picks."""
-    import random
-
     low, _ = _ephemeral_range()
     if low - PORT_FLOOR >= 1000:
         rng = random.SystemRandom()

@@ -1,7 +1,7 @@
 """Codec names used by plans, flags and JSON, and the factory behind them."""
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 from llm_act.codecs.base import Codec
 from llm_act.codecs.bitmask import BitMask
@@ -127,6 +127,40 @@ def check_choice(site: str, name: str) -> str:
             "recomputed"
         )
     return name
+
+
+#: What an MLP's activation lets backward keep at `mlp.act_input` (`LayerBinder.mlp_kind`):
+#: its derivative depends on its input alone, so a few-bit table of f' may stand for x
+MLP_FEWBIT = "fewbit"
+#: ReLU: the activation's backward needs only a 1-bit mask of x
+MLP_MASK = "mask"
+#: gated (SwiGLU, GeGLU) and other units: backward needs x itself, so a value codec only
+MLP_VALUE = "value"
+
+
+def refusal(site: str, name: str, mlp_kind: Optional[str]) -> Optional[str]:
+    """Why a layer whose MLP is of `mlp_kind` (`MLP_FEWBIT`, `MLP_MASK`, `MLP_VALUE`, or None
+    where the layer's MLP is not known: a generic block) cannot take choice `name` at
+    `site`; None where it can. The one rule every caller asks (`accepts`): the plan, the
+    profile's options, the sensitivity and coherence probes, the fidelity reports and the
+    layers' own `set_act_codec`."""
+    try:
+        check_choice(site, name)
+    except ValueError as err:
+        return str(err)
+    if name in FEWBIT_CODECS and mlp_kind != MLP_FEWBIT:
+        unit = {MLP_MASK: "a ReLU MLP (its backward keeps a 1-bit mask)",
+                MLP_VALUE: "a gated or non-pointwise MLP (SwiGLU, GeGLU, squared ReLU: backward needs x itself)",
+                None: "a block whose MLP llm_act does not know"}.get(mlp_kind, f"an MLP of kind {mlp_kind!r}")
+        return (f"codec {name!r}: few-bit codecs need a pointwise activation whose derivative depends "
+                f"on x only; this layer has {unit}: choose a value codec such as 'outlier_int4' at "
+                f"{site!r}")
+    return None
+
+
+def accepts(site: str, name: str, mlp_kind: Optional[str]) -> bool:
+    """Whether a layer whose MLP is of `mlp_kind` can take choice `name` at `site` (`refusal`)."""
+    return refusal(site, name, mlp_kind) is None
 
 
 def check_choices(choice: Mapping[str, str], where: str) -> None:

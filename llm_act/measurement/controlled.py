@@ -41,5 +41,9 @@ class ControlledModel(Protocol):
     def new_codec(self, layer: int, site: str, name: str, seed: int) -> Codec:
         """A fresh codec `name` for (layer, site) with its own generator seeded `seed`."""
 
+    def accepts(self, layer: int, site: str, name: str) -> bool:
+        """Whether `layer` can take choice `name` at `site` (the schema's rule for the layer's
+        MLP kind, `llm_act.codecs.registry.refusal`): measurement offers and probes nothing else."""
+
     def no_fewbit_layers(self) -> set[int]:
         """Layers whose MLP activation takes no few-bit codec (gated units)."""

@@ -48,7 +48,7 @@ import torch
 from llm_act import sites as schema  # BLOCK and its tables, as `declare` leaves them
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.fewbit import derivative
-from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, check_choice, make_codec
+from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, make_codec
 from llm_act.layer_contract import LayerBinder, binder_of
 from llm_act.ledger import SavedTensorLedger
 from llm_act.measurement import probing
@@ -103,16 +103,12 @@ def _codec(name: str, activation: str) -> Codec:
 
 
 def site_codec_names(controller: ControlledModel, layer: int, site: str, x: torch.Tensor) -> list[str]:
-    """The codecs `site` of `layer` admits: the registry's rule, few-bit codecs only where
-    the MLP's activation has a fitted derivative, mask codecs on boolean masks."""
+    """The codecs `site` of `layer` admits: what the layer accepts (`controller.accepts`, the
+    schema's rule: few-bit codecs only where the MLP's derivative depends on x alone), mask
+    codecs on boolean masks."""
     names = []
-    act = getattr(controller.module(layer, site), "act_activation", None) if site == MLP_ACT_INPUT else None
     for name in CODEC_NAMES:
-        try:
-            check_choice(site, name)
-        except ValueError:
-            continue
-        if name in FEWBIT_CODECS and not isinstance(act, str):
+        if not controller.accepts(layer, site, name):
             continue
         if (name in MASK_CODECS) != (x.dtype == torch.bool):
             continue

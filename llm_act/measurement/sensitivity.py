@@ -62,7 +62,7 @@ from llm_act.codecs.fewbit import derivative
 from llm_act.codecs.registry import FEWBIT_CODECS, make_codec
 from llm_act.measurement import linear_tap, probing
 from llm_act.measurement.head_cut import HeadCut
-from llm_act.sites import ATTN_SOFTMAX, MASK_SITES, MLP_ACT_INPUT, SITES
+from llm_act.sites import ATTN_SOFTMAX, DEFAULT_CODECS, MASK_SITES, MLP_ACT_INPUT, SITES
 
 #: the codec whose random draws measure c at value sites
 PROBE_CODEC = "int4"
@@ -165,7 +165,7 @@ class _Recording(Codec):
 
 
 def _probe(controller: ControlledModel, layer: int, site: str, seed: int, record: list) -> Codec:
-    if site == MLP_ACT_INPUT:
+    if site == MLP_ACT_INPUT and controller.accepts(layer, site, DEFAULT_CODECS[MLP_ACT_INPUT]):
         act = getattr(controller.module(layer, site), "act_activation", None)
         if isinstance(act, str) and act != "relu":
             return _DerivativeProbe(seed, act, record)
@@ -352,8 +352,8 @@ def _coherence(controller: ControlledModel, forward: Callable[[], Any], passes: 
         record: list[float] = []
         codecs = {}
         for layer in controller.layers:
-            if site not in controller.sites(layer):
-                continue
+            if site not in controller.sites(layer) or not controller.accepts(layer, site, name):
+                continue  # (`measuring.coherence_codecs` names only codecs every layer takes)
             act = getattr(controller.module(layer, site), "act_activation", None) if site == MLP_ACT_INPUT else None
             act = act if isinstance(act, str) and name in FEWBIT_CODECS else None
             inner = make_codec(name, seed=seed + 7919 * layer, activation=act or "gelu")

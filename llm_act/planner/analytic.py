@@ -51,7 +51,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from llm_act import sites as schema  # BLOCK and its tables, as `declare` leaves them
-from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, check_choice, make_codec
+from llm_act.codecs.registry import CODEC_NAMES, accepts, make_codec
 from llm_act.planner.model_shape import DeviceModel, ModelShape  # ModelShape: public here too
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
 from llm_act.sites import (
@@ -106,12 +106,9 @@ def codec_variance(name: str, activation: str = "gelu") -> float:
 
 
 def _allowed(site: str, name: str, shape: ModelShape) -> bool:
-    try:
-        check_choice(site, name)
-    except ValueError:
-        return False
-    # a gated unit's backward needs f(a) itself for the gate's gradient, not only f'(a)
-    return not (name in FEWBIT_CODECS and shape.gated_linear_unit)
+    """The schema's rule (`registry.accepts`) for the shape's MLP kind: a gated unit's
+    backward needs f(a) itself for the gate's gradient, not only f'(a)."""
+    return accepts(site, name, shape.mlp_kind)
 
 
 def _codec_bytes(name: str, dims: tuple[int, ...], dtype: torch.dtype, shape: ModelShape,

@@ -208,6 +208,16 @@ class ModelShape:
         return self.ffn_hidden_size * (2 if self.gated_linear_unit else 1)
 
     @property
+    def mlp_kind(self) -> str:
+        """What the MLP's activation lets backward keep (`llm_act.codecs.registry.refusal`):
+        a gated unit needs x itself, ReLU a 1-bit mask, any other fitted activation f'(x)."""
+        from llm_act.codecs.registry import MLP_FEWBIT, MLP_MASK, MLP_VALUE
+
+        if self.gated_linear_unit:
+            return MLP_VALUE
+        return MLP_MASK if self.activation == "relu" else MLP_FEWBIT
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
 

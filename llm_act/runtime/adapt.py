@@ -52,6 +52,7 @@ from llm_act.measurement.replay import StepReplay
 from llm_act.measurement.sensitivity import check_noise
 from llm_act.measurement.step_tap import StepTap
 from llm_act.runtime import agreement, measuring, memory, output_choice, schedule, solving
+from llm_act.runtime.round_guard import RoundGuard
 from llm_act.runtime.budget_check import BudgetTooSmall, check_user_budget, FirstForward
 from llm_act.runtime.logs import speaks_for_stage
 
@@ -154,6 +155,10 @@ class Adapter:
         self.fidelity_requested = False
         self.fidelity_next = 0
         """where the rotation of the sites a fidelity report measures alone continues"""
+        self.round = RoundGuard(fatal=(BudgetTooSmall, PlanOverBudget, agreement.Disagreement,
+                                       agreement.CollectiveError))
+        """runs each tracking point and report so that a failure skips it on every rank and
+        training goes on (`round_guard`); its `skipped` list and count reach `summary()`"""
 
     @property
     def config(self):
@@ -197,7 +202,9 @@ class Adapter:
         """Called after every iteration; reports the gradient fidelity and tracks when due
         (with `probe`, else with the training step the hooks recorded)."""
         try:
-            measuring.report_fidelity(self, probe)
+            if self.fidelity_due(self.controller.iteration):
+                self.round.run("the gradient-fidelity report", self.controller.iteration,
+                               lambda: measuring.report_fidelity(self, probe))
             self._after_iteration(probe)
         finally:
             self.replay.clear()
@@ -210,10 +217,16 @@ class Adapter:
         step itself (`StepTap`: the sites' samples, the linears' c) until the boundary."""
         if self.step_tap is not None or not self.measure_due():
             return
-        named = measuring.named_params(self)
-        tapped, _ = measuring.split_sites(self)
-        self.step_tap = StepTap(self.controller, tapped, [p for _, p in named],
-                                [fidelity.group_name(n) for n, _ in named]).install()
+        try:  # inside the training step's forward: a failure here must not stop it
+            named = measuring.named_params(self)
+            tapped, _ = measuring.split_sites(self)
+            self.step_tap = StepTap(self.controller, tapped, [p for _, p in named],
+                                    [fidelity.group_name(n) for n, _ in named]).install()
+        except Exception as err:  # noqa: BLE001 -- the point then measures with passes of its own
+            self.step_tap = None
+            self._warn_once("tap", "llm_act: iteration %d: the training step could not be tapped for "
+                            "measuring (%s: %s); tracking points measure with passes of their own",
+                            self.controller.iteration + 1, type(err).__name__, err)
 
     def _after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
         it = self.controller.iteration
@@ -248,13 +261,16 @@ class Adapter:
         tapped = self.step_tap.seconds if self.step_tap is not None else 0.0
         self._phases = {"iteration": float(it), "step tap": tapped}
         before = self.last_round
+        done = False
         try:
-            self.track(probe)
+            done = self.round.run("the tracking point", it, lambda: self.track(probe))
+            if not done and not self.round.committed:
+                self._schedule(it, reset=False)  # on every rank alike: all skipped before the commit
         finally:
             spent = time.perf_counter() - start + tapped
             self.measure_seconds += spent
             ran = measuring.round_label(self.last_round) if self.last_round is not before else ""
-            self.track_costs.append({**self._phases, "total": spent, "round": ran})
+            self.track_costs.append({**self._phases, "total": spent, "round": ran if done else "skipped"})
 
     def _schedule(self, it: int, reset: bool) -> None:
         if reset:
@@ -290,36 +306,38 @@ class Adapter:
                             "stays (said once; every failure is counted in the run's summary)",
                             it, decision["failure"])
         self._phase("solve", clock)
+        reset = bool(decision["reasons"])
+        if g is not None:  # every stage keeps the same schedule (they track together)
+            reset = bool(agreement.reduce_dict({"r": float(reset)}, "max", g.world)["r"])
+        if decision["plan"] is not None:  # a plan the layers cannot bind skips the point here
+            c.check_accepted(self._next_plan(profile, decision))
+        # every rank measured and decided: the schedule first, then what this rank switches
+        self.round.commit()
+        self.tracked.append(it)
+        self.track_count += 1
+        self._run_tracks += 1
+        self._schedule(it, reset=reset)
         self.budget = decision["budget"]
         self.profile = profile
         self.output_decision = decision.get("output")
         if decision["plan"] is not None:
             self._switch(it, profile, decision)
-        reset = bool(decision["reasons"])
-        if g is not None:  # every stage keeps the same schedule (they track together)
-            reset = bool(agreement.reduce_dict({"r": float(reset)}, "max", g.world)["r"])
         in_force = c.pending_plan or c.plan
         if self.sensitivity and self.sampling_noise is not None:
             # measured figures only: a stand-in c (the largest measured) would warn of a guess
             self.noise_ratio = check_noise(profile.noise(in_force, self.sensitivity, self.coherence),
                                            self.sampling_noise,
                                            where=f" (iteration {it})")
-        self.tracked.append(it)
-        self.track_count += 1
-        self._run_tracks += 1
         if decision["reasons"]:
             self.resets.append((it, list(decision["reasons"])))
             log.info("llm_act: iteration %d: statistics shifted (%s); tracking interval back to 1",
                      it, "; ".join(decision["reasons"]))
-        self._schedule(it, reset=reset)
 
     def _switch(self, it: int, profile: Any, decision: dict[str, Any]) -> None:
         """Set the decided plan and output loss; a change is logged and kept in `history`."""
         c = self.controller
         old = c.plan
-        new = {layer: {**old.get(layer, {}), **self.unmeasured(profile, layer), **choice,
-                       **self.pins(layer)}
-               for layer, choice in decision["plan"].items()}
+        new = self._next_plan(profile, decision)
         output_moved = c.set_output_loss(decision.get("output_loss"))
         if new == old and not output_moved:
             return
@@ -349,6 +367,13 @@ class Adapter:
             "none" if vb is None else f"{vb:.3g}", entry["overhead_ms"],
             "" if out is None else " | " + output_choice.OutputChoice(**out).describe(),
             entry["reason"], c.describe(new))
+
+    def _next_plan(self, profile: Any, decision: dict[str, Any]) -> dict[int, dict[str, str]]:
+        """The plan `decision` puts in force: each decided layer's choice over the plan in force,
+        its unmeasured sites kept, the user's pins on top."""
+        old = self.controller.plan
+        return {layer: {**old.get(layer, {}), **self.unmeasured(profile, layer), **choice, **self.pins(layer)}
+                for layer, choice in decision["plan"].items()}
 
     def _phase(self, name: str, since: float) -> float:
         """Book the seconds since `since` to phase `name` of this tracking point; now."""
@@ -415,8 +440,10 @@ class Adapter:
         fid = "" if last is None else (
             f"; gradient fidelity at iteration {last.iteration}: relative error {last.total:.3g}"
             + ("" if last.noise_ratio is None else f", {last.format_noise()}"))
+        skipped = self.round.skipped_total
+        skips = "" if not skipped else f", {skipped} measurements skipped after a failure (plan kept)"
         return (f"re-planning: {self.track_count} tracking points, {len(self.history)} plan changes, "
-                f"{self.solver_failures} solver failures (plan kept){spent}{fid}")
+                f"{self.solver_failures} solver failures (plan kept){skips}{spent}{fid}")
 
     # ---- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -434,6 +461,7 @@ class Adapter:
             "sampling_recent": list(self.sampling_recent),
             "sampling_groups_recent": [dict(m) for m in self.sampling_groups_recent],
             "fidelity": [r.to_dict() for r in self.fidelity], "fidelity_next": self.fidelity_next,
+            "skipped": self.round.skipped_total,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -458,3 +486,4 @@ class Adapter:
         self.sampling_groups_recent = [dict(m) for m in state.get("sampling_groups_recent", [])]
         self.fidelity = [FidelityReport.from_dict(r) for r in state.get("fidelity", [])]
         self.fidelity_next = int(state.get("fidelity_next", 0))
+        self.round.skipped_total = int(state.get("skipped", 0))

@@ -216,10 +216,29 @@ def _unpack(t: torch.Tensor, size: int) -> Any:
     return pickle.loads(t[:size].cpu().numpy().tobytes())
 
 
+#: called before each collective of ours while a measurement runs
+#: (`llm_act.runtime.round_guard.RoundGuard.checkpoint`: a status exchange, so that a rank
+#: whose measurement failed is met by its peers instead of leaving them waiting here)
+_before_collective: Optional[Callable[[], None]] = None
+
+
+def set_before_collective(hook: Optional[Callable[[], None]]) -> None:
+    """Install (or, with None, remove) the hook `gather` and `broadcast` call first."""
+    global _before_collective
+    _before_collective = hook
+
+
+def _announce() -> None:
+    if _before_collective is not None:
+        _before_collective()
+
+
 def gather(obj: Any, group: Any = None, op: str = "all_gather of statistics") -> list[Any]:
     """`obj` of every rank of `group` (a list in rank order); `op` names the operation in a
     `CollectiveError`."""
     dist = _dist()
+    if dist is not None:
+        _announce()  # on every rank alike, also where `group` has one rank
     if dist is None or dist.get_world_size(group) == 1:
         return [obj]
     device = _device(group)
@@ -248,6 +267,8 @@ def reduce_dict(values: Mapping[Any, float], op: str, group: Any = None) -> dict
 def broadcast(obj: Any, g: Optional[Groups], op: str = "broadcast of the plan") -> Any:
     """`obj` of the stage's source rank, on every rank of the stage."""
     dist = _dist()
+    if dist is not None:
+        _announce()
     if dist is None or g is None or dist.get_world_size(g.stage) == 1:
         return obj
     device = _device(g.stage)

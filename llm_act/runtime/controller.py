@@ -36,7 +36,7 @@ import logging
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from llm_act.codecs.base import Codec
-from llm_act.codecs.registry import KEEP, RECOMPUTE, make_codec
+from llm_act.codecs.registry import KEEP, MLP_FEWBIT, MLP_VALUE, RECOMPUTE, accepts, make_codec, refusal
 from llm_act.config import ActConfig
 from llm_act.layer_contract import binder_of
 from llm_act.measurement.probing import params_of
@@ -46,7 +46,7 @@ from llm_act.runtime import agreement, controller_state
 from llm_act.runtime.adapt import Adapter
 from llm_act.runtime.logs import default_handler, speaks_for_stage
 from llm_act.runtime.seeds import codec_seed
-from llm_act.sites import ATTN_Q, MLP_ACT_INPUT, SITES
+from llm_act.sites import ATTN_Q, DEFAULT_CODECS, MLP_ACT_INPUT, SITES
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,40 @@ def _sequence_parallel(modules) -> bool:
         if getattr(module, "sequence_parallel", False) is True:
             return True
     return False
+
+
+#: the controllers that take any torch optimizer's step as their boundary (`Controller.watch`),
+#: in the order they started watching, held weakly
+_WATCHERS: list = []
+_ANY_OPTIMIZER_HOOK: Any = None
+
+
+def _any_optimizer_stepped(*_args: Any, **_kwargs: Any) -> None:
+    """The one global optimizer-step hook of this process: tells every live watcher. It is
+    registered once and never removed, because torch iterates its hook dict while calling
+    the hooks, and a hook removed then (a controller collected by a garbage collection inside
+    a hook) ends that `optimizer.step()` with "OrderedDict mutated during iteration"."""
+    global _WATCHERS
+    live = [c for c in (ref() for ref in _WATCHERS) if c is not None]
+    if len(live) != len(_WATCHERS):
+        _WATCHERS = [ref for ref in _WATCHERS if ref() is not None]
+    for controller in live:
+        controller._any_optimizer_stepped()
+
+
+def _watch_any_optimizer(controller: "Controller") -> Any:
+    """Add `controller` to the watchers of the global hook (registered on first use); the
+    weak reference it is held by (a collected controller drops out by itself)."""
+    import weakref
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    global _ANY_OPTIMIZER_HOOK
+    if _ANY_OPTIMIZER_HOOK is None:
+        _ANY_OPTIMIZER_HOOK = register_optimizer_step_post_hook(_any_optimizer_stepped)
+    ref = weakref.ref(controller)
+    _WATCHERS.append(ref)
+    return ref
 
 
 class Controller:
@@ -204,6 +238,7 @@ class Controller:
             return
 
         wanted = plan_from(plan, self.num_layers, self._modules, self.no_fewbit_layers())
+        self.check_accepted(wanted)
         agreement.agree_plan(wanted, agreement.groups())
         self._pending = wanted
         if not self._in_step and not self._driven:
@@ -275,19 +310,7 @@ class Controller:
             if speaks_for_stage():
                 log.info("llm_act: plan in force at the start (%s), layers %s:\n%s", start,
                          spans(list(self.layers)), self.describe(self._plan))
-            import weakref
-
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            ref = weakref.ref(self)
-
-            def stepped(*_args: Any, **_kwargs: Any) -> None:
-                controller = ref()
-                if controller is not None:
-                    controller._any_optimizer_stepped()
-
-            self._any_optimizer = register_optimizer_step_post_hook(stepped)
-            weakref.finalize(self, self._any_optimizer.remove)
+            self._any_optimizer = _watch_any_optimizer(self)
 
     def _any_optimizer_stepped(self) -> None:
         """A torch optimizer stepped (the global hook of `watch`): the step boundary when
@@ -383,6 +406,7 @@ class Controller:
         and refuses a combination it cannot bind before changing anything (the layers bound
         before it get the plan in force back). The core attention then gets its mode
         (`attention_mode`)."""
+        self.check_accepted(plan)
         try:
             self._bind(plan)
         except Exception:
@@ -447,15 +471,45 @@ class Controller:
         sp = _sequence_parallel(self._modules.get(layer, {}).values())
         return codec_seed(self.config.seed, layer, site, sequence_parallel=sp)
 
+    def mlp_kind(self, layer: int) -> Optional[str]:
+        """What `layer`'s MLP activation lets backward keep (`LayerBinder.mlp_kind`: "fewbit",
+        "mask", "value", or None where unknown). Modules no binder owns say it through
+        `act_activation` (a fitted activation's name, or None: a value codec only)."""
+        stored = self._modules.get(layer, {})
+        owner = next((b for b in map(binder_of, stored.values()) if b is not None), None)
+        if owner is not None:
+            return owner.mlp_kind()
+        module = stored.get(MLP_ACT_INPUT)
+        if module is None or not hasattr(module, "act_activation"):
+            return None
+        return MLP_FEWBIT if isinstance(module.act_activation, str) else MLP_VALUE
+
+    def accepts(self, layer: int, site: str, name: str) -> bool:
+        """Whether `layer` can take choice `name` at `site`: the schema's rule
+        (`registry.refusal`) for this layer's MLP kind. Every path of "auto" asks it before it
+        offers, measures or reports a codec."""
+        return accepts(site, name, self.mlp_kind(layer))
+
+    def check_accepted(self, plan: LayerPlans) -> None:
+        """Refuse, before anything changes, a plan with a choice some layer cannot take: a
+        codec the schema's rule refuses for the layer (`accepts`), or a combination its binder
+        cannot bind (`LayerBinder.codec_names` raises). A `ValueError` (the binder's own error
+        for a combination) naming the layer, the site and the fix."""
+        for layer, choice in plan.items():
+            stored = self._modules.get(layer, {})
+            for site, name in choice.items():
+                why = refusal(site, name, self.mlp_kind(layer)) if site in stored else None
+                if why is not None:
+                    raise ValueError(f"plan for layer {layer}: {why}")
+            owner = next((b for b in map(binder_of, stored.values()) if b is not None), None)
+            if owner is not None:
+                owner.codec_names(choice)
+
     def no_fewbit_layers(self) -> set[int]:
-        """Layers whose MLP activation takes no few-bit codec (the module says so with
-        `act_activation = None`): "compress" gives them a value codec there."""
-        out = set()
-        for layer, stored in self._modules.items():
-            module = stored.get(MLP_ACT_INPUT)
-            if module is not None and hasattr(module, "act_activation") and module.act_activation is None:
-                out.add(layer)
-        return out
+        """Layers that cannot take the default codec at `mlp.act_input` (a few-bit one):
+        "compress" gives them a value codec there (`plan.VALUE_ACT_CODEC`)."""
+        return {layer for layer, stored in self._modules.items()
+                if MLP_ACT_INPUT in stored and not self.accepts(layer, MLP_ACT_INPUT, DEFAULT_CODECS[MLP_ACT_INPUT])}
 
     def _activation(self, layer: int, site: str) -> str:
         """The activation whose derivative a few-bit codec at `site` tabulates."""

@@ -40,6 +40,7 @@ from llm_act.measurement import fidelity, head_cut, linear_tap
 from llm_act.measurement.measure import measure_profile, profile_from_samples
 from llm_act.measurement.sensitivity import measure_sensitivity, sensitive_sites
 from llm_act.runtime import agreement
+from llm_act.runtime.round_guard import PeerFailed
 from llm_act.sites import DEFAULT_CODECS, MLP_ACT_INPUT
 
 if TYPE_CHECKING:
@@ -268,7 +269,8 @@ def on_rows(a: "Adapter", probe: Callable[[], Any], passes: float, budget: float
     """(`measure(forward, rows)`, rows) on the closure `round_forward` gives; where the
     recorded step cannot be replayed on its first rows (a model whose arguments the cut
     misreads), on the whole batch from then on, said once. Every rank of a model-parallel
-    group records the same arguments, so they fail alike and fall back together."""
+    group records the same arguments, so they fail alike and fall back together. A failure
+    the whole batch repeats is not the cut's: it is raised (`round_guard` skips the point)."""
     forward, rows = round_forward(a, probe, passes, budget)
     if rows is None:
         return measure(forward, None), None
@@ -277,11 +279,14 @@ def on_rows(a: "Adapter", probe: Callable[[], Any], passes: float, budget: float
     except torch.OutOfMemoryError:
         raise  # the whole batch would need more
     except (RuntimeError, ValueError, IndexError, TypeError) as err:
+        if isinstance(err, PeerFailed):
+            raise
+        out = measure(probe, None)  # raises where the failure is not the cut's
         a.rows_refused = True
         a._warn_once("rows", "llm_act: iteration %d: the recorded step could not be replayed on its first "
                      "rows (%s: %s); plan 'auto' measures on the whole batch from now on (a tracking point "
                      "then costs more than a training step)", a.controller.iteration, type(err).__name__, err)
-        return measure(probe, None), None
+        return out, None
 
 
 def capacity(a: "Adapter", budget: float) -> int:
@@ -412,19 +417,23 @@ def charges_biased(a: "Adapter") -> bool:
 
 def coherence_codecs(a: "Adapter", sites: Optional[list[str]]) -> dict[str, str]:
     """site -> the biased codec whose coherence is measured there (with `charges_biased`;
-    else none): the one the plan in force uses at that site (in the layers that have it),
-    else the site's default codec when it is biased, else int4_channel (fewbit3 at the
-    activation's input)."""
+    else none), the first that every layer holding the site accepts (`Controller.accepts`:
+    a gated MLP takes no few-bit codec): the one the plan in force uses at that site, else
+    the site's default codec when it is biased, else fewbit3 at the activation's input, else
+    int4_channel."""
     if not charges_biased(a):
         return {}
     c = a.controller
     out = {}
     for site in sensitive_sites(c) if sites is None else sites:
-        in_force = [c.plan.get(layer, {}).get(site) for layer in c.layers if site in c.sites(layer)]
-        biased = [n for n in in_force if n not in (None, KEEP, RECOMPUTE) and n not in UNBIASED_CODECS]
-        default = DEFAULT_CODECS.get(site)
-        out[site] = (biased[0] if biased else default if default and default not in UNBIASED_CODECS
-                     else "fewbit3" if site == MLP_ACT_INPUT else "int4_channel")
+        layers = [layer for layer in c.layers if site in c.sites(layer)]
+        in_force = [c.plan.get(layer, {}).get(site) for layer in layers]
+        fallback = ["fewbit3"] if site == MLP_ACT_INPUT else []
+        for name in [*in_force, DEFAULT_CODECS.get(site), *fallback, "int4_channel"]:
+            if (name not in (None, KEEP, RECOMPUTE) and name not in UNBIASED_CODECS
+                    and all(c.accepts(layer, site, name) for layer in layers)):
+                out[site] = name
+                break
     return out
 
 
@@ -467,6 +476,7 @@ def report_fidelity(a: "Adapter", probe: Optional[Callable[[], Any]]) -> None:
 
         sums, rows = on_rows(a, probe, 2 + len(sites), ROW_PASSES, sums_of) if known else (sums_of(probe, None), None)
         sums = agreement.reduce_dict(sums, "mean", g.world if g else None)
+        a.round.commit()  # the report's last collective: what follows is this rank's alone
     finally:
         spent = time.perf_counter() - start
         a.measure_seconds += spent

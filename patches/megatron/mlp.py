@@ -25,6 +25,7 @@ from llm_act.patches.megatron.functions import EncodedRecompute, FewBitActivatio
 
 require("megatron.core", "llm_act.patches.megatron.mlp")
 from megatron.core.transformer.mlp import MLP  # noqa: E402
+from llm_act.codecs.registry import CODEC_NAMES, refusal  # noqa: E402
 from llm_act.sites import MLP_ACT_INPUT
 
 SITE = MLP_ACT_INPUT
@@ -84,15 +85,11 @@ class ActMLP(ActModule, MLP):
         if codec is not None and site == SITE:
             kind, _, name = activation_of(self.config)
             few = getattr(codec, "table", None) is not None and hasattr(codec, "activation")
-            if codec.name in ("bitmask", "regen"):
-                raise ValueError(f"codec {codec.name!r} stores dropout masks, not {SITE!r}")
-            if few and kind == "value":
+            why = refusal(SITE, codec.name, kind) if codec.name in CODEC_NAMES else None
+            if why is not None:  # the schema's rule, the one every caller asks
                 raise ValueError(
-                    f"codec {codec.name!r}: few-bit codecs need a pointwise activation whose "
-                    f"derivative depends on x only; this MLP (gated_linear_unit="
-                    f"{self.config.gated_linear_unit}, activation "
-                    f"{getattr(self.config.activation_func, '__name__', self.config.activation_func)}) "
-                    "needs a value codec such as 'outlier_int4' at 'mlp.act_input'")
+                    f"{why} (this MLP: gated_linear_unit={self.config.gated_linear_unit}, activation "
+                    f"{getattr(self.config.activation_func, '__name__', self.config.activation_func)})")
             if few and kind == "fewbit" and codec.activation != name:
                 raise ValueError(
                     f"codec {codec.name!r} is fitted to {codec.activation!r}, this MLP computes "

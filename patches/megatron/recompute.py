@@ -114,6 +114,7 @@ class LayerRecompute(LayerBinder):
         if is_full(choice, OPTIONAL_SITES - set(self.sites)):
             name = choice[CHECKPOINT_SITE]
             return {} if name == KEEP else {CHECKPOINT_SITE: name}
+        self._validate(choice, {s for s, c in choice.items() if c == RECOMPUTE})  # refuse here, first
         out = {}
         for site in list(self.sites) + [s for s in QKV_SITES if s not in self.sites]:
             name = choice[site]
@@ -135,8 +136,9 @@ class LayerRecompute(LayerBinder):
     def bind(self, choice: Mapping[str, str], codecs: Mapping[str, Codec]) -> None:
         """Bind `choice` with `codecs` (site -> codec, for every site of `codec_names(choice)`)."""
         choice = self._checked(choice)
-        recomputed = {s for s, c in choice.items() if c == RECOMPUTE}
-        full = is_full(choice, OPTIONAL_SITES - set(self.sites))
+        absent = OPTIONAL_SITES - set(self.sites)  # named by a plan, not had by this layer
+        recomputed = {s for s, c in choice.items() if c == RECOMPUTE and s not in absent}
+        full = is_full(choice, absent)
         if not full:
             self._validate(choice, recomputed)  # before anything changes
         self._unhook()
@@ -177,6 +179,9 @@ class LayerRecompute(LayerBinder):
 
     def _validate(self, choice: Mapping[str, str], recomputed: set) -> None:
         where = f"layer {self.index}"
+        # an optional site the layer does not have (the qk-layernorm inputs of a block without
+        # them) is no part of it, whatever a plan names there (as in `is_full`)
+        recomputed = recomputed - (OPTIONAL_SITES - set(self.sites))
         qkv = recomputed & set(QKV_SITES + QK_NORM_SITES)
         if qkv:
             raise NotImplementedError(

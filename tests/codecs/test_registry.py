@@ -73,3 +73,27 @@ def test_unbiased_codecs_are_the_stochastic_and_the_exact_ones():
 
     assert UNBIASED_CODECS == {n for n in CODEC_NAMES if make_codec(n).stochastic} | MASK_CODECS
     assert {"int4_channel", "fp8_e4m3", "fewbit3", "int4_asym"}.isdisjoint(UNBIASED_CODECS)
+
+
+def test_one_rule_decides_what_a_layer_accepts():
+    """`refusal` / `accepts` (issue 41): few-bit codecs only where the MLP's derivative depends
+    on x alone; a gated unit, ReLU (its mask) and a block whose MLP is unknown take value
+    codecs; the schema's own refusals come through; the message names the fix."""
+    from llm_act.codecs.registry import (CODEC_NAMES, FEWBIT_CODECS, MLP_FEWBIT, MLP_MASK, MLP_VALUE,
+                                         accepts, refusal)
+    from llm_act.planner.model_shape import ModelShape
+
+    for name in FEWBIT_CODECS:
+        assert accepts("mlp.act_input", name, MLP_FEWBIT)
+        for kind in (MLP_VALUE, MLP_MASK, None):
+            why = refusal("mlp.act_input", name, kind)
+            assert why is not None and "value codec such as 'outlier_int4'" in why and "\n" not in why
+        assert not accepts("attn.q", name, MLP_FEWBIT)  # the schema: few-bit is mlp.act_input's
+    value_codecs = [n for n in CODEC_NAMES if n not in FEWBIT_CODECS and n not in ("bitmask", "regen")]
+    for kind in (MLP_FEWBIT, MLP_VALUE, MLP_MASK, None):
+        assert all(accepts("mlp.act_input", n, kind) for n in value_codecs)
+        assert not accepts("mlp.act_input", "regen", kind) and accepts("attn.dropout_mask", "regen", kind)
+    shape = dict(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=8, micro_batch_size=1)
+    assert ModelShape(**shape).mlp_kind == MLP_FEWBIT
+    assert ModelShape(**shape, gated_linear_unit=True, activation="silu").mlp_kind == MLP_VALUE
+    assert ModelShape(**shape, activation="relu").mlp_kind == MLP_MASK

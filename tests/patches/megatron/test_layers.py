@@ -422,7 +422,10 @@ def test_relu_mask_is_exact_and_one_bit(dtype):
     import torch.nn.functional as F
 
     stock, act, sites = twin_layers(config(activation_func=F.relu), dtype)
-    sites["mlp.act_input"].set_act_codec("mlp.act_input", make_codec("fewbit1", activation="relu"))
+    # the one rule (`registry.refusal`): a ReLU MLP keeps its mask, a few-bit table is refused
+    with pytest.raises(ValueError, match="ReLU MLP"):
+        sites["mlp.act_input"].set_act_codec("mlp.act_input", make_codec("fewbit1", activation="relu"))
+    sites["mlp.act_input"].set_act_codec("mlp.act_input", make_codec("outlier_int4"))
     x = torch.randn(S, B, H, dtype=dtype)
     ref = grads(stock.mlp, x)
     with SavedTensorLedger() as ledger:

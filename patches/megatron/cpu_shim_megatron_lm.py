@@ -9,7 +9,8 @@ what it needs:
 
 - `initialize_megatron` runs with `allow_no_cuda=True` (its "Megatron requires CUDA."
   assert), in `megatron.training.initialize`, `megatron.training` and `training.py`;
-- the fused-kernel `load` (CUDA extensions) does nothing;
+- the fused-kernel `load` (CUDA extensions) does nothing, where `megatron.legacy` exists (a
+  Megatron-LM checkout has it, the megatron-core 0.19 wheel does not);
 - in the modules of `_TRAINING_MODULES` and `_CORE_MODULES` the global `torch` is
   `cpu_shim`'s proxy, grown with
   `device_count() == 1` (so initialize.py builds the model-parallel groups and seeds the
@@ -40,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 
+from llm_act.patches.megatron import compat
 from llm_act.patches.megatron.cpu_stand_ins import (
     CPU_STREAM, MARK, cpu_device, CpuCuda, CpuTorch, mark, patch_attr, replace_torch)
 
@@ -225,11 +227,20 @@ def patch_core() -> list[str]:
     return done
 
 
+#: modules patched where they exist: `megatron.legacy` ships with a Megatron-LM checkout but
+#: not in the megatron-core 0.19 wheel (whose `megatron.training` does not reach it)
+_OPTIONAL_MODULES = ("megatron.legacy.fused_kernels",)
+
+
 def require_megatron_lm() -> None:
-    """Raise ModuleNotFoundError naming the fix when Megatron-LM's `megatron.training` is
-    not importable (checked before anything is patched)."""
+    """Raise ModuleNotFoundError naming the fix when Megatron-LM's `megatron.training`, or a
+    module the stand-ins patch, is not importable: every one is imported here, before anything
+    is patched, so a missing module never leaves the process half patched (the optional ones,
+    `_OPTIONAL_MODULES`, are skipped where absent)."""
     try:
-        importlib.import_module("megatron.training")
+        for name in ("megatron.training",) + _TRAINING_MODULES + _CORE_MODULES + (
+                "megatron.core.optimizer.clip_grads",):
+            importlib.import_module(name)
     except ModuleNotFoundError as err:
         raise ModuleNotFoundError(
             f"cpu_shim.install(megatron_lm=True) needs Megatron-LM's `megatron.training` "
@@ -248,8 +259,8 @@ def patch_training() -> list[str]:
     if getattr(init.initialize_megatron, MARK, False):
         done += _rebind("initialize_megatron", init.initialize_megatron,
                         ("megatron.training", "megatron.training.training"))
-    kernels = importlib.import_module("megatron.legacy.fused_kernels")
-    if patch_attr(kernels, "load", _no_load, kernels):
+    kernels = compat.optional_module("megatron.legacy.fused_kernels")
+    if kernels is not None and patch_attr(kernels, "load", _no_load, kernels):
         done.append("megatron.legacy.fused_kernels.load")
     if _patch_method(torch.nn.Module, "cuda", _module_cuda):
         done.append("torch.nn.Module.cuda")

@@ -14,6 +14,9 @@ returns the stock function. Compressed, it runs the same ops as the stock *unfus
   `empty_like(x).bernoulli_(1 - p).div_(1 - p)`, the CUDA one the fused `native_dropout`
   kernel).
 
+Where x's dtype and the residual's differ (`fp32_residual_connection=True` with bf16 or fp16
+params), the operands are cast as the installed megatron-core's own bias-dropout-add casts
+them (`compat.bda_operands`: 0.16 computes in x's dtype, 0.19 in the residual's).
 Gradients are bit-identical to stock in both cases. With `config.bias_dropout_fusion` the
 stock function is torch.compile'd, whose generated RNG is not eager dropout's: compressed
 masks then follow the unfused path (a different, equally valid mask stream).
@@ -26,6 +29,7 @@ import torch
 
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.regen import default_generator, dropout_keep_mask, fused_dropout
+from llm_act.patches.megatron import compat
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw, count_kept
 from llm_act.patches.megatron.functions import Record, _report
 from llm_act.sites import ATTN_HIDDEN_DROPOUT_MASK, sites_where
@@ -116,12 +120,16 @@ class ActBiasDropoutAdd(ActModule, torch.nn.Module):
                 x.requires_grad or residual.requires_grad or (bias is not None and bias.requires_grad))
             if not needs_grad or not 0.0 < prob < 1.0 or x.numel() == 0:
                 return stock_fn(x_with_bias, residual, prob)
+            # the dtypes stock's installed version computes in where x's and the residual's
+            # differ (fp32_residual_connection): 0.16 casts the residual to x's, 0.19 x and the
+            # bias to the residual's (`compat.bda_operands`); the dropout then runs as stock's
+            cast_x, bias, cast_residual = compat.bda_operands(x, bias, residual)
             # never more than stock, which keeps a bool mask (fused) or the noise in x's dtype
-            stock_mask = (x.shape, torch.bool if fused_dropout(x.device, x.numel()) else x.dtype)
+            stock_mask = (x.shape, torch.bool if fused_dropout(x.device, x.numel()) else cast_x.dtype)
             if not codec_within_raw(codec, stock_mask):
                 count_kept(self, self.act_site)
                 return stock_fn(x_with_bias, residual, prob)
-            residual = residual if residual.dtype == x.dtype else residual.to(x.dtype)
+            x, residual = cast_x, cast_residual
             if bias is not None:
                 x = x + bias
             out = StoredMaskDropout.apply(x, float(prob), codec, self, self.act_site)

@@ -13,6 +13,7 @@ import inspect
 from typing import Any, Optional
 
 from llm_act._imports import require
+from llm_act.patches.megatron import compat
 from llm_act.patches.megatron.act_module import ActModule
 from llm_act.patches.megatron.functions import EncodedLinear
 from llm_act.patches.megatron.sp import EncodedSPLinear
@@ -65,6 +66,10 @@ class _ActLinear(ActModule):
         if codec is None or not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
         a = _impl_arguments((input, weight) + args, kwargs)
+        if compat.linear_gtp_size(a) > 1:  # refused at set-up too (unsupported.check_transformer_config)
+            raise NotImplementedError(
+                f"site {site!r}: gtp_remat_size={compat.linear_gtp_size(a)} (GTP weight sharding) is "
+                "not supported with compression")
         if a.get("grad_output_buffer") is not None:
             raise NotImplementedError(
                 f"site {site!r}: deferred embedding wgrad compute is not supported with compression")

@@ -8,7 +8,9 @@ without apex (`WrappedTorchNorm`) refuses sequence parallelism, ours does not. T
 block's final norm is not part of a layer spec; `block_spec(...)` returns the whole block
 (layers + our final norm), which `GPTModel(transformer_layer_spec=...)` also accepts.
 
-Megatron-core is imported only when a spec is requested.
+Megatron-core is imported only when a spec is requested. The `mlp` and MoE `experts` slots are
+`ModuleSpec`s up to megatron-core 0.16 and builders (`functools.partial`) from 0.17 on (0.17.1
+mixes both); `compat` reads and copies either form.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any, Optional, Union
 
 from llm_act._imports import require
 from llm_act.config import ActConfig
-from llm_act.patches.megatron import cpu_required, unsupported
+from llm_act.patches.megatron import compat, cpu_required, unsupported
 from llm_act.patches.megatron.apply import as_config
 from llm_act.patches.megatron.attention import ActCoreAttention
 from llm_act.patches.megatron.dropout import ActBiasDropoutAdd
@@ -74,11 +76,14 @@ def layer_spec(
 
     layer = stock.submodules
     mlp = layer.mlp
-    if mlp.module.__name__ not in ("MLP", "MoELayer"):
+    # a ModuleSpec up to megatron-core 0.16, a builder (functools.partial) from 0.17 on
+    mlp_class = compat.spec_class(mlp)
+    mlp_name = getattr(mlp_class, "__name__", repr(mlp))
+    if mlp_name not in ("MLP", "MoELayer"):
         raise NotImplementedError(
-            f"layer_spec: the local spec's MLP is {mlp.module.__name__}; llm_act supports the dense "
+            f"layer_spec: the local spec's MLP is {mlp_name}; llm_act supports the dense "
             "MLP and the MoELayer")
-    moe = mlp.module.__name__ == "MoELayer"
+    moe = mlp_name == "MoELayer"
     # the schema's sites (`slot`, `holder`) say which slot gets which class; the core
     # attention converts as a whole (its sites lie inside it)
     slots: dict[str, Any] = {"self_attention.core_attention": ActCoreAttention}
@@ -95,18 +100,22 @@ def layer_spec(
         # no shared experts (refused by unsupported.check_moe); the experts' linears stay
         # megatron's: ActSequentialMLP stores their inputs itself
         slots["mlp.router"] = ActTopKRouter
-        slots["mlp.experts"] = dataclasses.replace(mlp.submodules.experts, module=ActSequentialMLP)
-    # the MLP class itself stays megatron's: TransformerLayer passes the TP group only to
-    # `MLP` exactly; `apply` swaps it to ActMLP in place (its site is bound there)
+        slots["mlp.experts"] = compat.with_class(compat.spec_submodules(mlp).experts, ActSequentialMLP)
+    # the MLP class itself stays megatron's on every version: TransformerLayer passes the TP
+    # group only to a `ModuleSpec` of `MLP` exactly (0.16), or rewraps only that one into
+    # `MLP.as_mlp_submodule` (0.17+; a ModuleSpec(ActMLP) would be called with
+    # `pg_collection=`, which MLP does not take); `apply` swaps it to ActMLP in place (its
+    # site is bound there)
     return dataclasses.replace(stock, submodules=_with_slots(layer, slots))
 
 
 def _stock_at(submodules: Any, slot: str) -> Any:
     """What a layer spec's submodules hold at the dotted `slot` path (None where a step is
-    missing)."""
+    missing); a step may be a `ModuleSpec` or a builder (`compat.spec_submodules`)."""
     *parents, name = slot.split(".")
     for parent in parents:
-        submodules = getattr(getattr(submodules, parent, None), "submodules", None)
+        step = getattr(submodules, parent, None)
+        submodules = None if step is None else compat.spec_submodules(step)
     return getattr(submodules, name, None)
 
 
@@ -119,7 +128,7 @@ def _ours(layer: Any, site: Site) -> bool:
 
 def _with_slots(submodules: Any, slots: dict[str, Any]) -> Any:
     """A copy of a spec's `submodules` with each dotted slot path in `slots` replaced (the
-    specs on the way copied too: the stock spec is left as it was)."""
+    specs or builders on the way copied too: the stock spec is left as it was)."""
     here: dict[str, Any] = {}
     below: dict[str, dict[str, Any]] = {}
     for slot, value in slots.items():
@@ -130,7 +139,7 @@ def _with_slots(submodules: Any, slots: dict[str, Any]) -> Any:
             here[slot] = value
     for parent, inner in below.items():
         spec = getattr(submodules, parent)
-        here[parent] = dataclasses.replace(spec, submodules=_with_slots(spec.submodules, inner))
+        here[parent] = compat.with_submodules(spec, _with_slots(compat.spec_submodules(spec), inner))
     return dataclasses.replace(submodules, **here)
 
 

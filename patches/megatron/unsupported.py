@@ -1,7 +1,9 @@
 """Clear errors for the megatron-core features the compressed layers do not handle yet.
 
 Transformer Engine specs, some MoE settings (`check_moe`), context parallel, multi-latent
-attention, CUDA graphs and Megatron's own `recompute_granularity` together with our plan
+attention, CUDA graphs, megatron-core 0.17-0.19's options the layers would ignore (GTP weight
+sharding, MLP chunks, the MoE paged stash, qk_l2_norm, MuP, fp8_output_proj:
+`_check_new_options`), HybridModel, and Megatron's own `recompute_granularity` together with our plan
 would either bypass the compressed modules (TE, MoE, MLA), break their invariants (CUDA
 graphs freeze the codecs' random streams and Python-side choices; CP splits the sequence
 our sites assume whole) or double the recomputation (Megatron's checkpointing around layers
@@ -22,6 +24,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 import torch
+
+from llm_act.patches.megatron import compat
 
 _TE_MODULES = ("megatron.core.extensions.transformer_engine", "transformer_engine")
 
@@ -65,6 +69,7 @@ def check_transformer_config(tconfig: Any, act_config: Any = None) -> None:
             "captured graph would freeze the codecs and their random streams; turn CUDA "
             "graphs off, or disable activation compression"
         )
+    _check_new_options(tconfig)
     if getattr(tconfig, "fp8", None):
         raise NotImplementedError(
             f"fp8 training (fp8={tconfig.fp8!r}) runs through Transformer Engine, which llm_act "
@@ -80,6 +85,36 @@ def check_transformer_config(tconfig: Any, act_config: Any = None) -> None:
         )
 
 
+#: why each option of newer megatron-core releases (`compat.NEW_OPTIONS`) is refused when
+#: set: what our layers would silently not do
+_NEW_OPTION_WHY = {
+    "gtp_weight_remat_size": "GTP weight sharding: the compressed linears take whole weights; "
+                             "set it to 1 (drop --gtp-weight-remat-size)",
+    "expert_gtp_weight_remat_size": "GTP sharding of expert weights: the compressed experts take "
+                                    "whole weights; set it to 1",
+    "mlp_chunks_for_training": "the layer's MLP called per sequence chunk: the MLP sites assume "
+                               "one call per micro-batch; set it to 1",
+    "moe_paged_stash": "the MoE paged stash keeps the experts' activations itself, past the "
+                       "moe.* sites; turn it off",
+    "qk_l2_norm": "L2Norm on q and k: the attn.q_norm_input / attn.k_norm_input sites are not "
+                  "stored by it; use qk_layernorm, or turn it off",
+    "use_mup": "MuP scales the logits (mup_output_mult) and the attention, which llm_act's "
+               "chunked output loss and attention do not apply; turn MuP off",
+    "fp8_output_proj": "an FP8 LM-head projection, which llm_act's chunked output loss replaces "
+                       "by a bf16/fp32 one; turn it off",
+}
+
+
+def _check_new_options(tconfig: Any) -> None:
+    """Refuse, in one line naming the option and its value, each option of megatron-core
+    0.17-0.19 that the compressed layers would ignore (an older config lacks it: off)."""
+    for name, off in compat.NEW_OPTIONS.items():
+        value = compat.option(tconfig, name)
+        if value is not None and value != off:
+            raise NotImplementedError(
+                f"{name}={value!r} is not supported by llm_act yet: {_NEW_OPTION_WHY[name]}")
+
+
 def check_modules(modules: Iterable[torch.nn.Module]) -> None:
     """Reject TE, MoE, MLA and torch.compile'd modules among `modules`."""
     for module in modules:
@@ -93,6 +128,10 @@ def check_modules(modules: Iterable[torch.nn.Module]) -> None:
             )
         if names & {"BaseMoELayer", "MoELayer"}:
             check_moe(module.config, module)
+        if names & {"HybridModel", "MambaModel"}:
+            raise NotImplementedError(
+                f"{type(module).__name__} is not supported by llm_act yet: it converts the "
+                "TransformerLayers of a GPTModel (megatron-core's GPTModel with the local spec)")
         if "MultiLatentAttention" in names:
             raise NotImplementedError(
                 f"multi-latent attention ({type(module).__name__}) is not supported by llm_act yet"

@@ -7,7 +7,10 @@ step of megatron-core's own `MegatronOptimizer` over its DDP, with no call of ou
 The run through Megatron-LM's `pretrain()` is tests/patches/megatron/test_megatron_lm.py.
 """
 import importlib.util
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,3 +130,52 @@ def test_auto_replans_at_the_step_of_megatron_cores_own_optimizer():
     assert controller.iteration == 4 and controller.boundary == ANY_OPTIMIZER
     assert controller.adapter.tracked == [1, 2, 4]  # measured at 1, 2, 4 without a probe
     assert controller.history and controller.history[0]["reason"] == "first plan"
+
+
+def _fresh(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=300,
+                          cwd=str(Path(__file__).resolve().parents[2]))
+
+
+_HIDE_LEGACY = "import sys; sys.modules['megatron.legacy'] = None\n"
+
+
+@pytest.mark.skipif(NO_MEGATRON_LM, reason="no megatron.training here (megatron-core 0.16's wheel "
+                    "ships none; the checkout run is tests/patches/megatron/test_megatron_lm.py)")
+def test_without_megatron_legacy_every_other_stand_in_goes_in_once():
+    """megatron-core 0.19's wheel ships `megatron.training` but no `megatron.legacy`: in a fresh
+    process (legacy hidden, wherever it might exist) the Megatron-LM stand-ins go in without
+    the fused-kernel one, and a second install changes nothing."""
+    done = _fresh(_HIDE_LEGACY + (
+        "import llm_act.cpu\n"
+        "first = llm_act.cpu.install(megatron_lm=True)\n"
+        "print(sorted(first)); print(llm_act.cpu.install(megatron_lm=True))\n"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    first, second = done.stdout.strip().splitlines()[-2:]
+    assert second == "[]"
+    assert "megatron.legacy" not in first
+    for name in ("megatron.training.initialize.initialize_megatron", "megatron.training.training.torch",
+                 "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+                 "torch.nn.Module.cuda", "torch.Tensor.cuda"):
+        assert repr(name) in first, (name, first)
+
+
+@pytest.mark.skipif(NO_MEGATRON_LM, reason="no megatron.training here: "
+                    "test_without_megatron_lm_the_request_names_the_fix_and_changes_nothing")
+def test_a_missing_module_of_megatron_lm_leaves_nothing_patched():
+    """One module the stand-ins patch is missing: install raises naming the fix before it
+    patches anything (megatron-core's part included), so no process is left half patched."""
+    done = _fresh(
+        "import sys; sys.modules['megatron.training.utils'] = None\n"
+        "import torch, llm_act.cpu\n"
+        "import megatron.core.timers as timers\n"
+        "cuda = torch.nn.Module.cuda\n"
+        "try:\n"
+        "    llm_act.cpu.install(megatron_lm=True)\n"
+        "except ModuleNotFoundError as err:\n"
+        "    print('refused:', err)\n"
+        "print(timers.torch is torch, torch.nn.Module.cuda is cuda, llm_act.cpu.installed())\n")
+    assert done.returncode == 0, done.stderr[-4000:]
+    refused, state = done.stdout.strip().splitlines()[-2:]
+    assert refused.startswith("refused:") and "megatron.training" in refused and "PYTHONPATH" in refused
+    assert state == "True True False"

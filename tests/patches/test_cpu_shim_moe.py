@@ -107,16 +107,26 @@ def test_moe_gpt_trains(dispatcher, shared):
 
 
 def test_grouped_mlp_needs_the_grouped_gemm_package():
-    """GroupedMLP (moe_grouped_gemm=True) calls the CUDA-only `grouped_gemm` extension; without
-    it megatron refuses at build time (the shim does not emulate it)."""
-    from megatron.core.transformer.moe import grouped_gemm_util
+    """megatron-core 0.16's local spec builds the legacy GroupedMLP for moe_grouped_gemm=True,
+    which calls the CUDA-only `grouped_gemm` extension; without it megatron refuses at build
+    time (the shim does not emulate it). From 0.17 on the legacy GroupedMLP and its
+    `grouped_gemm_util` are gone and the local spec builds SequentialMLP whatever the flag
+    says: the model builds, and `apply` still refuses the flag naming the fix."""
+    from llm_act.patches.megatron import apply, compat
 
-    if grouped_gemm_util.grouped_gemm_is_available():
-        pytest.skip("grouped_gemm is installed")
     cfg = _moe_config("alltoall", moe_grouped_gemm=True)
+    spec = T.local_layer_spec(num_experts=EXPERTS, moe_grouped_gemm=True)
+    legacy = compat.legacy_grouped_gemm()
+    if legacy is None:
+        model = T.gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, spec=spec)
+        assert type(model.decoder.layers[0].mlp.experts).__name__ == "SequentialMLP"
+        with pytest.raises(NotImplementedError, match="moe_grouped_gemm=False"):
+            apply(model)
+        return
+    if legacy.grouped_gemm_is_available():
+        pytest.skip("grouped_gemm is installed")
     with pytest.raises(AssertionError, match="Grouped GEMM is not available"):
-        T.gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    spec=T.local_layer_spec(num_experts=EXPERTS, moe_grouped_gemm=True))
+        T.gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, spec=spec)
 
 
 def test_apply_refuses_grouped_gemm_with_the_fix():

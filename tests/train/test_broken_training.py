@@ -147,7 +147,23 @@ def test_mean_gap_fails_with_a_broken_codec(trainer, broken):
         check_mean_gap(stock, comp)
 
 
-@pytest.mark.parametrize("site", ["mlp.fc2_input", "attn.qkv_input"])
+def _megatron_core_at_least(major: int, minor: int) -> bool:
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("megatron-core").split(".")[:2]) >= (major, minor)
+
+
+#: megatron-core 0.17+ initialises this GPT otherwise (stock's first loss 5.4664 against
+#: 0.16.1's 5.3958); there zeros at layer 1's qkv input move the final loss by 0.00016 and the
+#: validation loss by 0.0012, inside test_cli_train's bounds (0.0021, 0.0015). The mean-gap
+#: guard (`test_mean_gap_fails_with_a_broken_codec`) still fails on that codec there.
+QKV_ZEROS_ON_0_17 = pytest.mark.xfail(
+    condition=_megatron_core_at_least(0, 17), strict=True,
+    reason="on megatron-core >= 0.17's initial weights the final/validation bounds miss zeros at "
+           "attn.qkv_input (0.00016 / 0.0012 measured on 0.19.2); the mean-gap guard catches it")
+
+
+@pytest.mark.parametrize("site", ["mlp.fc2_input", pytest.param("attn.qkv_input", marks=QKV_ZEROS_ON_0_17)])
 def test_cli_train_bounds_fail_with_zeros(trainer, site):
     """The holes of issue 28: test_cli_train's old final-loss bound (0.1) passed a codec
     decoding zeros at either site (final gaps 0.0087 and 0.0019, validation 0.0089 and

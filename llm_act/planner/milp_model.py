@@ -97,6 +97,11 @@ def _quiet_highs_banner() -> None:
 #: 1.16 fails on knapsack rows a byte below their edge)
 _RETRY_OPTIONS = {"HiGHS": {"presolve": "off"}, "COIN_CMD": {"presolve": False},
                   "PULP_CBC_CMD": {"presolve": False}}
+#: options of every try: HiGHS 1.16's RINS heuristic can spin in the presolve of its sub-MIP
+#: (`HPresolve::strengthenInequalities`), which no time limit interrupts: a 24-block search
+#: with an 8 s limit ran for 16 minutes and more (tests/planner/test_depth.py), and a tracking
+#: point would stall training the same way. Without RINS it ends within its limit.
+_BASE_OPTIONS = {"HiGHS": {"mip_heuristic_run_rins": False}}
 
 
 def _status(pulp, prob, status: int, deadline: float) -> Optional[str]:
@@ -119,7 +124,8 @@ def _solve(prob, deadline: float) -> str:
     problem, so a solver's hiccup is classified, never passed on as a crash."""
     pulp = require("pulp", "the activation planner")
     for name in _solver_names():
-        for options in ({}, _RETRY_OPTIONS.get(name, {})):
+        base = _BASE_OPTIONS.get(name, {})
+        for options in (base, {**base, **_RETRY_OPTIONS.get(name, {})}):
             seconds = max(1.0, deadline - time.perf_counter())  # the solvers take whole seconds
             with warnings.catch_warnings():
                 # pulp 3.x announces the bundled CBC's removal in 4.0; it is still the fallback

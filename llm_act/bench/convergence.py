@@ -1,19 +1,28 @@
-"""Convergence: does a plan train to stock's validation loss? Paired runs on two models.
+"""Convergence: does a plan train to stock's validation loss? Paired runs on bench models.
 
 Every run is a `llm_act.train.Trainer` (megatron-core GPTModel, torch AdamW, CPU) on the
 embedded corpus. At one seed every plan starts from the same initial weights and sees the
-same batches as stock at that seed, so the per-seed differences are paired.
+same batches as stock at that seed, so the per-seed differences are paired. The models
+(`gpt`, `llama`): GPT-style ones (LayerNorm, GeLU, biases, dropout 0.1) and, since issue 42,
+a Llama-style one (RMSNorm, SwiGLU, grouped-query attention, RoPE, no biases, no dropout,
+untied embeddings), what most users train. The loss a verdict reads is every run's final
+validation loss on the whole validation split (`evaluate_whole`, once at the end); the
+curve for the plot is read on `CURVE_EVAL_ITERS` held-out batches every tenth of the run.
 
 Verdicts come from a confidence bound, not a point estimate (issue 28): for every plan the
 paired mean gap to stock over the seeds, its standard error and the one-sided 95% upper
 bound mean + t(0.95, n-1) * SE (`paired_stats`). A plan meets the loss target only when
 that bound is <= `TARGET_GAP`: with 3 seeds and a per-seed floor of about 1% (below), a
 mean at or under the target says nothing. Beside every plan stands the control, stock run
-again with another order of floating-point reductions (`STOCK_AGAIN`), with its own bound:
-the floor a paired gap is read against. The verdict is about one plan per model, named
-before any run (`VERDICT_PLAN`), not the best of several.
+again with another order of floating-point reductions (`STOCK_AGAIN`, bf16) or from a
+start moved by one ulp (`STOCK_ULP`, fp32), with its own bound: the floor a paired gap is
+read against. The verdict is about one plan per model, named before any run
+(`VERDICT_PLAN`: since issue 42 the default plan, what `--act-compress` alone gives), not
+the best of several.
 
-Plans (`PLANS`):
+Plans (`PLANS`, `LOW_FLOOR.plans`):
+- "default" (`DEFAULT`): `--act-compress` and nothing else, `ActConfig()`: plan "auto" at
+  its default budget (on CPU the "compress" plan's bytes) and default noise budget;
 - "auto X": our planner under a budget of X of stock's activation bytes in the blocks
   (plus what is not activations: static memory and the bytes stored outside the blocks,
   which no plan changes), with its default noise budget (`ActConfig.noise_fraction` of the
@@ -25,7 +34,9 @@ Memory is the saved-tensor ledger of the last training step's first micro-batch,
 the transformer layers, as a fraction of stock's; the measuring share is the time the run
 spent measuring, planning and reporting fidelity (`Adapter.measure_seconds`) over its wall
 time. The corpus's unigram entropy is the loss of a model that learned only the byte
-frequencies: stock must end well below it.
+frequencies: stock must end well below it. Every run with the controller records the
+iterations its plan changed at (the adapter's `history`), and every table reports them per
+100 iterations after warm-up (`churn`).
 """
 from __future__ import annotations
 
@@ -61,23 +72,59 @@ from llm_act.sites import (
 )
 from llm_act.train import parallel
 from llm_act.train.args import build_parser, check
-from llm_act.train.data import embedded_corpus
+from llm_act.train.data import Batch, embedded_corpus
 from llm_act.train.loop import quiet_megatron_warnings
 from llm_act.train.trainer import Trainer
 
 
 @dataclass(frozen=True)
 class Model:
-    """A GPT of the bench: its name and its `ModelShape` (made by `gpt`)."""
+    """A GPT of the bench: its name and its `ModelShape` (made by `gpt` or `llama`)."""
 
     name: str
     shape: ModelShape
 
+    @property
+    def llama_style(self) -> bool:
+        """RMSNorm, SwiGLU, no biases (and, as `llama` makes them, GQA, untied, no dropout)."""
+        s = self.shape
+        return s.gated_linear_unit and s.normalization == "RMSNorm" and not s.bias
+
     def describe(self, precision: str = "bf16", lr: float = 2e-3) -> str:
         s = self.shape
+        if self.llama_style:
+            groups = (f"GQA {s.num_query_groups} query groups" if s.num_query_groups != s.num_attention_heads
+                      else "no GQA")
+            return (f"Llama-style GPT {s.num_layers} layers, hidden {s.hidden_size}, "
+                    f"{s.num_attention_heads} heads, {groups}, SwiGLU ffn {s.ffn_hidden_size}, RMSNorm, "
+                    f"no biases, {'tied' if s.tie_embeddings else 'untied'} embeddings, seq {s.seq_length}, "
+                    f"micro-batch {s.micro_batch_size}, {precision}, dropout {s.dropout:g}, RoPE, "
+                    f"AdamW lr {lr:g} cosine")
         return (f"GPT {s.num_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads, "
                 f"seq {s.seq_length}, micro-batch {s.micro_batch_size}, {precision}, dropout {s.dropout}, "
                 f"RoPE, AdamW lr {lr:g} cosine")
+
+    def flags(self) -> list[str]:
+        """The megatron-style flags of the shape (the loop's parser: `train.args`)."""
+        s = self.shape
+        out = ["--num-layers", str(s.num_layers), "--hidden-size", str(s.hidden_size),
+               "--num-attention-heads", str(s.num_attention_heads), "--seq-length", str(s.seq_length),
+               "--micro-batch-size", str(s.micro_batch_size), "--position-embedding-type",
+               s.position_embedding, "--hidden-dropout", str(s.dropout), "--attention-dropout",
+               str(s.dropout), "--vocab-size", str(s.vocab_size)]
+        if s.ffn_hidden_size != 4 * s.hidden_size:
+            out += ["--ffn-hidden-size", str(s.ffn_hidden_size)]
+        if s.num_query_groups != s.num_attention_heads:
+            out += ["--group-query-attention", "--num-query-groups", str(s.num_query_groups)]
+        if s.gated_linear_unit:
+            out += ["--swiglu"]
+        if s.normalization != "LayerNorm":
+            out += ["--normalization", s.normalization]
+        if not s.bias:
+            out += ["--disable-bias-linear"]
+        if not s.tie_embeddings:
+            out += ["--untie-embeddings-and-output-weights"]
+        return out
 
 
 def gpt(name: str, num_layers: int, hidden_size: int, num_attention_heads: int, seq_length: int,
@@ -91,11 +138,31 @@ def gpt(name: str, num_layers: int, hidden_size: int, num_attention_heads: int, 
                                   position_embedding="rope"))
 
 
+def llama(name: str, num_layers: int, hidden_size: int, num_attention_heads: int, num_query_groups: int,
+          ffn_hidden_size: int, seq_length: int, micro_batch_size: int) -> Model:
+    """A Llama-style GPT of the bench, what most users train (issue 42): RMSNorm, SwiGLU,
+    grouped-query attention, RoPE, no biases, no dropout, untied embeddings; vocab 256, the
+    same optimizer and schedule as `gpt`'s."""
+    return Model(name, ModelShape(num_layers=num_layers, hidden_size=hidden_size,
+                                  num_attention_heads=num_attention_heads, seq_length=seq_length,
+                                  micro_batch_size=micro_batch_size, vocab_size=256, dropout=0.0,
+                                  position_embedding="rope", ffn_hidden_size=ffn_hidden_size,
+                                  num_query_groups=num_query_groups, gated_linear_unit=True,
+                                  activation="silu", bias=False, normalization="RMSNorm",
+                                  tie_embeddings=False))
+
+
 def model_record(model: Model) -> dict:
-    """What a result keeps of the model: {name, layers, hidden, heads, seq, micro_batch}."""
+    """What a result keeps of the model: {name, layers, hidden, heads, seq, micro_batch}, and
+    for a Llama-style one its query groups, ffn width and style."""
     s = model.shape
-    return {"name": model.name, "layers": s.num_layers, "hidden": s.hidden_size,
-            "heads": s.num_attention_heads, "seq": s.seq_length, "micro_batch": s.micro_batch_size}
+    out = {"name": model.name, "layers": s.num_layers, "hidden": s.hidden_size,
+           "heads": s.num_attention_heads, "seq": s.seq_length, "micro_batch": s.micro_batch_size}
+    if model.llama_style:
+        out.update(style="llama", query_groups=s.num_query_groups, ffn=s.ffn_hidden_size,
+                   normalization=s.normalization, swiglu=True, bias=False, tied=s.tie_embeddings,
+                   dropout=s.dropout)
+    return out
 
 
 MODELS = (gpt("small", 2, 128, 4, 128, 8), gpt("large", 4, 256, 4, 256, 2))
@@ -123,6 +190,10 @@ STOCK_ULP = "stock, 1 ulp"
 #: the positive control: stochastic INT2 at every stored value (unbiased, large variance): a
 #: setting whose floor comes from training too little lets it pass the bound
 INT2_EVERYWHERE = "INT2 everywhere"
+#: what a user gets from one flag (`--act-compress` alone, `ActConfig()` with nothing set):
+#: plan "auto" at its default budget (on CPU: the "compress" plan's bytes) and default noise
+#: budget (issue 42)
+DEFAULT = "default"
 PLANS = (STOCK_AGAIN, "compress", "GACT 4-bit avg", "int8 + recompute") + tuple(
     f"auto {f:.2f}" for f in AUTO_FRACTIONS)
 SEEDS = (1234, 1235, 1236)
@@ -134,12 +205,23 @@ TARGET_GAP = 0.005
 #: ... and within this of GACT at 4 bits on average (the same bound on the paired gap)
 TARGET_VS_GACT = 0.003
 GACT = "GACT 4-bit avg"
+#: "auto" at the target's fraction of stock: the verdict plan of issues 15 and 28
+AUTO_TARGET = f"auto {TARGET_FRACTION:.2f}"
 #: the one plan per model the verdict is about, named before running (choosing the best of
-#: several "auto" plans after the fact would test the luckiest one)
-VERDICT_PLAN = f"auto {TARGET_FRACTION:.2f}"
+#: several "auto" plans after the fact would test the luckiest one): since issue 42 the plan
+#: users get from one flag, `DEFAULT`
+VERDICT_PLAN = DEFAULT
+#: the verdict plan of results that name none (saved before issue 28)
+LEGACY_VERDICT_PLAN = AUTO_TARGET
+#: the validation batches of each point of a run's curve (the plot); the verdict reads the
+#: whole validation split once, at the end (`evaluate_whole`)
+CURVE_EVAL_ITERS = 4
+#: plan changes are counted after the first tenth of the run (its LR warm-up is the first
+#: twentieth; the tracking points at iterations 1, 2, 4, 8 and 16 fall in the first tenth of
+#: a 300-step run): `churn`
+WARMUP_FRACTION = 0.1
 #: one-sided confidence level of the upper bound
 CONFIDENCE = 0.95
-DEFAULT_PLAN = "compress"
 
 
 @dataclass(frozen=True)
@@ -163,11 +245,15 @@ class Setting:
 
 #: issue 15's setting: bf16 at lr 2e-3 over 300 steps (chaotic: the control moves ~1% a seed)
 BF16 = Setting("bf16", True, 2e-3, 300, STOCK_AGAIN, PLANS, MODELS, SEEDS)
+#: issue 42: the verdict covers a Llama-style model too, and the plan users get from one flag
+LLAMA_MODEL = llama("llama", 3, 192, 6, 2, 512, 128, 8)
+MID_MODEL = gpt("mid", 2, 128, 4, 64, 8)
 #: issue 28's low floor: the same in fp32, where the CPU's training is not chaotic (a 1-ulp
-#: start moves the final loss by ~1e-6), 10 paired seeds on two sizes
+#: start moves the final loss by ~1e-6), 10 paired seeds on three models; issue 42's plans:
+#: the default plan (the verdict), "compress", "auto 0.15" and the positive control
 LOW_FLOOR = Setting("fp32", False, 2e-3, 300, STOCK_ULP,
-                    (STOCK_ULP, "compress", GACT, VERDICT_PLAN, f"{VERDICT_PLAN} unbiased", INT2_EVERYWHERE),
-                    (QUICK_MODEL, gpt("mid", 2, 128, 4, 64, 8)), tuple(range(1234, 1244)))
+                    (STOCK_ULP, DEFAULT, "compress", AUTO_TARGET, INT2_EVERYWHERE),
+                    (QUICK_MODEL, MID_MODEL, LLAMA_MODEL), tuple(range(1234, 1244)))
 SETTINGS = {s.name: s for s in (BF16, LOW_FLOOR)}
 #: the sites the planner decodes together in backward: one layer's worth of them at full
 #: precision is the transient an "auto" budget reserves
@@ -245,16 +331,12 @@ def train_args(steps: int, seed: int, quick: bool, extra=(), model: Optional[Mod
     """The flags of `model` (default: the small bench GPT; `quick`: micro-batch 4) in
     `setting` (precision, learning rate cosine to a tenth of it); `extra`: more flags, e.g.
     `--act-compress`."""
-    m = (model or (QUICK_MODEL if quick else MODELS[0])).shape
+    m = model or (QUICK_MODEL if quick else MODELS[0])
     p = build_parser()
-    argv = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
-            "--num-attention-heads", str(m.num_attention_heads), "--seq-length", str(m.seq_length),
-            "--micro-batch-size", str(m.micro_batch_size), "--position-embedding-type", "rope",
-            *(["--bf16"] if setting.bf16 else []),
+    argv = [*m.flags(), *(["--bf16"] if setting.bf16 else []),
             "--train-iters", str(steps), "--lr", str(setting.lr), "--min-lr", str(setting.lr / 10),
-            "--lr-warmup-iters", str(max(2, steps // 20)), "--eval-iters", "4",
-            "--hidden-dropout", str(m.dropout), "--attention-dropout", str(m.dropout), "--seed", str(seed),
-            "--log-interval", "1000000", "--vocab-size", str(m.vocab_size), *extra]
+            "--lr-warmup-iters", str(max(2, steps // 20)), "--eval-iters", str(CURVE_EVAL_ITERS),
+            "--seed", str(seed), "--log-interval", "1000000", *extra]
     return check(p, p.parse_args(argv), world_size=1)
 
 
@@ -272,6 +354,8 @@ def static_bytes(trainer) -> int:
 def _flags(plan: str, budget: Optional[int], model: Model, folder: str) -> tuple[str, ...]:
     if plan.startswith("stock") or plan.startswith("GACT"):
         return ()
+    if plan == DEFAULT:  # one flag, nothing else: what a user gets
+        return ("--act-compress",)
     if plan.startswith("auto"):
         unbiased = ("--act-compress-biased-codecs", "exclude") if plan.endswith(" unbiased") else ()
         return ("--act-compress", "--act-compress-plan", "auto", "--act-compress-budget", str(budget),
@@ -294,6 +378,83 @@ def perturb_one_ulp(trainer, seed: int) -> None:
             up = torch.rand(p.shape, generator=gen) < 0.5
             toward = torch.where(up, torch.tensor(math.inf), torch.tensor(-math.inf)).to(p.dtype)
             p.copy_(torch.nextafter(p, toward))
+
+
+def whole_split_batches(tokens: np.ndarray, seq_length: int, micro_batch_size: int) -> list[Batch]:
+    """Micro-batches that cover every next-token target of `tokens` exactly once: windows of
+    `seq_length` inputs with stride `seq_length` (as the trainer's samples), the last window
+    padded and the last micro-batch filled with rows whose targets are masked out (loss mask
+    0; attention is causal, so padding after a target does not change its loss)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    targets = len(tokens) - 1
+    if targets < 1:
+        return []
+    windows = -(-targets // seq_length)
+    rows = -(-windows // micro_batch_size) * micro_batch_size
+    inputs = np.zeros((rows, seq_length), dtype=np.int64)
+    labels = np.zeros((rows, seq_length), dtype=np.int64)
+    mask = np.zeros((rows, seq_length), dtype=np.float32)
+    for w in range(windows):
+        start = w * seq_length
+        n = min(seq_length, targets - start)
+        inputs[w, :n] = tokens[start:start + n]
+        labels[w, :n] = tokens[start + 1:start + n + 1]
+        mask[w, :n] = 1.0
+    positions = torch.arange(seq_length).unsqueeze(0).expand(micro_batch_size, seq_length).contiguous()
+    return [Batch(tokens=torch.from_numpy(inputs[i:i + micro_batch_size]).contiguous(),
+                  labels=torch.from_numpy(labels[i:i + micro_batch_size]).contiguous(),
+                  loss_mask=torch.from_numpy(mask[i:i + micro_batch_size]).contiguous(),
+                  position_ids=positions)
+            for i in range(0, rows, micro_batch_size)]
+
+
+def evaluate_whole(trainer, tokens: np.ndarray, chunk: int = 16) -> tuple[float, int]:
+    """(mean per-token loss, number of targets) of `trainer`'s model over the whole of
+    `tokens` (the validation split), in eval mode and without gradients, `chunk`
+    micro-batches per schedule call (`whole_split_batches`; one process, no pipeline)."""
+    a = trainer.args
+    batches = whole_split_batches(tokens, a.seq_length, a.micro_batch_size)
+    if not batches:
+        raise ValueError("evaluate_whole: no validation target")
+    total = torch.zeros(2, dtype=torch.float64)
+    for c in trainer.chunks:
+        c.eval()
+    try:
+        with torch.no_grad():
+            for i in range(0, len(batches), chunk):
+                losses = trainer._run_schedule(batches[i:i + chunk], True)
+                total += torch.stack([d["lm loss"].double().cpu() for d in losses]).sum(0)
+    finally:
+        for c in trainer.chunks:
+            c.train()
+    return float(total[0] / total[1]), int(total[1])
+
+
+def warmup_iters(steps: int) -> int:
+    """The iterations a run's plan changes are not counted in (`WARMUP_FRACTION` of it, at
+    least the first: its plan is the first one, no change)."""
+    return max(1, int(steps * WARMUP_FRACTION))
+
+
+def churn(iterations, steps: int) -> dict:
+    """The plan changes of a run after warm-up: {"warmup": iterations skipped, "after": the
+    changes at a later iteration, "per_100": those per 100 iterations after warm-up}.
+    `iterations`: the iteration of every change (the adapter's `history`)."""
+    warm = warmup_iters(steps)
+    after = sum(1 for it in iterations if it > warm)
+    return {"warmup": warm, "after": after, "per_100": 100.0 * after / max(1, steps - warm)}
+
+
+def run_churn(run: dict, steps: int) -> dict:
+    """`churn` of a saved run (its `plan_changes`), or {} for a run without the controller."""
+    return {} if run.get("plan_changes") is None else churn(run["plan_changes"], steps)
+
+
+def final(run: dict) -> float:
+    """The validation loss a verdict reads: the whole split at the end (`valid_full`), or for
+    results saved before issue 42 the last point of the curve (4 held-out batches)."""
+    full = run.get("valid_full")
+    return float(full) if full is not None else float(run["valid"][-1])
 
 
 def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Optional[int] = None,
@@ -319,7 +480,7 @@ def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Opti
         torch.set_num_threads(1)
     try:
         out = {"steps": [0], "valid": [trainer.evaluate()], "train": []}
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for it in range(1, steps + 1):
             stats = trainer.train_step(measure=it == steps)
             out["train"].append(stats.loss)
@@ -327,6 +488,10 @@ def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Opti
                 out["steps"].append(it)
                 out["valid"].append(trainer.evaluate())
         out["wall_s"] = time.perf_counter() - start
+        out["cpu_s"] = time.process_time() - cpu_start
+        eval_start = time.perf_counter()
+        out["valid_full"], out["valid_tokens"] = evaluate_whole(trainer, data.valid)
+        out["eval_s"] = time.perf_counter() - eval_start
     finally:
         torch.set_num_threads(threads)
     per_layer = trainer.ledger.per_layer()
@@ -341,10 +506,16 @@ def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Opti
     if c is not None and c.adapter.fidelity:
         out["fidelity"] = c.adapter.fidelity[-1].total
         out["noise_ratio"] = c.adapter.fidelity[-1].noise_ratio
-    if c is not None and plan.startswith("auto"):
+    if c is not None:  # every run with the controller: its plan changes (none for a fixed plan)
+        out["plan_changes"] = [int(h["iteration"]) for h in c.history]
+        out["churn"] = churn(out["plan_changes"], steps)
+    if c is not None and (plan.startswith("auto") or plan == DEFAULT):
         out["plan"] = c.describe(c.plan)
         out["noise_budget"] = c.adapter.noise_budget()
         out["changes"] = len(c.history)
+        out["history"] = [{"iteration": int(h["iteration"]), "changes": h["changes"], "reason": h["reason"]}
+                          for h in c.history]
+        out["tracked"] = [int(t) for t in c.adapter.tracked]
         out["coherence"] = dict(c.adapter.coherence)
     return out
 
@@ -372,6 +543,7 @@ def run(steps: Optional[int] = None, quick: bool = False, seeds=None, plans=None
     quiet_megatron_warnings()
     data = embedded_corpus()
     result = {"steps": steps, "seeds": list(seeds), "plans": list(plans), "verdict_plan": VERDICT_PLAN,
+              "evaluation": "whole validation split", "warmup_fraction": WARMUP_FRACTION,
               "setting": setting.name, "control": setting.control, "sha256": data.sha256,
               "describe": data.describe(), "entropy": unigram_entropy(data.train), "quick": quick,
               "models": {}}
@@ -394,9 +566,11 @@ def run(steps: Optional[int] = None, quick: bool = False, seeds=None, plans=None
                         budget = budget_for(runs[f"stock seed {seeds[0]}"], float(plan.split()[1]))
                     runs[key] = train_one(model, plan, seed, steps, data, budget, quick, setting=setting)
                     r, stock = runs[key], runs[f"stock seed {seed}"]
-                    log(f"  {model.name} {key}: valid {r['valid'][-1]:.4f} "
-                        f"({r['valid'][-1] / stock['valid'][-1] - 1:+.2%} vs stock), memory "
-                        f"{r['block_bytes'] / stock['block_bytes']:.3f} of stock, {r['wall_s']:.0f} s")
+                    moved = "" if r.get("churn") is None else \
+                        f", {r['churn']['per_100']:.1f} plan changes per 100 iterations after warm-up"
+                    log(f"  {model.name} {key}: valid {final(r):.4f} "
+                        f"({final(r) / final(stock) - 1:+.2%} vs stock), memory "
+                        f"{r['block_bytes'] / stock['block_bytes']:.3f} of stock, {r['wall_s']:.0f} s{moved}")
                     if save is not None:
                         save(result)
     finally:
@@ -444,8 +618,13 @@ def control_plan(result: dict) -> str:
 
 def verdict_plan(result: dict) -> str:
     """The plan the verdict is about: recorded when the bench started (results saved before
-    issue 28 name none; theirs is the same `VERDICT_PLAN`)."""
-    return result.get("verdict_plan", VERDICT_PLAN)
+    issue 28 name none; theirs was "auto 0.15", `LEGACY_VERDICT_PLAN`)."""
+    return result.get("verdict_plan", LEGACY_VERDICT_PLAN)
+
+
+def evaluation(result: dict) -> str:
+    """What the validation losses of a result were read on."""
+    return result.get("evaluation", f"the same {CURVE_EVAL_ITERS} held-out batches")
 
 
 def summary(result: dict) -> dict:
@@ -458,7 +637,7 @@ def summary(result: dict) -> dict:
     for name, entry in result["models"].items():
         runs = entry["runs"]
         stock = {s: runs[f"stock seed {s}"] for s in result["seeds"] if f"stock seed {s}" in runs}
-        finals = [r["valid"][-1] for r in stock.values()]
+        finals = [final(r) for r in stock.values()]
         plans = {}
         for plan in result["plans"]:
             gaps = paired_gaps(result, name, plan, "stock")
@@ -469,9 +648,13 @@ def summary(result: dict) -> dict:
             n = len(diffs)
             mem = [per[s]["block_bytes"] / stock[s]["block_bytes"] for s in per]
             meas = [per[s]["measuring"] for s in per if per[s].get("measuring") is not None]
+            moved = [run_churn(per[s], result["steps"])["per_100"] for s in per
+                     if per[s].get("plan_changes") is not None]
             stats = paired_stats(diffs)
             plans[plan] = {"per_seed": gaps, **stats, "meets": meets_target(stats),
-                           "memory": sum(mem) / n, "measuring": sum(meas) / len(meas) if meas else None}
+                           "memory": sum(mem) / n, "measuring": sum(meas) / len(meas) if meas else None,
+                           "changes_per_100": sum(moved) / len(moved) if moved else None,
+                           "changes_per_100_max": max(moved) if moved else None}
             gact = paired_between(result, name, plan, GACT) if plan != GACT else None
             if gact is not None:
                 plans[plan]["vs_gact"] = gact
@@ -507,23 +690,26 @@ def sentences(result: dict) -> list[str]:
         for plan, p in s["plans"].items():
             per = ", ".join(f"{d:+.2%}" for d in p["per_seed"].values())
             beside = "" if plan == control_name else f" Control ({control_name}): {_control(control)}."
+            moved = "" if p.get("changes_per_100") is None or not _adaptive(plan) else (
+                f" Its plan changed {p['changes_per_100']:.1f} times per 100 iterations after warm-up on "
+                f"average (at most {p['changes_per_100_max']:.1f} in one run).")
             lines.append(
                 f"- **{name}, {plan}** (memory {p['memory']:.3f} of stock) paired with stock over "
                 f"{p['n']} seeds ends **{p['mean']:+.2%}** on average (standard error {p['se']:.2%}; "
                 f"one-sided {level} upper bound **{_pct(p['upper'])}**; per seed {per})."
-                + beside)
+                + moved + beside)
     for name, s in summ.items():
         stock = s["stock_finals"]
         mean = sum(stock) / len(stock)
         if "entropy" in result:
             lines.append(f"- **{name}**: stock ends at {mean:.4f} nats/byte on average, "
                          f"{result['entropy'] - mean:.3f} below the corpus's unigram entropy.")
-        both = paired_between(result, name, f"{VERDICT_PLAN} unbiased", VERDICT_PLAN)
+        both = paired_between(result, name, f"{AUTO_TARGET} unbiased", AUTO_TARGET)
         if both is not None:
             lines.append(
                 f"- **{name}, biased codecs charged or excluded** (issue 28 item 3): excluding them "
-                f"(\"{VERDICT_PLAN} unbiased\") against charging their measured coherence "
-                f"(\"{VERDICT_PLAN}\"), paired over {both['n']} seeds: {_pct(both['mean'])} on average "
+                f"(\"{AUTO_TARGET} unbiased\") against charging their measured coherence "
+                f"(\"{AUTO_TARGET}\"), paired over {both['n']} seeds: {_pct(both['mean'])} on average "
                 f"(standard error {both['se']:.2%}, one-sided {level} upper bound {_pct(both['upper'])}): "
                 + _which_better(both) + ".")
     for name, parts in verdicts(result).items():
@@ -547,17 +733,25 @@ def sentences(result: dict) -> list[str]:
             pos = summ[name]["plans"][INT2_EVERYWHERE]
             why.append(f"the positive control ({INT2_EVERYWHERE}) {'fails' if parts['positive_fails'] else 'passes'} "
                        f"the bound (mean {_pct(pos['mean'])}, bound {_pct(pos['upper'])})")
+        else:
+            why.append(f"the positive control ({INT2_EVERYWHERE}) was not run here")
         floor = "" if control is None else (
             f" The control, {_describe_control(control_name)}, has an upper bound of "
             f"{_pct(control['upper'])} (per seed {', '.join(f'{d:+.3%}' for d in control['per_seed'].values())})"
             + (f": at this floor {control['n']} seeds cannot show even stock itself within the target."
                if not control["meets"] else "."))
+        gact = "" if parts["vs_gact"] is None else f" and {TARGET_VS_GACT:+.1%} above {GACT}"
         lines.append(
             f"- Target (the plan named before running, \"{plan}\", storing <= {TARGET_FRACTION} of "
-            f"stock, ends at most {TARGET_GAP:+.1%} above stock and {TARGET_VS_GACT:+.1%} above {GACT}: "
+            f"stock, ends at most {TARGET_GAP:+.1%} above stock{gact}: "
             f"one-sided {level} upper bounds on the paired means; the positive control must fail) on "
             f"{name}: **{'met' if ok else 'not met'}**: " + "; ".join(why) + "." + floor)
     return lines
+
+
+def _adaptive(plan: str) -> bool:
+    """Whether `plan` re-plans during the run (plan "auto": the default plan and "auto X")."""
+    return plan == DEFAULT or plan.startswith("auto")
 
 
 def _which_better(stats: dict) -> str:
@@ -574,7 +768,7 @@ def paired_gaps(result: dict, model: str, plan: str, other: str) -> dict:
     """seed -> `plan`'s final validation loss over `other`'s at that seed on `model`, minus 1
     (the seeds both ran, in the result's order)."""
     runs = result["models"][model]["runs"]
-    return {s: runs[f"{plan} seed {s}"]["valid"][-1] / runs[f"{other} seed {s}"]["valid"][-1] - 1
+    return {s: final(runs[f"{plan} seed {s}"]) / final(runs[f"{other} seed {s}"]) - 1
             for s in result["seeds"] if f"{plan} seed {s}" in runs and f"{other} seed {s}" in runs}
 
 
@@ -610,44 +804,63 @@ def target_met(result: dict) -> dict[str, bool]:
     return {name: all(v for v in parts.values() if v is not None) for name, parts in verdicts(result).items()}
 
 
+def _changes(p: dict) -> str:
+    """A plan's mean plan changes per 100 iterations after warm-up (and the most in one run)."""
+    if p.get("changes_per_100") is None:
+        return ""
+    return f"{p['changes_per_100']:.1f} (max {p['changes_per_100_max']:.1f})"
+
+
 def table(result: dict) -> str:
+    """Per model and plan: memory, the paired statistics against stock, the control beside,
+    the measuring share and the plan changes per 100 iterations after warm-up (the column
+    against GACT only where a result ran it)."""
     level = f"{CONFIDENCE:.0%}"
     control_name = control_plan(result)
+    summ = summary(result)
+    with_gact = any("vs_gact" in p for s in summ.values() for p in s["plans"].values())
+    gact_head = f" vs {GACT}: mean (bound) |" if with_gact else ""
     rows = [f"| model | plan | memory (of stock) | paired mean | standard error | one-sided {level} "
-            f"upper bound | bound <= {TARGET_GAP:+.1%} | vs {GACT}: mean (bound) | per seed | control "
-            f"({control_name}): mean (bound) | measuring share | stock spread |",
-            "|---|---|---:|---:|---:|---:|:---:|---:|---|---:|---:|---:|"]
+            f"upper bound | bound <= {TARGET_GAP:+.1%} |{gact_head} per seed | control "
+            f"({control_name}): mean (bound) | measuring share | plan changes per 100 it. after warm-up "
+            f"(mean, max) | stock spread |",
+            "|---|---|---:|---:|---:|---:|:---:|" + ("---:|" if with_gact else "") + "---|---:|---:|---:|---:|"]
     verdict = verdict_plan(result)
-    for name, s in summary(result).items():
+    for name, s in summ.items():
         finals = ", ".join(f"{x:.4f}" for x in s["stock_finals"])
-        rows.append(f"| {name} | stock | 1.000 | | | | | | {finals} | | | {s['stock_spread']:.2%} |")
+        rows.append(f"| {name} | stock | 1.000 | | | | |{' |' if with_gact else ''} {finals} | | | | "
+                    f"{s['stock_spread']:.2%} |")
         for plan, p in s["plans"].items():
             meas = "" if p["measuring"] is None else f"{p['measuring']:.1%}"
             label = f"**{plan}** (verdict)" if plan == verdict else plan
             control = "" if plan == control_name else _control(s["control"])
-            gact = "" if "vs_gact" not in p else _control(p["vs_gact"])
+            gact = (" " + ("" if "vs_gact" not in p else _control(p["vs_gact"])) + " |") if with_gact else ""
             rows.append(f"| {name} | {label} | {p['memory']:.3f} | {p['mean']:+.3%} | {p['se']:.3%} | "
-                        f"{_pct(p['upper'])} | {'yes' if p['meets'] else 'no'} | {gact} | "
+                        f"{_pct(p['upper'])} | {'yes' if p['meets'] else 'no'} |{gact} "
                         + ", ".join(f"{d:+.2%}" for d in p["per_seed"].values())
-                        + f" | {control} | {meas} | |")
+                        + f" | {control} | {meas} | {_changes(p)} | |")
     return "\n".join(rows)
 
 
 def runs_table(result: dict) -> str:
-    """Every run: final validation loss, its paired gap, memory and measuring share."""
+    """Every run: final validation loss (`final`), its paired gap, memory, measuring share,
+    fidelity, and its plan changes after warm-up (count, per 100 iterations)."""
     rows = ["| model | run | valid @ end | vs stock (same seed) | memory (of stock) | measuring share | "
-            "last fidelity report | noise ratio |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+            "last fidelity report | noise ratio | plan changes after warm-up (per 100 it.) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, entry in result["models"].items():
         runs = entry["runs"]
         for key, r in runs.items():
             plan, seed = key.rsplit(" seed ", 1)
             stock = runs.get(f"stock seed {seed}")
-            gap = "" if stock is None or plan == "stock" else f"{r['valid'][-1] / stock['valid'][-1] - 1:+.2%}"
+            gap = "" if stock is None or plan == "stock" else f"{final(r) / final(stock) - 1:+.2%}"
             mem = "" if stock is None else f"{r['block_bytes'] / stock['block_bytes']:.3f}"
             meas = "" if r.get("measuring") is None else f"{r['measuring']:.1%}"
             fid = "" if r.get("fidelity") is None else f"{r['fidelity']:.3g}"
             ratio = "" if r.get("noise_ratio") is None else f"{r['noise_ratio']:.3g}"
-            rows.append(f"| {name} | {key} | {r['valid'][-1]:.4f} | {gap} | {mem} | {meas} | {fid} | {ratio} |")
+            ch = None if r.get("plan_changes") is None else run_churn(r, result["steps"])
+            moved = "" if ch is None else f"{ch['after']} ({ch['per_100']:.1f})"
+            rows.append(f"| {name} | {key} | {final(r):.4f} | {gap} | {mem} | {meas} | {fid} | {ratio} | {moved} |")
     return "\n".join(rows)
 
 

@@ -143,7 +143,8 @@ def test_convergence_quick(quick_convergence):
     result, text, tmp_path = quick_convergence
     (entry,) = result["models"].values()
     runs = entry["runs"]
-    assert set(runs) == {f"{p} seed {s}" for p in ("stock", "compress", "auto 0.15") for s in (1234, 1235)}
+    assert set(runs) == {f"{p} seed {s}" for p in ("stock", C.DEFAULT, "compress", "auto 0.15")
+                         for s in (1234, 1235)}
     for name, r in runs.items():
         assert C.finite_decreasing(r), name
         assert len(r["valid"]) == len(r["steps"]) and r["steps"][-1] == 30
@@ -161,11 +162,21 @@ def test_convergence_quick(quick_convergence):
     assert (tmp_path / "convergence.png").stat().st_size > 0
     # paired differences: plan at seed s against stock at seed s, their mean and error
     s = C.summary(result)["quick"]["plans"]["compress"]
-    per = {seed: runs[f"compress seed {seed}"]["valid"][-1] / runs[f"stock seed {seed}"]["valid"][-1] - 1
+    per = {seed: runs[f"compress seed {seed}"]["valid_full"] / runs[f"stock seed {seed}"]["valid_full"] - 1
            for seed in (1234, 1235)}
     assert s["per_seed"] == pytest.approx(per) and s["mean"] == pytest.approx(sum(per.values()) / 2)
     assert s["se"] == pytest.approx(abs(per[1234] - per[1235]) / 2)
     assert "paired with stock over 2 seeds" in text and "Target" in text
+    # issue 42: every run is read on the whole validation split; the default plan (one flag) is
+    # the verdict plan, and every run with the controller records its plan changes
+    assert all(r["valid_tokens"] == len(C.embedded_corpus().valid) - 1 for r in runs.values())
+    assert result["verdict_plan"] == C.DEFAULT and result["evaluation"] == "whole validation split"
+    default = runs[f"{C.DEFAULT} seed 1234"]
+    assert default["plan_changes"] and default["plan_changes"][0] == 1
+    assert default["history"][0]["reason"] == "first plan"
+    assert default["churn"] == C.churn(default["plan_changes"], 30)
+    assert runs["compress seed 1234"]["plan_changes"] == [] and "plan_changes" not in stock
+    assert "plan changes per 100 it. after warm-up" in text and "whole validation split" in text
 
 
 def test_an_interrupted_convergence_goes_on_where_it_stopped(quick_convergence, tmp_path):
@@ -177,7 +188,7 @@ def test_an_interrupted_convergence_goes_on_where_it_stopped(quick_convergence, 
     runs = result["models"]["quick"]["runs"]
     kept = runs.pop("auto 0.15 seed 1235")
     trained = []
-    again = C.run(steps=30, quick=True, seeds=(1234, 1235), plans=("compress", "auto 0.15"),
+    again = C.run(steps=30, quick=True, seeds=(1234, 1235), plans=(C.DEFAULT, "compress", "auto 0.15"),
                   models=(C.QUICK_MODEL,), previous=result, log=trained.append, setting=C.setting_of(result))
     assert len(trained) == 1 and "auto 0.15 seed 1235" in trained[0]
     assert again["models"]["quick"]["runs"]["stock seed 1234"] is runs["stock seed 1234"]

@@ -46,7 +46,8 @@ def _result(per_plan: dict[str, list[float]]) -> dict:
         for s, g in zip(seeds, gaps):
             runs[f"{plan} seed {s}"] = {"valid": [3.0, 2.0 * (1 + g)], "block_bytes": 100,
                                         "measuring": 0.1}
-    return {"seeds": seeds, "plans": list(per_plan), "models": {"m": {"runs": runs}}}
+    return {"seeds": seeds, "plans": list(per_plan), "verdict_plan": C.VERDICT_PLAN,
+            "models": {"m": {"runs": runs}}}
 
 
 def test_a_mean_within_the_target_with_a_bound_above_it_is_not_met():
@@ -86,7 +87,8 @@ def test_the_committed_result_re_renders_with_bounds():
         res = json.load(f)
     assert C.target_met(res) == {"small": False, "large": False}
     large = C.summary(res)["large"]
-    auto = large["plans"][C.VERDICT_PLAN]
+    assert C.verdict_plan(res) == C.AUTO_TARGET  # saved before issue 42: "auto 0.15" was the verdict
+    auto = large["plans"][C.AUTO_TARGET]
     assert (round(auto["mean"], 4), round(auto["se"], 4), round(auto["upper"], 4)) == (-0.0087, 0.0061, 0.0092)
     assert round(large["control"]["upper"], 4) == 0.0204
 
@@ -124,10 +126,10 @@ def test_the_positive_control_and_gact_enter_the_verdict():
 
 
 def test_charge_against_exclude_is_reported_only_when_resolved():
-    both = {C.VERDICT_PLAN: [0.0, 0.001, 0.0005], f"{C.VERDICT_PLAN} unbiased": [0.02, 0.025, 0.018]}
+    both = {C.AUTO_TARGET: [0.0, 0.001, 0.0005], f"{C.AUTO_TARGET} unbiased": [0.02, 0.025, 0.018]}
     text = "\n".join(C.sentences(_result(both)))
     assert "biased codecs charged or excluded" in text and "charging is better" in text
-    close = {C.VERDICT_PLAN: [0.0, 0.001, 0.0005], f"{C.VERDICT_PLAN} unbiased": [0.001, -0.001, 0.0]}
+    close = {C.AUTO_TARGET: [0.0, 0.001, 0.0005], f"{C.AUTO_TARGET} unbiased": [0.001, -0.001, 0.0]}
     assert "not resolved at this many seeds" in "\n".join(C.sentences(_result(close)))
 
 
@@ -159,14 +161,15 @@ def test_the_committed_low_floor_result_re_renders():
             parts.append(json.load(f))
     res = C.merge(parts)
     assert C.setting_of(res) is C.LOW_FLOOR and res["seeds"] == list(C.LOW_FLOOR.seeds)
+    assert C.verdict_plan(res) == C.AUTO_TARGET and C.evaluation(res) == "the same 4 held-out batches"
     summ = C.summary(res)
     for model, s in summ.items():
         assert all(p["n"] == 10 for p in s["plans"].values()), model
         assert max(abs(d) for d in s["control"]["per_seed"].values()) < 0.002
         assert sum(s["stock_finals"]) / 10 < res["entropy"] - 0.2
         assert C.verdicts(res)[model]["positive_fails"]
-        both = C.paired_between(res, model, f"{C.VERDICT_PLAN} unbiased", C.VERDICT_PLAN)
+        both = C.paired_between(res, model, f"{C.AUTO_TARGET} unbiased", C.AUTO_TARGET)
         assert both["mean"] - both["t"] * both["se"] > 0  # excluding is worse, resolved
     assert C.target_met(res) == {"quick": False, "mid": False}
-    assert round(summ["quick"]["plans"][C.VERDICT_PLAN]["upper"], 4) == 0.0064
-    assert round(summ["mid"]["plans"][C.VERDICT_PLAN]["upper"], 4) == 0.0141
+    assert round(summ["quick"]["plans"][C.AUTO_TARGET]["upper"], 4) == 0.0064
+    assert round(summ["mid"]["plans"][C.AUTO_TARGET]["upper"], 4) == 0.0141

@@ -422,7 +422,7 @@ class Controller:
         layer's plan)."""
         for layer, stored in self._modules.items():
             choice = plan.get(layer, {})
-            owner = next((b for b in map(binder_of, stored.values()) if b is not None), None)
+            owner = self._binder(layer)
             if owner is not None:
                 owner.bind(choice, {site: self._get_codec(layer, site, name)
                                     for site, name in owner.codec_names(choice).items()})
@@ -471,15 +471,19 @@ class Controller:
         sp = _sequence_parallel(self._modules.get(layer, {}).values())
         return codec_seed(self.config.seed, layer, site, sequence_parallel=sp)
 
+    def _binder(self, layer: int) -> Any:
+        """The binder of `layer` (`layer_contract.binder_of` its modules), None where none owns
+        them (their sites are bound one by one)."""
+        return next((b for b in map(binder_of, self._modules.get(layer, {}).values()) if b is not None), None)
+
     def mlp_kind(self, layer: int) -> Optional[str]:
         """What `layer`'s MLP activation lets backward keep (`LayerBinder.mlp_kind`: "fewbit",
         "mask", "value", or None where unknown). Modules no binder owns say it through
         `act_activation` (a fitted activation's name, or None: a value codec only)."""
-        stored = self._modules.get(layer, {})
-        owner = next((b for b in map(binder_of, stored.values()) if b is not None), None)
+        owner = self._binder(layer)
         if owner is not None:
             return owner.mlp_kind()
-        module = stored.get(MLP_ACT_INPUT)
+        module = self._modules.get(layer, {}).get(MLP_ACT_INPUT)
         if module is None or not hasattr(module, "act_activation"):
             return None
         return MLP_FEWBIT if isinstance(module.act_activation, str) else MLP_VALUE
@@ -496,12 +500,12 @@ class Controller:
         cannot bind (`LayerBinder.codec_names` raises). A `ValueError` (the binder's own error
         for a combination) naming the layer, the site and the fix."""
         for layer, choice in plan.items():
-            stored = self._modules.get(layer, {})
+            stored, kind = self._modules.get(layer, {}), self.mlp_kind(layer)
             for site, name in choice.items():
-                why = refusal(site, name, self.mlp_kind(layer)) if site in stored else None
+                why = refusal(site, name, kind) if site in stored else None
                 if why is not None:
                     raise ValueError(f"plan for layer {layer}: {why}")
-            owner = next((b for b in map(binder_of, stored.values()) if b is not None), None)
+            owner = self._binder(layer)
             if owner is not None:
                 owner.codec_names(choice)
 

@@ -111,10 +111,10 @@ class LayerRecompute(LayerBinder):
         `regen` codec of every recomputed dropout mask outside the core attention (whose
         region replays the RNG state instead)."""
         choice = self._checked(choice)
-        if is_full(choice, OPTIONAL_SITES - set(self.sites)):
+        if is_full(choice, self._absent):
             name = choice[CHECKPOINT_SITE]
             return {} if name == KEEP else {CHECKPOINT_SITE: name}
-        self._validate(choice, {s for s, c in choice.items() if c == RECOMPUTE})  # refuse here, first
+        self._validate(choice, self._recomputed(choice))  # refuse here, first
         out = {}
         for site in list(self.sites) + [s for s in QKV_SITES if s not in self.sites]:
             name = choice[site]
@@ -126,6 +126,18 @@ class LayerRecompute(LayerBinder):
                 out[site] = name
         return out
 
+    @property
+    def _absent(self) -> frozenset:
+        """Optional sites a plan names and this layer does not have (the qk-layernorm inputs of
+        a block without them, the dense MLP's of a MoE block): no part of it (`is_full`)."""
+        return OPTIONAL_SITES - set(self.sites)
+
+    def _recomputed(self, choice: Mapping[str, str]) -> set[str]:
+        """The sites of this layer that `choice` recomputes (whatever it names at `_absent` ones:
+        a plan leaving whole-block recompute still says "recompute" there)."""
+        absent = self._absent
+        return {s for s, c in choice.items() if c == RECOMPUTE and s not in absent}
+
     @staticmethod
     def _checked(choice: Mapping[str, str]) -> dict[str, str]:
         choice = {s: choice.get(s, KEEP) for s in SITES}
@@ -136,9 +148,8 @@ class LayerRecompute(LayerBinder):
     def bind(self, choice: Mapping[str, str], codecs: Mapping[str, Codec]) -> None:
         """Bind `choice` with `codecs` (site -> codec, for every site of `codec_names(choice)`)."""
         choice = self._checked(choice)
-        absent = OPTIONAL_SITES - set(self.sites)  # named by a plan, not had by this layer
-        recomputed = {s for s, c in choice.items() if c == RECOMPUTE and s not in absent}
-        full = is_full(choice, absent)
+        recomputed = self._recomputed(choice)
+        full = is_full(choice, self._absent)
         if not full:
             self._validate(choice, recomputed)  # before anything changes
         self._unhook()
@@ -179,9 +190,6 @@ class LayerRecompute(LayerBinder):
 
     def _validate(self, choice: Mapping[str, str], recomputed: set) -> None:
         where = f"layer {self.index}"
-        # an optional site the layer does not have (the qk-layernorm inputs of a block without
-        # them) is no part of it, whatever a plan names there (as in `is_full`)
-        recomputed = recomputed - (OPTIONAL_SITES - set(self.sites))
         qkv = recomputed & set(QKV_SITES + QK_NORM_SITES)
         if qkv:
             raise NotImplementedError(

@@ -111,9 +111,12 @@ class ActConfig:
 
     biased_codecs: str = "charge"
     """Under a noise budget, how plan "auto" treats codecs whose error does not average out
-    (nearest rounding, fp8, few-bit tables): "charge" (their noise is scaled by the
-    coherence measured on the real gradient, `llm_act.measurement.sensitivity`) or
-    "exclude" (only unbiased codecs are chosen)."""
+    (nearest rounding, fp8, few-bit tables; and at a site whose backward is not linear in
+    the stored tensor -- Q and K, the norms' and the activation's inputs -- every lossy
+    codec, stochastic rounding too: `codecs.registry.unbiased_at`): "charge" (their noise
+    is scaled by the coherence measured on the real gradient,
+    `llm_act.measurement.sensitivity`) or "exclude" (only stochastic roundings and exact
+    codecs are chosen, uncharged)."""
 
     fidelity_every: int = 250
     """Report the gradient fidelity (compressed against exact gradient on one

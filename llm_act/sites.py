@@ -131,6 +131,14 @@ class Site:
     "qk_layernorm", "dense", "moe", "last" (the model's last layer) (all of them)"""
     decode_group: Optional[str] = None
     """sites of one group are decoded at once by one backward op"""
+    linear_backward: bool = True
+    """whether the gradients the backward computes from this tensor are linear in it (a
+    linear's input, V through probs @ V, the routing probability the experts scale by, an
+    exact mask). Only there does an unbiased rounding give an unbiased gradient; where not
+    (Q and K through the softmax, a norm's input, the activation's input) every lossy codec
+    biases the gradient, stochastic rounding too (issue 42: SR INT2 at q/k/v alone cost the
+    Llama-style bench model +3%), so plan "auto" charges it as it charges nearest rounding
+    (`codecs.registry.unbiased_at`)"""
     scope: str = "layer"
     """where `slot` (and the ledger's tag slots) are found: "layer", relative to the
     TransformerLayer; "model", relative to the TransformerBlock that holds the layers -- a
@@ -163,16 +171,16 @@ _CORE = "self_attention.core_attention"
 #: ledger ranks sites by it where one tensor's attribution is ambiguous).
 BLOCK: tuple[Site, ...] = (
     Site(LN1_INPUT, "input_layernorm", "norm", "replicated", "activation", _hid, "outlier_int4",
-         "attention", (Tag("input", "input_layernorm"), Tag("owns", "input_layernorm"))),
+         "attention", (Tag("input", "input_layernorm"), Tag("owns", "input_layernorm")), linear_backward=False),
     Site(ATTN_QKV_INPUT, "self_attention.linear_qkv", "column", "replicated", "activation", _hid,
          "outlier_int4", "attention",
          (Tag("input", "self_attention.linear_qkv"), Tag("owns", "self_attention.linear_qkv")),
          recomputed_from=(LN1_INPUT,), made_by="input_layernorm", alone=True),
     # saved by SelfAttention itself beside Q: RoPE's cos/sin tables, booked with Q
     Site(ATTN_Q, _CORE, "core_attention", "heads", "activation", _heads, "int4_channel", "attention",
-         (Tag("input", _CORE, 0), Tag("owns", _ATTN)), family="qkv", decode_group="attention"),
+         (Tag("input", _CORE, 0), Tag("owns", _ATTN)), family="qkv", decode_group="attention", linear_backward=False),
     Site(ATTN_K, _CORE, "core_attention", "heads", "activation", _groups, "int4_channel", "attention",
-         (Tag("input", _CORE, 1),), family="qkv", decode_group="attention"),
+         (Tag("input", _CORE, 1),), family="qkv", decode_group="attention", linear_backward=False),
     Site(ATTN_V, _CORE, "core_attention", "heads", "activation", _groups, "int4_channel", "attention",
          (Tag("input", _CORE, 2),), family="qkv", decode_group="attention"),
     # the masked softmax: its output and the boolean causal mask the torch path saves; the
@@ -181,7 +189,7 @@ BLOCK: tuple[Site, ...] = (
          _scores, "int4_asym", "attention",
          (Tag("owns", _CORE + ".scale_mask_softmax"), Tag("output", _CORE + ".scale_mask_softmax"),
           Tag("output", _CORE + ".attention_dropout")),
-         family="attention_internal", needs=("unfused_attention",)),
+         family="attention_internal", needs=("unfused_attention",), linear_backward=False),
     Site(ATTN_DROPOUT_MASK, _CORE + ".attention_dropout", "core_attention", "heads", "mask", _scores,
          "regen", "attention", (Tag("owns", _CORE + ".attention_dropout"),),
          family="attention_internal", needs=("unfused_attention", "dropout")),
@@ -195,7 +203,7 @@ BLOCK: tuple[Site, ...] = (
     Site(LN2_INPUT, "pre_mlp_layernorm", "norm", "replicated", "activation", _hid, "outlier_int4",
          "mlp", (Tag("input", "pre_mlp_layernorm"), Tag("owns", "pre_mlp_layernorm")),
          recomputed_from=(ATTN_OUT, LN1_INPUT), rebuild_reads=(ATTN_HIDDEN_DROPOUT_MASK,),
-         alone=True),
+         alone=True, linear_backward=False),
     Site(MLP_FC1_INPUT, "mlp.linear_fc1", "column", "replicated", "activation", _hid,
          "outlier_int4", "mlp", (Tag("input", "mlp.linear_fc1"), Tag("owns", "mlp.linear_fc1")),
          recomputed_from=(LN2_INPUT,), made_by="pre_mlp_layernorm", alone=True, family="dense_mlp",
@@ -203,7 +211,7 @@ BLOCK: tuple[Site, ...] = (
     Site(MLP_ACT_INPUT, "mlp", "mlp", "ffn", "activation", lambda x: (x.s, x.b, x.f1), "fewbit3",
          "mlp", (Tag("owns", "mlp"),), recomputed_from=(MLP_FC1_INPUT,), made_by="mlp.linear_fc1",
          alone=True,
-         family="dense_mlp", needs=("dense",)),
+         family="dense_mlp", needs=("dense",), linear_backward=False),
     Site(MLP_FC2_INPUT, "mlp.linear_fc2", "row", "ffn", "activation", lambda x: (x.s, x.b, x.f2),
          "outlier_int4", "mlp", (Tag("input", "mlp.linear_fc2"), Tag("owns", "mlp.linear_fc2")),
          recomputed_from=(MLP_ACT_INPUT,), alone=True, family="dense_mlp", needs=("dense",)),
@@ -214,11 +222,11 @@ BLOCK: tuple[Site, ...] = (
     Site(ATTN_Q_NORM_INPUT, "self_attention.q_layernorm", "norm", "heads", "activation", _heads,
          "outlier_int4", "attention",
          (Tag("input", "self_attention.q_layernorm"), Tag("owns", "self_attention.q_layernorm")),
-         family="qk_norm", needs=("qk_layernorm",)),
+         family="qk_norm", needs=("qk_layernorm",), linear_backward=False),
     Site(ATTN_K_NORM_INPUT, "self_attention.k_layernorm", "norm", "heads", "activation", _groups,
          "outlier_int4", "attention",
          (Tag("input", "self_attention.k_layernorm"), Tag("owns", "self_attention.k_layernorm")),
-         family="qk_norm", needs=("qk_layernorm",)),
+         family="qk_norm", needs=("qk_layernorm",), linear_backward=False),
     # MoE blocks (MoELayer with SequentialMLP experts): the router's input (the pre-MLP norm
     # output), the permuted tokens entering the experts, the experts' activation input and
     # fc2 input (only the tokens routed to them), and the routing itself (the per-token
@@ -236,7 +244,7 @@ BLOCK: tuple[Site, ...] = (
           Tag("owns", "moe.experts.*.linear_fc1")), family="moe", needs=("moe",)),
     Site(MOE_ACT_INPUT, "mlp.experts", "moe", "experts", "activation",
          lambda x: (x.rows, x.moe_f1), "outlier_int4", "mlp", (Tag("owns", "moe.experts.*"),),
-         recomputed_from=(MOE_FC1_INPUT,), family="moe", needs=("moe",)),
+         recomputed_from=(MOE_FC1_INPUT,), family="moe", needs=("moe",), linear_backward=False),
     Site(MOE_FC2_INPUT, "mlp.experts", "moe", "experts", "activation",
          lambda x: (x.rows, x.moe_f2), "outlier_int4", "mlp",
          (Tag("input", "moe.experts.*.linear_fc2"), Tag("owns", "moe.experts.*.linear_fc2")),
@@ -249,7 +257,7 @@ BLOCK: tuple[Site, ...] = (
     # sequence parallelism the rank's token shard), with exact per-row statistics
     Site(FINAL_NORM_INPUT, "final_layernorm", "norm", "replicated", "activation", _hid,
          "outlier_int4", "final", (Tag("input", "final_layernorm"), Tag("owns", "final_layernorm")),
-         family="outer", needs=("last",), scope="model"),
+         family="outer", needs=("last",), scope="model", linear_backward=False),
 )
 
 #: Ledger roles that store nothing of their own (what is saved there goes to "other").
@@ -282,6 +290,8 @@ QK_NORM_SITES: tuple[str, ...]
 DENSE_MLP_SITES: tuple[str, ...]
 MOE_SITES: tuple[str, ...]
 MASK_SITES: frozenset[str]
+#: Sites whose backward is linear in the stored tensor (`Site.linear_backward`).
+LINEAR_BACKWARD: frozenset[str]
 #: The "compress" plan (Adacc sec. 3.2): layer-specific default codec per site.
 DEFAULT_CODECS: dict[str, str]
 #: How a tensor-parallel rank holds the tensor each site stores (megatron-core 0.16):
@@ -334,6 +344,7 @@ def _derive() -> None:
     g["MOE_SITES"] = sites_where(family="moe")
     g["MASK_SITES"] = frozenset(s.name for s in BLOCK if s.dtype == "mask")
     g["DEFAULT_CODECS"] = {s.name: s.codec for s in BLOCK}
+    g["LINEAR_BACKWARD"] = frozenset(s.name for s in BLOCK if s.linear_backward)
     g["TP_LAYOUT"] = {s.name: s.layout for s in BLOCK}
     g["PRODUCER_INPUTS"] = {s.name: s.recomputed_from for s in BLOCK if s.recomputed_from}
     g["RECOMPUTABLE"] = frozenset(s.name for s in BLOCK if s.alone)

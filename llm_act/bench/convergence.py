@@ -351,8 +351,15 @@ def static_bytes(trainer) -> int:
     return sum(2 * p.numel() * p.element_size() for c in trainer.chunks for p in c.parameters())
 
 
-def _flags(plan: str, budget: Optional[int], model: Model, folder: str) -> tuple[str, ...]:
-    if plan.startswith("stock") or plan.startswith("GACT"):
+#: the fixed per-site plans named here (one choice for every layer); `run`'s `choices` adds more
+FIXED_PLANS = {"int8 + recompute": INT8_RECOMPUTE, INT2_EVERYWHERE: INT2_PLAN}
+
+
+def _flags(plan: str, budget: Optional[int], model: Model, folder: str,
+           choice: Optional[dict] = None) -> tuple[str, ...]:
+    """The flags of `plan`; `choice`: a fixed {site: choice} for every layer (sites not named
+    are kept), for plans that are not named in `FIXED_PLANS`."""
+    if choice is None and (plan.startswith("stock") or plan.startswith("GACT")):
         return ()
     if plan == DEFAULT:  # one flag, nothing else: what a user gets
         return ("--act-compress",)
@@ -360,7 +367,7 @@ def _flags(plan: str, budget: Optional[int], model: Model, folder: str) -> tuple
         unbiased = ("--act-compress-biased-codecs", "exclude") if plan.endswith(" unbiased") else ()
         return ("--act-compress", "--act-compress-plan", "auto", "--act-compress-budget", str(budget),
                 *unbiased)
-    fixed = {"int8 + recompute": INT8_RECOMPUTE, INT2_EVERYWHERE: INT2_PLAN}.get(plan)
+    fixed = FIXED_PLANS.get(plan) if choice is None else choice
     if fixed is not None:
         path = os.path.join(folder, "fixed_plan.json")
         with open(path, "w") as f:
@@ -458,14 +465,15 @@ def final(run: dict) -> float:
 
 
 def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Optional[int] = None,
-              quick: bool = False, extra: tuple = (), setting: Setting = BF16) -> dict:
+              quick: bool = False, extra: tuple = (), setting: Setting = BF16,
+              choice: Optional[dict] = None) -> dict:
     """One run (process group up): validation curve, train losses, the ledger of the last
     step's first micro-batch (bytes in the layers and outside them), measuring share.
-    `extra`: more flags for the run."""
+    `extra`: more flags for the run; `choice`: a fixed plan's {site: choice} (`_flags`)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
-        args = train_args(steps, seed, quick, extra=_flags(plan, budget, model, folder) + tuple(extra),
+        args = train_args(steps, seed, quick, extra=_flags(plan, budget, model, folder, choice) + tuple(extra),
                           model=model, setting=setting)
         trainer = Trainer(args, data)
     if plan == STOCK_ULP:
@@ -532,11 +540,12 @@ def budget_for(stock: dict, fraction: float) -> int:
 
 def run(steps: Optional[int] = None, quick: bool = False, seeds=None, plans=None, models=None,
         log: Callable[[str], None] = lambda m: None, previous: Optional[dict] = None,
-        save: Optional[Callable[[dict], None]] = None, setting: Setting = BF16) -> dict:
+        save: Optional[Callable[[dict], None]] = None, setting: Setting = BF16,
+        choices: Optional[dict] = None) -> dict:
     """Stock and every plan at every seed on every model, in `setting` (its steps, seeds,
     plans and models unless given). `previous`: a result of the same settings whose runs are
     reused (an interrupted bench goes on where it stopped); `save` is called with the result
-    after every run."""
+    after every run; `choices`: {plan: {site: choice}} of fixed plans not in `FIXED_PLANS`."""
     steps = setting.steps if steps is None else steps
     seeds, plans = tuple(seeds or setting.seeds), tuple(plans or setting.plans)
     models = tuple(models or setting.models)
@@ -564,7 +573,8 @@ def run(steps: Optional[int] = None, quick: bool = False, seeds=None, plans=None
                     budget = None
                     if plan.startswith("auto"):
                         budget = budget_for(runs[f"stock seed {seeds[0]}"], float(plan.split()[1]))
-                    runs[key] = train_one(model, plan, seed, steps, data, budget, quick, setting=setting)
+                    runs[key] = train_one(model, plan, seed, steps, data, budget, quick, setting=setting,
+                                          choice=(choices or {}).get(plan))
                     r, stock = runs[key], runs[f"stock seed {seed}"]
                     moved = "" if r.get("churn") is None else \
                         f", {r['churn']['per_100']:.1f} plan changes per 100 iterations after warm-up"

@@ -11,6 +11,7 @@ from llm_act.codecs.fp8 import FP8
 from llm_act.codecs.int_quant import IntQuant
 from llm_act.codecs.outlier import OutlierInt4
 from llm_act.codecs.regen import RegenMask
+from llm_act import sites
 from llm_act.sites import CHECKPOINT_SITE, MASK_SITES, MLP_ACT_INPUT, MODEL_SITES, check_site
 
 #: Choices that are not codecs.
@@ -85,6 +86,17 @@ CHOICE_NAMES: tuple[str, ...] = NON_CODECS + CODEC_NAMES
 #: The rest (nearest rounding, fp8 casts, few-bit tables) err the same way on every token,
 #: so their error adds up coherently in a weight gradient (issue 28)
 UNBIASED_CODECS = frozenset({"int1", "int2", "int4", "int8", "outlier_int4", "dual2"}) | MASK_CODECS
+
+
+def unbiased_at(name: str, site: str) -> bool:
+    """Whether codec `name` at `site` leaves the gradient unbiased: an exact mask codec, or an
+    unbiased rounding (`UNBIASED_CODECS`) where the backward is linear in the stored tensor
+    (`sites.LINEAR_BACKWARD`). Plan "auto" charges every other lossy choice its measured
+    coherence (`measured_profile.charged_error`); `biased_codecs="exclude"` leaves out the
+    biased roundings only (`UNBIASED_CODECS`: at a norm's input nothing else would fit)."""
+    if name in MASK_CODECS:
+        return True
+    return name in UNBIASED_CODECS and site in sites.LINEAR_BACKWARD
 
 
 def make_codec(name: str, *, seed: int = 1234, activation: str = "gelu") -> Codec:

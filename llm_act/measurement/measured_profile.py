@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
 
-from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS
+from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS, unbiased_at
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
 from llm_act.planner.transient import transient_bytes, whole_block_bytes
 from llm_act.sites import (
@@ -256,7 +256,7 @@ class MeasuredProfile:
         "recompute" (the producer's measured forward time); `candidates`: site -> the codec
         names to offer (default: all measured); `exclude`: sites left out (fixed choices);
         `coherence`: site -> the factor a biased codec's noise is charged at (issue 28);
-        `unbiased_only`: offer no biased codec (`UNBIASED_CODECS` only)."""
+        `unbiased_only`: offer only unbiased roundings and exact codecs (`UNBIASED_CODECS`)."""
         sens = dict(sensitivity or {})
         out = []
         for group, sites in self.units(per_layer, exclude):
@@ -314,8 +314,9 @@ class MeasuredProfile:
 
 def charged_error(rel_error: float, site: str, name: str, coherence: Optional[Mapping[str, float]]) -> float:
     """The S the noise model charges `name` at `site`: its relative error, times the site's
-    measured coherence when the codec is biased (its error does not average out over tokens)."""
-    if not coherence or name in UNBIASED_CODECS:
+    measured coherence when the codec biases the gradient there (`unbiased_at`: its error
+    does not average out over tokens)."""
+    if not coherence or unbiased_at(name, site):
         return rel_error
     return rel_error * float(coherence.get(site, 1.0))
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from llm_act.codecs.registry import KEEP, RECOMPUTE, UNBIASED_CODECS
+from llm_act.codecs.registry import KEEP, RECOMPUTE, unbiased_at
 from llm_act.measurement import fidelity, head_cut, linear_tap
 from llm_act.measurement.measure import measure_profile, profile_from_samples
 from llm_act.measurement.sensitivity import measure_sensitivity, sensitive_sites
@@ -430,7 +430,7 @@ def coherence_codecs(a: "Adapter", sites: Optional[list[str]]) -> dict[str, str]
         in_force = [c.plan.get(layer, {}).get(site) for layer in layers]
         fallback = ["fewbit3"] if site == MLP_ACT_INPUT else []
         for name in [*in_force, DEFAULT_CODECS.get(site), *fallback, "int4_channel"]:
-            if (name not in (None, KEEP, RECOMPUTE) and name not in UNBIASED_CODECS
+            if (name not in (None, KEEP, RECOMPUTE) and not unbiased_at(name, site)
                     and all(c.accepts(layer, site, name) for layer in layers)):
                 out[site] = name
                 break

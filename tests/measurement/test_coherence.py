@@ -65,3 +65,24 @@ def test_a_nearest_rounding_codec_is_measured_and_only_biased_codecs_are_charged
     assert charged_error(0.01, "mlp.fc2_input", "int4", kappa) == 0.01  # unbiased: GACT's model
     assert charged_error(0.01, "attn.out", "int4_channel", kappa) == 0.01  # not measured: 1
     assert charged_error(0.01, "mlp.fc2_input", "int4_channel", None) == 0.01
+
+
+def test_at_a_site_whose_backward_is_not_linear_every_lossy_codec_is_charged():
+    """Issue 42: stochastic rounding leaves the gradient unbiased only where the backward is
+    linear in the stored tensor. At Q and K (through the softmax), a norm's input and the
+    activation's input an unbiased rounding is charged its site's coherence as nearest
+    rounding is; at a linear's input it is not; an exact mask codec never is."""
+    from llm_act.codecs.registry import unbiased_at
+    from llm_act.sites import LINEAR_BACKWARD
+
+    kappa = {"attn.q": 4.0, "attn.k": 4.0, "ln1.input": 2.0, "mlp.act_input": 3.0, "attn.v": 5.0,
+             "attn.qkv_input": 6.0}
+    for site in ("attn.q", "attn.k", "ln1.input", "mlp.act_input"):
+        assert site not in LINEAR_BACKWARD
+        for name in ("int1", "int2", "int4", "outlier_int4", "int4_channel"):
+            assert not unbiased_at(name, site)
+            assert charged_error(0.01, site, name, kappa) == pytest.approx(0.01 * kappa[site])
+    for site in ("attn.v", "attn.qkv_input"):  # linear: probs @ V, a linear's input
+        assert charged_error(0.01, site, "int2", kappa) == 0.01
+        assert charged_error(0.01, site, "int4_channel", kappa) == pytest.approx(0.01 * kappa[site])
+    assert unbiased_at("regen", "attn.dropout_mask") and unbiased_at("bitmask", "mlp.hidden_dropout_mask")

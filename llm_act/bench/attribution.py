@@ -74,6 +74,30 @@ def variants() -> dict[str, dict[str, str]]:
     return out
 
 
+def gap_curve(result: dict, model: str, plan: str, window: int = 30) -> list[tuple[int, int, float]]:
+    """(first, last iteration, mean relative gap in training loss to stock over the seeds)
+    per `window` iterations: where in training a plan's loss gap comes from. Every run of
+    one seed sees the same batches, so the per-iteration gap is paired."""
+    import numpy as np
+
+    runs = result["models"][model]["runs"]
+    seeds = [s for s in result["seeds"] if f"{plan} seed {s}" in runs and f"stock seed {s}" in runs]
+    gaps = np.array([np.asarray(runs[f"{plan} seed {s}"]["train"]) / np.asarray(runs[f"stock seed {s}"]["train"]) - 1
+                     for s in seeds])
+    mean = gaps.mean(axis=0)
+    return [(a + 1, min(a + window, len(mean)), float(mean[a:a + window].mean()))
+            for a in range(0, len(mean), window)]
+
+
+def curve_table(result: dict, model: str, plans, window: int = 30) -> str:
+    """Markdown: each plan's `gap_curve`, one column per window."""
+    curves = {p: gap_curve(result, model, p, window) for p in plans}
+    spans = [f"{a}-{b}" for a, b, _ in next(iter(curves.values()))]
+    lines = ["| plan | " + " | ".join(spans) + " |", "|---|" + "---:|" * len(spans)]
+    lines += [f"| {p} | " + " | ".join(f"{100 * g:+.2f}%" for _, _, g in c) + " |" for p, c in curves.items()]
+    return "\n".join(lines)
+
+
 def parser() -> argparse.ArgumentParser:
     from llm_act.cli.main import _seed_range
 
@@ -83,7 +107,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plans", nargs="+", default=None, help="a subset of the variants (default: all)")
     p.add_argument("--steps", type=int, default=None, help="default: the fp32 setting's")
     p.add_argument("--previous", default=None, help="a convergence JSON whose stock runs are reused")
-    p.add_argument("--save-json", required=True)
+    p.add_argument("--save-json", default=None, help="where the runs go (required unless --curve)")
+    p.add_argument("--curve", default=None, metavar="JSON",
+                   help="print the per-iteration training-loss gap of every plan of a convergence JSON "
+                        "(Llama-style model), averaged over its seeds, and exit")
     return p
 
 
@@ -92,7 +119,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from llm_act.bench import convergence as C
 
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.curve:
+        try:
+            with open(args.curve) as f:
+                done = json.load(f)
+            print(curve_table(done, C.LLAMA_MODEL.name, done["plans"]))
+        except (OSError, ValueError, KeyError) as err:
+            p.error(f"--curve {args.curve}: not a convergence JSON with the Llama-style model ({err})")
+        return 0
+    if not args.save_json:
+        p.error("--save-json: required (where the runs go)")
     torch.set_num_threads(1)
     table = variants()
     plans = tuple(args.plans or table)

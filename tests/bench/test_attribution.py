@@ -48,3 +48,18 @@ def test_a_fixed_choice_trains_as_a_fixed_plan(tmp_path):
         r = runs[f"{plan} seed 7"]
         assert r["plan_changes"] == [] and 0 < r["block_bytes"] < stock, (plan, r["block_bytes"], stock)
     json.dumps(result)  # what --save-json writes
+
+
+def test_gap_curve_averages_paired_gaps_per_window():
+    stock = [2.0] * 6
+    result = {"seeds": [1, 2, 3], "plans": ["p"], "models": {"m": {"runs": {
+        **{f"stock seed {s}": {"train": stock} for s in (1, 2, 3)},
+        "p seed 1": {"train": [2.0, 2.0, 2.0, 2.2, 2.2, 2.2]},  # +10% in the second half
+        "p seed 2": {"train": [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]},
+        # seed 3 has no run of p: left out, not counted as 0
+    }}}}
+    curve = A.gap_curve(result, "m", "p", window=3)
+    assert [(a, b) for a, b, _ in curve] == [(1, 3), (4, 6)]
+    assert curve[0][2] == pytest.approx(0.0) and curve[1][2] == pytest.approx(0.05)
+    table = A.curve_table(result, "m", ["p"], window=3)
+    assert "| p | +0.00% | +5.00% |" in table

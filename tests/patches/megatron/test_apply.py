@@ -279,7 +279,8 @@ def test_unsupported_config_features_raise(feature, value, error, match):
     with pytest.raises(error, match=match):
         layer_spec(ActConfig(), model.config)
     assert [type(m) for m in model.modules()] == classes  # nothing converted
-    assert isinstance(apply(model, ActConfig(enabled=False)), object)  # disabled: no checks
+    off = apply(model, ActConfig(enabled=False))  # disabled: no checks, nothing converted, no plan
+    assert not off.config.enabled and off.plan == {} and [type(m) for m in model.modules()] == classes
 
 
 def test_unsupported_modules_raise():

@@ -62,7 +62,7 @@ def _compress(dispatcher="alltoall", **config):
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
-def test_compress_stores_at_most_a_quarter_per_moe_layer(dispatcher, stock_alltoall):
+def test_compress_stores_about_a_twelfth_per_moe_layer(dispatcher, stock_alltoall):
     """Measured (alltoall, layer 0, bytes compress/stock): router_input 2304/16384, fc1_input
     4608/32768, act_input 38034/655360, fc2_input 19756/131072, routing 5060/5412; the MoE
     sites 0.083 of stock, the whole layer about 0.09."""
@@ -74,8 +74,10 @@ def test_compress_stores_at_most_a_quarter_per_moe_layer(dispatcher, stock_allto
         assert set(MOE_SITES) <= set(base) and not any(s.startswith("mlp.") and "dropout" not in s for s in base)
         moe_comp = sum(comp.get(s, 0) for s in MOE_SITES)
         moe_base = sum(base[s] for s in MOE_SITES)
-        assert moe_comp <= 0.25 * moe_base, (layer, comp, base)
-        assert sum(comp.values()) <= 0.25 * sum(base.values()), (layer, comp, base)
+        # measured 0.083 and about 0.09: the bound sits just above, so a codec that stores
+        # twice the bytes (8-bit where 4-bit is planned) fails it
+        assert moe_comp <= 0.10 * moe_base, (layer, comp, base)
+        assert sum(comp.values()) <= 0.11 * sum(base.values()), (layer, comp, base)
         for site in MOE_SITES:
             assert 0 < comp[site] < base[site], (layer, site, comp[site], base[site])
 

@@ -151,7 +151,12 @@ class Codec:
     def nonfinite_overflow(self) -> int:
         """Non-finite values, over all encodes so far, that did not fit the side list and
         decode to NaN instead of their exact value. Reading it syncs with the device."""
-        return int(sum(int(t[nonfinite_ref.OVERFLOW]) for t in self._states.values()))
+        return int(sum(int(t) for t in self.overflow_counters()))
+
+    def overflow_counters(self) -> list[torch.Tensor]:
+        """`nonfinite_overflow`'s counters, one per device, still on it (no sync): a reader
+        of many codecs sums them there and transfers once."""
+        return [t[nonfinite_ref.OVERFLOW] for t in self._states.values()]
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x))

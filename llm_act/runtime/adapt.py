@@ -113,6 +113,9 @@ class Adapter:
         self.solution = None  # the last planner answer (not checkpointed)
         self.noise_ratio: Optional[float] = None
         self.solver_failures = 0
+        #: non-finite values past the codecs' side lists, as last read (`check_overflow`)
+        self.overflow_seen = 0
+        self._overflow_since = 0
         """tracking points whose solve failed (the plan in force was kept)"""
         self.output_decision: Optional[dict[str, Any]] = None
         """the last output-loss decision (`output_choice.OutputChoice.to_dict()`; None where the
@@ -202,15 +205,33 @@ class Adapter:
         """Called after every iteration; reports the gradient fidelity and tracks when due
         (with `probe`, else with the training step the hooks recorded)."""
         try:
-            if self.fidelity_due(self.controller.iteration):
+            reported = self.fidelity_due(self.controller.iteration)
+            if reported:
                 self.round.run("the gradient-fidelity report", self.controller.iteration,
                                lambda: measuring.report_fidelity(self, probe))
+            points = self.track_count
             self._after_iteration(probe)
+            if reported or self.track_count != points:  # a point that syncs anyway
+                self.check_overflow()
         finally:
             self.replay.clear()
             if self.step_tap is not None:
                 self.step_tap.remove()
                 self.step_tap = None
+
+    def check_overflow(self) -> int:
+        """Read the codecs' non-finite overflow (`Controller.nonfinite_overflow`, one transfer)
+        and warn once per reading that finds more than the last: those values decoded to NaN
+        instead of their exact value. Returns the count."""
+        c = self.controller
+        count = c.nonfinite_overflow()
+        if count > self.overflow_seen:
+            log.warning("llm_act: iteration %d: %d non-finite values (NaN, +-Inf) did not fit the "
+                        "codecs' side lists since iteration %d and decoded to NaN (an Inf lost its "
+                        "sign; nothing became finite): the loss scaler sees them as NaN; %d in all",
+                        c.iteration, count - self.overflow_seen, self._overflow_since, count)
+        self.overflow_seen, self._overflow_since = count, c.iteration
+        return count
 
     def _tap_step(self) -> None:
         """The recorded step's first forward of a tracking iteration: measure the training
@@ -443,7 +464,14 @@ class Adapter:
         skipped = self.round.skipped_total
         skips = "" if not skipped else f", {skipped} measurements skipped after a failure (plan kept)"
         return (f"re-planning: {self.track_count} tracking points, {len(self.history)} plan changes, "
-                f"{self.solver_failures} solver failures (plan kept){skips}{spent}{fid}")
+                f"{self.solver_failures} solver failures (plan kept){skips}{spent}{fid}; "
+                f"{self.overflow_text()}")
+
+    def overflow_text(self) -> str:
+        """The summary's words on the non-finite overflow, read now (a sync: the run's end)."""
+        count = self.check_overflow()
+        return (f"{count} non-finite values past the codecs' side lists (decoded to NaN)" if count
+                else "every non-finite value decoded exactly")
 
     # ---- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -35,6 +35,8 @@ import contextlib
 import logging
 from typing import Any, Callable, Iterator, Mapping, Optional
 
+import torch
+
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, MLP_FEWBIT, MLP_VALUE, RECOMPUTE, accepts, make_codec, refusal
 from llm_act.config import ActConfig
@@ -220,6 +222,17 @@ class Controller:
         if name in (KEEP, RECOMPUTE) or site not in self._modules.get(layer, {}):
             return None
         return self._codecs[(layer, site, name)]
+
+    def nonfinite_overflow(self) -> int:
+        """Non-finite values (NaN, +-Inf) that did not fit the side lists of this controller's
+        codecs since they were built, and so decoded to NaN (an Inf lost its sign; nothing
+        became finite): summed on each device, one transfer per device. A sync: the adapter
+        reads it at tracking and report points only, and the run's summary at its end."""
+        per_device: dict[torch.device, list[torch.Tensor]] = {}
+        for codec in self._codecs.values():
+            for counter in codec.overflow_counters():
+                per_device.setdefault(counter.device, []).append(counter)
+        return sum(int(torch.stack(counters).sum()) for counters in per_device.values())
 
     # ---- switching plans -----------------------------------------------------------------
     def set_plan(self, plan: PlanLike) -> None:

@@ -187,8 +187,9 @@ def _train(args: argparse.Namespace, trainer: Trainer, data: data_lib.TokenData,
             + ("" if args.act_config is None else f"; {codec_backend(parallel.device())}"))
         if adapter is not None and adapter.active:
             say(f"summary: {adapter.summary()}")
-        elif adapter is not None and adapter.fidelity:
-            say(f"summary: {adapter.fidelity[-1].format()}")
+        elif adapter is not None and trainer.controller.enabled:
+            fidelity = f"{adapter.fidelity[-1].format()}; " if adapter.fidelity else ""
+            say(f"summary: {fidelity}{adapter.overflow_text()}")
         if adapter is not None and adapter.fidelity:
             summary["noise_ratio"] = adapter.fidelity[-1].noise_ratio
             summary["fidelity"] = adapter.fidelity[-1].total
@@ -245,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(err))
     try:
         train(args, log=lambda msg: print(msg, flush=True))
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, NotImplementedError) as err:  # user errors: one line
         stderr_line(f"{parser.prog}: error: {err}")
         return 2
     finally:

@@ -121,7 +121,8 @@ NATIVE = {
     NATIVE_OFFLOAD: dict(fine_grained_activation_offloading=True,
                          offload_modules=list(NATIVE_OFFLOAD_MODULES)),
 }
-#: megatron-core options not run here, and why (found on CPU with megatron-core 0.16.1, local spec)
+#: megatron-core options not run here, and why (found on CPU with megatron-core 0.16.1 and
+#: 0.19.2, local spec; tests/bench/test_native_baselines.py names every recompute module)
 NATIVE_NOT_RUN = (
     'recompute_modules "layernorm": needs Transformer Engine (megatron-core\'s '
     "CheckpointWithoutOutput takes its FP8 path whatever fp8 is; without Transformer Engine: "
@@ -131,6 +132,12 @@ NATIVE_NOT_RUN = (
     "Parameter through CheckpointFunction, which becomes its grad_fn, so backward re-enters the "
     "checkpoint without end (memory grows until the process dies); with add_bias_linear=False "
     "(another model) it runs",
+    'recompute_modules "moe", "moe_act", "shared_experts", "mla_up_proj", "gdn_norm_out": each '
+    "recomputes a part the bench's dense GPT does not have (MoE layers, grouped-GEMM experts, "
+    "shared experts, multi-latent attention, 0.19's GatedDeltaNet attention): megatron-core "
+    "refuses them without it (`gdn_norm_out in recompute_modules is only supported with "
+    "experimental_attention_variant='gated_delta_net'`); llm_act refuses MLA, and GatedDeltaNet "
+    "is a HybridModel layer, which llm_act refuses too",
     "fine-grained activation offloading: needs CUDA (its copies run on `torch.cuda.Stream`s) and "
     "Transformer Engine (its `cpu_offload`; without it megatron-core raises `RuntimeError: TE CPU "
     "offload is not available` at the first offloaded module)",

@@ -41,6 +41,6 @@ def main(args: argparse.Namespace) -> int:
     args = check(parser, args, world_size=1)
     try:
         compare.run(args, args.output_dir, log=lambda m: print(m, flush=True))
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, NotImplementedError) as err:  # user errors: one line
         fail(parser, str(err))
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
+from llm_act.patches.megatron import compat
 from llm_act.patches.megatron.args import add_arguments, config_from_args
 
 
@@ -72,6 +73,19 @@ def build_parser(prog: str = "pretrain_gpt.py", add_help: bool = True) -> argpar
     d.add_argument("--data-path", nargs="+", default=None,
                    help="a text file (byte-level) or the prefix of a Megatron indexed dataset "
                         "(prefix.bin + prefix.idx); default: the embedded stdlib corpus")
+
+    new = p.add_argument_group(
+        "megatron-core 0.17-0.19 options", "Megatron-LM's flags for options the compressed layers do not "
+        "implement: passed to megatron-core in a stock run, refused with --act-compress")
+    for flag in compat.GTP_SHARD_FLAGS.values():
+        new.add_argument(flag, type=int, default=None, metavar="N",
+                         help="weight shards over the TP and GTP axes (default: the TP size)")
+    for name, flag in compat.NEW_OPTION_FLAGS.items():
+        off = compat.NEW_OPTIONS[name]
+        if isinstance(off, bool):
+            new.add_argument(flag, dest=name, action="store_true")
+        else:
+            new.add_argument(flag, dest=name, type=int, default=off, metavar="N")
 
     io = p.add_argument_group("checkpointing and logging")
     io.add_argument("--save", default=None)
@@ -166,11 +180,37 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace, world_size: int)
         p.error("--save-interval: needs --save DIR")
     if args.ledger_interval is None:
         args.ledger_interval = args.log_interval
+    _check_new_options(p, args)
     try:
         args.act_config = config_from_args(args)
     except ValueError as err:
         p.error(str(err))
     return args
+
+
+def _check_new_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A newer megatron-core's option: known to the installed one, and refused with
+    --act-compress in the library's one line (`unsupported.check_new_options`)."""
+    from llm_act.patches.megatron.unsupported import check_new_options
+
+    tp = args.tensor_model_parallel_size
+    for name, flag in compat.GTP_SHARD_FLAGS.items():  # Megatron-LM's rule: remat = shards / TP
+        shards = getattr(args, flag[2:].replace("-", "_"))
+        if shards is not None and (shards < tp or shards % tp):
+            p.error(f"{flag} {shards}: must be a multiple of --tensor-model-parallel-size {tp}")
+        setattr(args, name, 1 if shards is None else shards // tp)
+    for name, flag in {**compat.GTP_SHARD_FLAGS, **compat.NEW_OPTION_FLAGS}.items():
+        value = getattr(args, name)
+        if value != compat.NEW_OPTIONS[name] and not compat.has_option(name):
+            from megatron.core import __version__
+
+            p.error(f"{flag}: the installed megatron-core {__version__} has no option {name} "
+                    f"(megatron-core 0.17 or newer has); drop the flag")
+    if args.act_compress:
+        try:
+            check_new_options(args)
+        except NotImplementedError as err:  # a refusal, not a syntax error: the line alone
+            p.exit(2, f"{p.prog}: error: {err}\n")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1,

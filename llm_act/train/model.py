@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from llm_act.config import ActConfig
-from llm_act.patches.megatron import apply, block_spec, controller_state
+from llm_act.patches.megatron import apply, block_spec, compat, controller_state
 from llm_act.train.small_gpt import local_layer_spec
 
 
@@ -56,6 +56,9 @@ def transformer_config(args: argparse.Namespace):
         # Inductor compilation on CPU (and "auto" refuses torch.compile of patched layers).
         bias_dropout_fusion=False,
     )
+    for name, off in compat.NEW_OPTIONS.items():  # newer megatron-core's options, where set
+        if getattr(args, name, off) != off:
+            kw[name] = getattr(args, name)
     if args.swiglu:
         import torch.nn.functional as F
 

@@ -165,6 +165,32 @@ NEW_OPTIONS: dict[str, Any] = {
 }
 
 
+#: Megatron-LM's command-line flag of each `NEW_OPTIONS` entry that is a TransformerConfig
+#: field made a flag (0.19's `arguments.py`)
+NEW_OPTION_FLAGS: dict[str, str] = {
+    "mlp_chunks_for_training": "--mlp-chunks-for-training",
+    "moe_paged_stash": "--moe-paged-stash",
+    "qk_l2_norm": "--qk-l2-norm",
+    "use_mup": "--use-mup",
+    "fp8_output_proj": "--fp8-output-proj",
+}
+#: GTP is set in Megatron-LM by the total number of weight shards over the TP and GTP axes
+#: (`resolve_tensor_parallel_weight_shards`: remat size = shards / TP size)
+GTP_SHARD_FLAGS: dict[str, str] = {
+    "gtp_weight_remat_size": "--tensor-parallel-num-weight-shards",
+    "expert_gtp_weight_remat_size": "--expert-tensor-parallel-num-weight-shards",
+}
+
+
+def has_option(name: str) -> bool:
+    """Whether the installed megatron-core's TransformerConfig has the field `name`."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return any(f.name == name for f in dataclasses.fields(TransformerConfig))
+
+
 def option(tconfig: Any, name: str) -> Any:
     """`tconfig.name`, or its "off" value (`NEW_OPTIONS`) where this megatron-core lacks it."""
     return getattr(tconfig, name, NEW_OPTIONS.get(name))

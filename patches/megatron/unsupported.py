@@ -3,7 +3,7 @@
 Transformer Engine specs, some MoE settings (`check_moe`), context parallel, multi-latent
 attention, CUDA graphs, megatron-core 0.17-0.19's options the layers would ignore (GTP weight
 sharding, MLP chunks, the MoE paged stash, qk_l2_norm, MuP, fp8_output_proj:
-`_check_new_options`), HybridModel, and Megatron's own `recompute_granularity` together with our plan
+`check_new_options`), HybridModel, and Megatron's own `recompute_granularity` together with our plan
 would either bypass the compressed modules (TE, MoE, MLA), break their invariants (CUDA
 graphs freeze the codecs' random streams and Python-side choices; CP splits the sequence
 our sites assume whole) or double the recomputation (Megatron's checkpointing around layers
@@ -69,7 +69,7 @@ def check_transformer_config(tconfig: Any, act_config: Any = None) -> None:
             "captured graph would freeze the codecs and their random streams; turn CUDA "
             "graphs off, or disable activation compression"
         )
-    _check_new_options(tconfig)
+    check_new_options(tconfig)
     if getattr(tconfig, "fp8", None):
         raise NotImplementedError(
             f"fp8 training (fp8={tconfig.fp8!r}) runs through Transformer Engine, which llm_act "
@@ -89,9 +89,10 @@ def check_transformer_config(tconfig: Any, act_config: Any = None) -> None:
 #: set: what our layers would silently not do
 _NEW_OPTION_WHY = {
     "gtp_weight_remat_size": "GTP weight sharding: the compressed linears take whole weights; "
-                             "set it to 1 (drop --gtp-weight-remat-size)",
+                             "set it to 1 (drop --tensor-parallel-num-weight-shards)",
     "expert_gtp_weight_remat_size": "GTP sharding of expert weights: the compressed experts take "
-                                    "whole weights; set it to 1",
+                                    "whole weights; set it to 1 (drop "
+                                    "--expert-tensor-parallel-num-weight-shards)",
     "mlp_chunks_for_training": "the layer's MLP called per sequence chunk: the MLP sites assume "
                                "one call per micro-batch; set it to 1",
     "moe_paged_stash": "the MoE paged stash keeps the experts' activations itself, past the "
@@ -105,9 +106,10 @@ _NEW_OPTION_WHY = {
 }
 
 
-def _check_new_options(tconfig: Any) -> None:
+def check_new_options(tconfig: Any) -> None:
     """Refuse, in one line naming the option and its value, each option of megatron-core
-    0.17-0.19 that the compressed layers would ignore (an older config lacks it: off)."""
+    0.17-0.19 that the compressed layers would ignore (an older config lacks it: off).
+    `tconfig`: a TransformerConfig, or anything with its field names (the loop's arguments)."""
     for name, off in compat.NEW_OPTIONS.items():
         value = compat.option(tconfig, name)
         if value is not None and value != off:

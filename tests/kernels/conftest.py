@@ -5,8 +5,53 @@ A kernel test whose input fits one program never exercises the program-id arithm
 shapes launch several programs.
 """
 import math
+import os
 
 import pytest
+
+#: tests that read what an older Triton interpreter does differently from the one they were
+#: written against (triton 3.9's, the 3.11 venv's; on a GPU the kernels are compiled, not
+#: interpreted). torch 2.13's CUDA build pins triton 3.7.1 (the 3.12 venv), whose interpreter
+#: (`InterpreterBuilder`) has no `get_bf16`, so no kernel that makes a bf16 constant runs in it
+#: (the outlier kernels on bf16 input), decodes some FP8 codes to other float bits, and lets a
+#: group's max over NaNs come out 0 instead of NaN. Gated by what the interpreter has, not by
+#: its version: the day it has `get_bf16` these run again.
+_NO_BF16 = "it has no bf16 constants (`InterpreterBuilder.get_bf16`), which the outlier kernels make on bf16 input (these tests give them bf16)"
+#: (test id prefix, the words its id must hold as well, why)
+INTERPRETER_GAPS = (
+    ("test_fp8.py::test_every_code_decodes_as_the_format_says", "", "its FP8 decode gives other float bits "
+                                                                    "for some codes"),
+    ("test_int_quant.py::test_zero_range_and_all_nonfinite_groups", "", "its max over an all-NaN group "
+                                                                        "is 0, not NaN"),
+    ("test_outlier.py::", "bfloat16", _NO_BF16),
+    ("test_outlier.py::test_tiles_pick_their_own_outlier_channels", "", _NO_BF16),
+    ("test_sync_free_triton.py::test_triton_encode_and_decode_issue_no_host_sync", "outlier_int4", _NO_BF16),
+    ("test_traffic.py::test_one_pass", "outlier_int4", _NO_BF16),
+)
+
+
+def _old_interpreter() -> bool:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        from triton.runtime.interpreter import InterpreterBuilder
+    except ImportError:  # no triton: the kernel tests skip themselves
+        return False
+    return not hasattr(InterpreterBuilder, "get_bf16")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _old_interpreter():
+        return
+    import triton
+
+    for item in items:
+        name = item.nodeid.split("tests/kernels/", 1)[-1]
+        why = next((w for prefix, words, w in INTERPRETER_GAPS if name.startswith(prefix) and words in name),
+                   None)
+        if why is not None:
+            item.add_marker(pytest.mark.skip(reason=f"triton {triton.__version__}'s interpreter: {why}; "
+                                                    "runs on triton >= 3.9 and compiled on a GPU"))
 
 
 class _Recording:

@@ -363,6 +363,9 @@ def _flags(plan: str, budget: Optional[int], model: Model, folder: str,
         return ()
     if plan == DEFAULT:  # one flag, nothing else: what a user gets
         return ("--act-compress",)
+    fraction = noise_fraction_of(plan)
+    if fraction is not None:  # the default plan at another noise budget (its calibration)
+        return ("--act-compress", "--act-compress-noise-fraction", fraction)
     if plan.startswith("auto"):
         unbiased = ("--act-compress-biased-codecs", "exclude") if plan.endswith(" unbiased") else ()
         return ("--act-compress", "--act-compress-plan", "auto", "--act-compress-budget", str(budget),
@@ -517,7 +520,7 @@ def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Opti
     if c is not None:  # every run with the controller: its plan changes (none for a fixed plan)
         out["plan_changes"] = [int(h["iteration"]) for h in c.history]
         out["churn"] = churn(out["plan_changes"], steps)
-    if c is not None and (plan.startswith("auto") or plan == DEFAULT):
+    if c is not None and _adaptive(plan):
         out["plan"] = c.describe(c.plan)
         out["noise_budget"] = c.adapter.noise_budget()
         out["changes"] = len(c.history)
@@ -759,9 +762,27 @@ def sentences(result: dict) -> list[str]:
     return lines
 
 
+#: the default plan at noise fraction X: "default, noise X" (`noise_fraction_of`)
+DEFAULT_AT_NOISE = DEFAULT + ", noise "
+
+
+def noise_fraction_of(plan: str) -> Optional[str]:
+    """X of a plan named "default, noise X" (the default plan, `--act-compress`, with
+    `--act-compress-noise-fraction X`: issue 42's calibration of the noise budget), else None."""
+    if not plan.startswith(DEFAULT_AT_NOISE):
+        return None
+    text = plan[len(DEFAULT_AT_NOISE):]
+    try:
+        if float(text) > 0:
+            return text
+    except ValueError:
+        pass
+    raise ValueError(f"plan {plan!r}: expected '{DEFAULT_AT_NOISE}X' with a fraction X > 0")
+
+
 def _adaptive(plan: str) -> bool:
     """Whether `plan` re-plans during the run (plan "auto": the default plan and "auto X")."""
-    return plan == DEFAULT or plan.startswith("auto")
+    return plan == DEFAULT or plan.startswith("auto") or plan.startswith(DEFAULT_AT_NOISE)
 
 
 def _which_better(stats: dict) -> str:

@@ -36,8 +36,18 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m llm_act.bench.convergence_pilot", allow_abbrev=False,
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", choices=tuple(models), default=tuple(models))
-    p.add_argument("--plans", nargs="+", choices=setting.plans, default=setting.plans,
-                   help="besides stock, which every seed runs first")
+    def plan(text: str) -> str:
+        try:
+            if text in setting.plans or C.noise_fraction_of(text) is not None:
+                return text
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(repr, setting.plans))} or "
+                                         f"'{C.DEFAULT_AT_NOISE}X', got {text!r}")
+
+    p.add_argument("--plans", nargs="+", type=plan, default=setting.plans, metavar="PLAN",
+                   help="besides stock, which every seed runs first: the setting's plans, or "
+                        f"'{C.DEFAULT_AT_NOISE}X' (the default plan at noise fraction X)")
     p.add_argument("--seeds", type=_seeds, default=setting.seeds, metavar="A-B",
                    help="a range A-B or a comma list (default: the setting's 10)")
     p.add_argument("--steps", type=int, default=setting.steps)

@@ -195,3 +195,22 @@ def test_the_pilot_goes_on_with_more_plans_in_the_same_json(tmp_path, capsys):
     assert runs["stock seed 1234"] == first["models"]["quick"]["runs"]["stock seed 1234"]  # not retrained
     assert len(again["commands"]) == 2 and again["complete"] and again["plans"] == [C.STOCK_ULP, "compress"]
     assert "| quick | compress |" in capsys.readouterr().out
+
+
+def test_the_default_plan_at_another_noise_fraction_is_one_more_flag():
+    """Issue 42's calibration of the default noise budget: "default, noise X" is the default
+    plan with --act-compress-noise-fraction X, adaptive like it; a bad X is refused by name."""
+    from llm_act.config import ActConfig
+
+    plan = C.DEFAULT_AT_NOISE + "0.05"
+    flags = C._flags(plan, None, C.LLAMA_MODEL, "/nonexistent")
+    assert flags == ("--act-compress", "--act-compress-noise-fraction", "0.05") and C._adaptive(plan)
+    args = C.train_args(300, 1234, False, extra=flags, model=C.LLAMA_MODEL, setting=C.LOW_FLOOR)
+    assert args.act_config == ActConfig(noise_fraction=0.05)
+    assert C.noise_fraction_of(C.DEFAULT) is None and C.noise_fraction_of("compress") is None
+    for bad in ("abc", "0", "-1"):
+        with pytest.raises(ValueError, match="expected 'default, noise X' with a fraction X > 0"):
+            C.noise_fraction_of(C.DEFAULT_AT_NOISE + bad)
+    assert pilot_parser().parse_args(["--plans", plan, "compress", "--save-json", "x"]).plans == [plan, "compress"]
+    with pytest.raises(SystemExit):
+        pilot_parser().parse_args(["--plans", C.DEFAULT_AT_NOISE + "abc", "--save-json", "x"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Everything GPU-side in one device call (the device machine reaches no registry):
-#   here, once:   bash tools/fetch_gpu_wheels.sh        (cp312 wheels into .whl/)
-#   device tool:  run(command="bash tools/gpu_suite.sh", carry=[".whl"], timeout_s=600)
+# Everything GPU-side in one run, on a GPU host that reaches no package registry:
+#   on a machine with the registry: bash tools/fetch_gpu_wheels.sh   (cp312 wheels into .whl/)
+#   then copy the tree and .whl/ to a GPU host with Python 3.12, and there: bash tools/gpu_suite.sh
 # One run writes under $OUT everything docs/benchmarks.md's GPU section needs; SUMMARY.md
 # gathers it (device, versions, the commands, the tables, the targets, the training logs):
 #   gpu.txt            device (nvidia-smi), torch/triton/megatron-core versions
@@ -14,11 +14,11 @@
 #   train_*.log        our training loop (llm_act/train/gpu.py: megatron-core DDP + optimizer)
 #                      for 10 iterations under torchrun, without and with --act-compress
 # Every step has its own `timeout`, so one slow step leaves the others; worst case in all
-# (the sum of the limits) is 545 s, under the device tool's 600 s per call:
+# (the sum of the limits) is 545 s, under 10 minutes:
 #   pip 40 + tests 100 + kernels 60 + bench gpu 240 + train 30 + 30 + 45 + summary ~0.
 # Without a GPU it stops at once with a message and exit code 3.
 set -uo pipefail
-# The device tool brings back at most 8 files from $OUT: every log is written under $LOGS and
+# A caller may read back only a few files from $OUT: every log is written under $LOGS and
 # packed into $OUT/logs.tar.gz after each step (a cut-off run still returns what it did); the
 # section's files (SUMMARY.md, gpu.md, gpu.json, gpu_throughput.png, kernels.md) go to $OUT.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -45,7 +45,7 @@ step() {  # step NAME SECONDS LOGFILE CMD...: run CMD under `timeout`, log, reco
 
 if ! command -v nvidia-smi >/dev/null 2>&1 \
    || ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    msg="gpu_suite.sh: no GPU here (nvidia-smi missing or torch.cuda.is_available() is False); nothing measured. Run it on the device machine: run(command=\"bash tools/gpu_suite.sh\", carry=[\".whl\"])."
+    msg="gpu_suite.sh: no GPU here (nvidia-smi missing or torch.cuda.is_available() is False); nothing measured. Copy the tree and .whl/ (bash tools/fetch_gpu_wheels.sh) to a GPU host with Python 3.12 and run bash tools/gpu_suite.sh there."
     echo "$msg" | tee "$OUT/NO_GPU.txt" >&2
     exit 3
 fi

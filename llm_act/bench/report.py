@@ -12,11 +12,10 @@ import torch
 from llm_act.bench import convergence as C, gpu as G, kernels, memory as M, overhead as O, planner as P
 from llm_act.bench.timing import machine_line
 
-GPU_PENDING = ("pending: no GPU in this run. A session with an H100/H200 fills this section in "
-               "one device call (about 9 minutes at most, every step under its own `timeout`): "
-               "`bash tools/fetch_gpu_wheels.sh` here (cp312 wheels of megatron-core, pulp and "
-               "highspy, which that machine lacks, into .whl/), then `bash tools/gpu_suite.sh` "
-               "there carrying .whl: the gpu tests, `llm-act bench kernels --size-mib 256`, "
+GPU_PENDING = ("pending: no GPU in this run. One run fills this section in (about 9 minutes at "
+               "most, every step under its own `timeout`): `bash tools/fetch_gpu_wheels.sh` (cp312 "
+               "wheels of megatron-core, pulp and highspy into .whl/), then copy the tree and .whl/ "
+               "to a GPU host with Python 3.12 and run `bash tools/gpu_suite.sh` there: the gpu tests, `llm-act bench kernels --size-mib 256`, "
                "`llm-act bench gpu` (GPT ~1.3B: stock, Megatron selective and full recompute as our "
                "plans and as megatron-core's own options, ours keep / compress / auto at each full "
                "recompute's memory; tokens/s, peak memory, "

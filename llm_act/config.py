@@ -21,6 +21,8 @@ ATTENTION_MODES = ("auto", "stock", "sdpa", "chunked")
 #: plan "auto"'s default noise budget, as a fraction of the measured sampling noise
 #: (`llm-act bench convergence`, docs/benchmarks.md, is the evidence behind it)
 NOISE_FRACTION = 0.25
+#: plan "auto"'s default floor on the bits per stored value (`ActConfig.min_bits`)
+DEFAULT_MIN_BITS = 4
 #: how plan "auto" treats a biased codec under a noise budget: "charge" its noise at the
 #: coherent error measured on the real gradient, or "exclude" it
 BIASED_MODES = ("charge", "exclude")
@@ -118,6 +120,15 @@ class ActConfig:
     `llm_act.measurement.sensitivity`) or "exclude" (only stochastic roundings and exact
     codecs are chosen, uncharged)."""
 
+    min_bits: int = DEFAULT_MIN_BITS
+    """The fewest bits per value a codec plan "auto" chooses may store (`codecs.registry.
+    VALUE_BITS`: INT1 1, INT2 and dual2 2, the INT4 family 4, INT8 and FP8 8; the few-bit
+    derivative tables and the masks store no value and always qualify). 4 by default: on
+    the Llama-style bench model stochastic INT2 at q/k/v alone cost +3.2% and +4.2% in
+    validation loss (seeds 1234-1235), 4-bit codecs alone at any site no measurable loss,
+    and the default plan's worst runs ended with INT1/INT2 at q/k/v (docs/benchmarks.md,
+    issue 42). 1 offers every codec. Fixed plans and `codecs` pins are not limited."""
+
     fidelity_every: int = 250
     """Report the gradient fidelity (compressed against exact gradient on one
     micro-batch, `llm_act.measurement.fidelity`) every this many iterations; 0: only on request."""
@@ -180,6 +191,9 @@ class ActConfig:
             self.noise_fraction = float(self.noise_fraction)
         if self.biased_codecs not in BIASED_MODES:
             raise ValueError(f"biased_codecs: expected one of {', '.join(BIASED_MODES)}, got {self.biased_codecs!r}")
+        if isinstance(self.min_bits, bool) or not isinstance(self.min_bits, int) or not 1 <= self.min_bits <= 8:
+            raise ValueError(f"min_bits: expected an integer from 1 to 8 (the fewest bits per value plan "
+                             f"'auto' may store; 1: every codec), got {self.min_bits!r}")
         if isinstance(self.fidelity_every, bool) or not isinstance(self.fidelity_every, int) \
                 or self.fidelity_every < 0:
             raise ValueError(

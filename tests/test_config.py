@@ -19,6 +19,7 @@ BRIEF_FIELDS = {
     "seed": 1234,
     "noise_fraction": 0.25,
     "biased_codecs": "charge",
+    "min_bits": 4,
     "fidelity_every": 250,
     "output_loss": "stock",
     "output_chunk_tokens": 1024,
@@ -70,6 +71,10 @@ def test_from_dict_round_trips_through_json():
         ({"variance_budget": -1.0}, "variance_budget"),
         ({"seed": "x"}, "seed"),
         ({"enabled": "yes"}, "enabled"),
+        ({"min_bits": 0}, "min_bits"),
+        ({"min_bits": 9}, "min_bits"),
+        ({"min_bits": 2.5}, "min_bits"),
+        ({"min_bits": True}, "min_bits"),
     ],
 )
 def test_bad_values_name_the_key(bad, key):

@@ -87,6 +87,17 @@ CHOICE_NAMES: tuple[str, ...] = NON_CODECS + CODEC_NAMES
 #: so their error adds up coherently in a weight gradient (issue 28)
 UNBIASED_CODECS = frozenset({"int1", "int2", "int4", "int8", "outlier_int4", "dual2"}) | MASK_CODECS
 
+#: bits per value each value codec stores (its code; scales, outlier slots and side lists
+#: aside). Not listed: the few-bit derivative tables and the masks, which store no value.
+VALUE_BITS = {"int1": 1, "int2": 2, "dual2": 2, "int4": 4, "int4_sym": 4, "int4_asym": 4,
+              "int4_channel": 4, "outlier_int4": 4, "int8": 8, "int8_sym": 8, "fp8_e4m3": 8, "fp8_e5m2": 8}
+
+
+def has_bits(name: str, min_bits: int) -> bool:
+    """Whether `name` stores at least `min_bits` bits per value (`ActConfig.min_bits`): every
+    choice that stores no value code (keep, recompute, the few-bit tables, the masks) has."""
+    return VALUE_BITS.get(name, min_bits) >= min_bits
+
 
 def unbiased_at(name: str, site: str) -> bool:
     """Whether codec `name` at `site` leaves the gradient unbiased: an exact mask codec, or an

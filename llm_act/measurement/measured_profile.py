@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
 
-from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS, unbiased_at
+from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS, has_bits, unbiased_at
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
 from llm_act.planner.transient import transient_bytes, whole_block_bytes
 from llm_act.sites import (
@@ -249,14 +249,15 @@ class MeasuredProfile:
                per_layer: bool = False, recompute: bool = False,
                candidates: Optional[Mapping[str, Sequence[str]]] = None,
                exclude: Sequence[str] = (), coherence: Optional[Mapping[str, float]] = None,
-               unbiased_only: bool = False) -> list[BlockProfile]:
+               unbiased_only: bool = False, min_bits: int = 1) -> list[BlockProfile]:
         """`BlockProfile`s in layer order: one per group of identical layers (`count` = its
         size; bytes the mean over the group, rounded up, so totals are exact for the uniform
         plan a group gets), or one per layer with `per_layer`. `recompute`: offer
         "recompute" (the producer's measured forward time); `candidates`: site -> the codec
         names to offer (default: all measured); `exclude`: sites left out (fixed choices);
         `coherence`: site -> the factor a biased codec's noise is charged at (issue 28);
-        `unbiased_only`: offer only unbiased roundings and exact codecs (`UNBIASED_CODECS`)."""
+        `unbiased_only`: offer only unbiased roundings and exact codecs (`UNBIASED_CODECS`);
+        `min_bits`: offer only codecs storing at least that many bits per value (`has_bits`)."""
         sens = dict(sensitivity or {})
         out = []
         for group, sites in self.units(per_layer, exclude):
@@ -265,7 +266,7 @@ class MeasuredProfile:
                 stats = [self.sites[(layer, site)] for layer in group]
                 names = [n for n in stats[0].options
                          if (candidates is None or site not in candidates or n in candidates[site])
-                         and (not unbiased_only or n in UNBIASED_CODECS)]
+                         and (not unbiased_only or n in UNBIASED_CODECS) and has_bits(n, min_bits)]
                 options = tuple(
                     CodecOption(
                         name,

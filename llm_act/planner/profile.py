@@ -14,6 +14,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from llm_act.codecs.registry import has_bits
 from llm_act.sites import BACKWARD_STAGES
 from llm_act.sites import CHECKPOINT_SITE
 
@@ -198,6 +199,13 @@ class BlockProfile:
         can rebuild alone); the whole-block option stays."""
         return dataclasses.replace(self, sites=tuple(
             s if s.name in names else dataclasses.replace(s, forward_ms=None) for s in self.sites))
+
+    def with_min_bits(self, min_bits: int) -> "BlockProfile":
+        """This block with only the codecs that store at least `min_bits` bits per value
+        (`codecs.registry.has_bits`: `ActConfig.min_bits`, plan "auto"'s floor)."""
+        return dataclasses.replace(self, sites=tuple(
+            dataclasses.replace(s, codecs=tuple(o for o in s.codecs if has_bits(o.name, min_bits)))
+            for s in self.sites))
 
     def scaled(self, factor: float) -> "BlockProfile":
         """This block with every site's sensitivity times `factor`: a layer whose

@@ -386,7 +386,9 @@ class FirstForward:
                 counts.setdefault(id(layer.config), [layer.config, 0])[1] += 1
         blocks, pinned = [], 0
         try:
-            profiles = [block_profile(self.model_shape(tconfig, count), device, count=count, inflight=inflight)
+            min_bits = self.controller.config.min_bits  # what plan "auto" may choose
+            profiles = [block_profile(self.model_shape(tconfig, count), device, count=count,
+                                      inflight=inflight).with_min_bits(min_bits)
                         for tconfig, count in counts.values()]
             # the final norm's input, when this stage drives it (a site of the last layer's plan)
             last = max(controlled)
@@ -395,7 +397,7 @@ class FirstForward:
                 outer = outer_profile(self.model_shape(tconfig, 1), device, inflight=inflight)  # (on
                 # the last stage: one micro-batch in flight)
                 if outer is not None:
-                    profiles.append(outer)
+                    profiles.append(outer.with_min_bits(min_bits))
             for block in profiles:
                 sites = []
                 for st in block.sites:

@@ -65,7 +65,8 @@ def problem(a: "Adapter", profile: Any) -> tuple[list, int]:
     pins = a.pins()
     inflight = memory.inflight()
     blocks = profile.blocks(planner_c(a) or None, inflight=inflight, recompute=True, exclude=pins,
-                            coherence=planner_coherence(a), unbiased_only=not offers_biased(a))
+                            coherence=planner_coherence(a), unbiased_only=not offers_biased(a),
+                            min_bits=a.config.min_bits)
     pinned = sum(st.stored(pins[site]) for (_, site), st in profile.sites.items() if site in pins)
     return blocks, a._static_bytes() + profile.other_bytes + inflight * pinned
 

@@ -103,6 +103,8 @@ _FLAGS: dict[str, tuple[Optional[Callable[[str], Any]], str]] = {
                                         "mini-batch sampling noise ('none': no noise budget)"),
     "biased_codecs": (str, "under a noise budget, auto 'charge's biased codecs (nearest rounding, fp8, "
                            "few-bit) their measured coherent error, or 'exclude's them"),
+    "min_bits": (_int, "the fewest bits per value a codec auto chooses may store (1: every codec; "
+                       "default 4)"),
     "fidelity_every": (_int, "report the gradient fidelity every N iterations (0: on request only)"),
     "seed": (_int, "seed of the codecs' private stochastic-rounding generator"),
     "output_loss": (str, "the output layer and its loss: 'stock' (megatron's; keeps the fp32 "

@@ -6,7 +6,8 @@ same seed as every convergence run is:
 - "only G int4": every site kept but group G, which stores stochastic per-group INT4
   (unbiased); "only G int4_channel": the same with nearest-rounding per-channel INT4, the
   biased codec the default plan picks most (and, for q/k/v, "only qkv int2": the stochastic
-  INT2 it picks there at times);
+  INT2 it picks there at times, and "only qk int2" / "only v int2" to tell the softmax's
+  inputs from V);
 - "compress but G": the "compress" plan (no few-bit codec: the gated MLP refuses it) with
   group G kept;
 - "compress": that plan whole.
@@ -67,6 +68,9 @@ def variants() -> dict[str, dict[str, str]]:
         for codec in (SR_CODEC, BIASED_CODEC):
             out[f"only {name} {codec}"] = {s: codec for s in sites}
     out["only qkv int2"] = {s: "int2" for s in GROUPS["qkv"]}
+    # which of them: q and k reach the loss through the softmax, v linearly
+    out["only qk int2"] = {ATTN_Q: "int2", ATTN_K: "int2"}
+    out["only v int2"] = {ATTN_V: "int2"}
     full = compress_choice()
     for name, sites in GROUPS.items():
         out[f"compress but {name}"] = {s: c for s, c in full.items() if s not in sites}

@@ -29,6 +29,7 @@ def test_each_variant_is_what_its_name_says():
         assert set(but) | set(sites) >= set(compress) - set(sites)
     assert table["compress"] == compress
     assert table["only qkv int2"] == {s: "int2" for s in A.GROUPS["qkv"]}
+    assert table["only qk int2"] == {"attn.q": "int2", "attn.k": "int2"} and table["only v int2"] == {"attn.v": "int2"}
 
 
 def test_unknown_variant_is_one_line(tmp_path, capsys):

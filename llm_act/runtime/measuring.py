@@ -416,11 +416,12 @@ def charges_biased(a: "Adapter") -> bool:
 
 
 def coherence_codecs(a: "Adapter", sites: Optional[list[str]]) -> dict[str, str]:
-    """site -> the biased codec whose coherence is measured there (with `charges_biased`;
-    else none), the first that every layer holding the site accepts (`Controller.accepts`:
-    a gated MLP takes no few-bit codec): the one the plan in force uses at that site, else
-    the site's default codec when it is biased, else fewbit3 at the activation's input, else
-    int4_channel."""
+    """site -> the charged codec whose coherence is measured there (with `charges_biased`;
+    else none): the first that every layer holding the site accepts (`Controller.accepts`:
+    a gated MLP takes no few-bit codec) and that is not unbiased at the site
+    (`registry.unbiased_at`: at a site whose backward is linear in the stored value every
+    lossy codec is charged): the one the plan in force uses there, else the site's default
+    codec, else fewbit3 at the activation's input, else int4_channel."""
     if not charges_biased(a):
         return {}
     c = a.controller

@@ -1,4 +1,6 @@
-"""CPU stand-ins for Megatron-LM's own training loop (`pretrain()`, tag core_v0.16.1).
+"""CPU stand-ins for Megatron-LM's own training loop (`pretrain()`; tag core_v0.16.1 and
+branch core_r0.19.0, the latter also with megatron-core 0.19's wheel, which ships
+`megatron.training`).
 
 `cpu_shim.install()` makes megatron-core's model and schedules run on CPU; Megatron-LM's
 loop (`megatron/training/*`, and the megatron-core parts only that loop reaches: DDP grad
@@ -10,16 +12,19 @@ what it needs:
 - `initialize_megatron` runs with `allow_no_cuda=True` (its "Megatron requires CUDA."
   assert), in `megatron.training.initialize`, `megatron.training` and `training.py`;
 - the fused-kernel `load` (CUDA extensions) does nothing, where `megatron.legacy` exists (a
-  Megatron-LM checkout has it, the megatron-core 0.19 wheel does not);
-- in the modules of `_TRAINING_MODULES` and `_CORE_MODULES` the global `torch` is
+  Megatron-LM checkout up to 0.16 has it; 0.19's checkout and the megatron-core 0.19 wheel do
+  not);
+- in the modules of `_TRAINING_MODULES` and `_CORE_MODULES`, and of
+  `_OPTIONAL_TRAINING_MODULES` where they exist, the global `torch` is
   `cpu_shim`'s proxy, grown with
   `device_count() == 1` (so initialize.py builds the model-parallel groups and seeds the
   RNG tracker, as on one GPU per rank), `set_device` doing nothing,
   `get_device_properties` describing the CPU, `default_stream`, and CUDA's RNG state played
   by the CPU default generator (the rerun state machine saves and restores it);
 - `Module.cuda` and `Tensor.cuda` return their object unchanged when megatron code calls
-  them (get_model moves the model, get_batch the batch); every other caller gets torch's
-  own method (which refuses on a CPU-only torch, as before);
+  them (get_model moves the model, get_batch the batch), Megatron-LM's script run as
+  `__main__` included (0.19's `pretrain_gpt.py` moves its batch itself); every other caller
+  gets torch's own method (which refuses on a CPU-only torch, as before);
 - clip_grads' `assert param.grad.type() == 'torch.cuda.FloatTensor'` in
   `clip_grad_by_total_norm_fp32`: CPU fp32 gradients take the function's own
   `decoupled_grad` path, which scales the same tensors (`_cpu_grads`).
@@ -51,6 +56,14 @@ _TRAINING_MODULES = (
     "megatron.training.training",  # start-time tensors, get_model's device, DDP stream
     "megatron.training.utils",  # norms, reductions, the batch broadcast
     "megatron.training.global_vars",
+)
+
+#: Megatron-LM's modules of that kind that not every version has, patched where they exist
+_OPTIONAL_TRAINING_MODULES = (
+    # 0.19: the config-container model builders move each chunk to current_device()
+    "megatron.training.models.dist_utils",
+    # 0.19: `megatron.training.utils` became a package; its reductions and norms live here
+    "megatron.training.utils.common_utils",
 )
 
 #: megatron-core's modules that only a training stack (Megatron-LM's loop) reaches
@@ -103,10 +116,30 @@ class _LmTorch(CpuTorch):
         self.cuda = _LmCuda()
 
 
+def _runs_megatron_lm(namespace: dict) -> bool:
+    """True for the namespace of a script that imported Megatron-LM's `megatron.training` (a
+    function, class or module of it among its globals): Megatron-LM's own `pretrain_*.py`."""
+    for value in list(namespace.values()):
+        if isinstance(value, types.ModuleType):
+            name = value.__name__
+        elif isinstance(value, (types.FunctionType, type)):
+            name = value.__module__ or ""
+        else:
+            continue
+        if name == "megatron.training" or name.startswith("megatron.training."):
+            return True
+    return False
+
+
 def _from_megatron(depth: int = 2) -> bool:
-    """True when the caller `depth` frames up is megatron code."""
+    """True when the caller `depth` frames up is megatron code, or the script run as
+    `__main__` when it is Megatron-LM's (from 0.19 on `pretrain_gpt.py`'s own `get_batch`
+    moves the batch with `.cuda()`, which 0.16 left to `megatron.training.utils`)."""
     frame = sys._getframe(depth)
-    return frame is not None and frame.f_globals.get("__name__", "").startswith("megatron.")
+    if frame is None:
+        return False
+    name = frame.f_globals.get("__name__", "")
+    return name.startswith("megatron.") or (name == "__main__" and _runs_megatron_lm(frame.f_globals))
 
 
 def _is_cpu(device: Any) -> bool:
@@ -227,9 +260,10 @@ def patch_core() -> list[str]:
     return done
 
 
-#: modules patched where they exist: `megatron.legacy` ships with a Megatron-LM checkout but
-#: not in the megatron-core 0.19 wheel (whose `megatron.training` does not reach it)
-_OPTIONAL_MODULES = ("megatron.legacy.fused_kernels",)
+#: modules patched where they exist: `megatron.legacy` ships with a Megatron-LM checkout up to
+#: 0.16, not in 0.19's (nor in the megatron-core 0.19 wheel, whose `megatron.training` does not
+#: reach it)
+_OPTIONAL_MODULES = ("megatron.legacy.fused_kernels",) + _OPTIONAL_TRAINING_MODULES
 
 
 def require_megatron_lm() -> None:
@@ -244,15 +278,20 @@ def require_megatron_lm() -> None:
     except ModuleNotFoundError as err:
         raise ModuleNotFoundError(
             f"cpu_shim.install(megatron_lm=True) needs Megatron-LM's `megatron.training` "
-            f"({err}): run from a Megatron-LM checkout (tag core_v0.16.1) or put one on "
-            f"PYTHONPATH") from err
+            f"({err}): run from a Megatron-LM checkout (tag core_v0.16.1 or branch "
+            f"core_r0.19.0), put one on PYTHONPATH, or install megatron-core 0.19 or later "
+            f"(its wheel ships `megatron.training`)") from err
+    for name in _OPTIONAL_MODULES:  # an error inside one that exists raises here, still unpatched
+        compat.optional_module(name)
 
 
 def patch_training() -> list[str]:
     """The stand-ins for Megatron-LM's loop itself (see the module docstring), after
     `patch_core()`; returns what was patched, nothing new on a second call."""
     global _installed
-    done = replace_torch(_TRAINING_MODULES, _LmTorch)
+    done = replace_torch(_TRAINING_MODULES + tuple(
+        name for name in _OPTIONAL_TRAINING_MODULES if compat.optional_module(name) is not None),
+        _LmTorch)
     init = importlib.import_module("megatron.training.initialize")
     if patch_attr(init, "initialize_megatron", _allow_no_cuda, init):
         done.append("megatron.training.initialize.initialize_megatron")

@@ -1,8 +1,10 @@
 """Megatron-LM's own `pretrain_gpt.py` with the README's recipe, on CPU over gloo.
 
 Runs only where `MEGATRON_LM_PATH` names a Megatron-LM checkout at tag core_v0.16.1 (with
-Megatron-LM's own needs importable: `six`, and `pybind11` for its dataset helpers); skipped
-otherwise. For 1 rank, TP=2 and PP=2, stock and `--act-compress` (plan "auto") train 5
+Megatron-LM's own needs importable: `six`, and `pybind11` for its dataset helpers) or branch
+core_r0.19.0 (where the installed megatron-core 0.19 wheel ships the checkout's
+`megatron.training`, the run takes the installed megatron and the checkout's top-level scripts:
+`megatron_lm_recipe.uses_installed_megatron`); skipped otherwise. For 1 rank, TP=2 and PP=2, stock and `--act-compress` (plan "auto") train 5
 iterations of a 4-layer GPT on mock data: the losses agree within 0.1%, and the controller
 printed its start plan (once per pipeline stage) and re-planned at an iteration > 0 with
 its predicted bytes, inside `pretrain()` with no call of ours. Also: `install(megatron_lm=True)` with the checkout
@@ -57,18 +59,29 @@ def test_pretrain_gpt_with_the_recipe(tmp_path, nproc, tp, pp):
 
 
 def test_install_with_megatron_lm_is_idempotent_and_patches_every_stand_in(tmp_path):
-    """In a fresh process with the checkout importable: the first install patches each
-    stand-in the docstring of cpu_shim_megatron_lm lists, the second nothing."""
+    """In a fresh process with the checkout importable (as the runs import it): the first
+    install patches each stand-in the docstring of cpu_shim_megatron_lm lists, those of the
+    modules only some versions have where they exist (0.16: `megatron.legacy`; 0.19:
+    `megatron.training.models.dist_utils`, `megatron.training.utils.common_utils`), the
+    second nothing."""
+    from llm_act.patches.megatron import cpu_shim_megatron_lm as lm
+
+    optional = {"megatron.legacy.fused_kernels": "megatron.legacy.fused_kernels.load"}
+    optional.update((name, f"{name}.torch") for name in lm._OPTIONAL_TRAINING_MODULES)
     code = ("import llm_act.cpu\n"
+            "from llm_act.patches.megatron.compat import optional_module\n"
             "first = llm_act.cpu.install(megatron_lm=True)\n"
+            f"print([m for m in {sorted(optional)!r} if optional_module(m)])\n"
             "print(sorted(first)); print(llm_act.cpu.install(megatron_lm=True))\n")
     done = subprocess.run([sys.executable, "-c", code], env=recipe.environment(Path(CHECKOUT)),
                           cwd=tmp_path, text=True, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    first, second = done.stdout.strip().splitlines()[-2:]
+    present, first, second = done.stdout.strip().splitlines()[-3:]
     assert second == "[]"
     for name in ("megatron.training.initialize.initialize_megatron", "megatron.training.training.initialize_megatron",
-                 "megatron.legacy.fused_kernels.load", "megatron.training.training.torch",
+                 "megatron.training.training.torch",
                  "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
                  "megatron.core.rerun_state_machine.torch", "torch.nn.Module.cuda", "torch.Tensor.cuda"):
         assert repr(name) in first, (name, first)
+    for module, name in optional.items():
+        assert (repr(name) in first) == (repr(module) in present), (name, present, first)

@@ -363,6 +363,8 @@ def _flags(plan: str, budget: Optional[int], model: Model, folder: str,
         return ()
     if plan == DEFAULT:  # one flag, nothing else: what a user gets
         return ("--act-compress",)
+    if plan == DEFAULT_UNBIASED:  # the default plan choosing among unbiased codecs only
+        return ("--act-compress", "--act-compress-biased-codecs", "exclude")
     fraction = noise_fraction_of(plan)
     if fraction is not None:  # the default plan at another noise budget (its calibration)
         return ("--act-compress", "--act-compress-noise-fraction", fraction)
@@ -765,6 +767,10 @@ def sentences(result: dict) -> list[str]:
 #: the default plan at noise fraction X: "default, noise X" (`noise_fraction_of`)
 DEFAULT_AT_NOISE = DEFAULT + ", noise "
 
+#: the default plan with biased codecs excluded (`biased_codecs="exclude"`): issue 42's test of
+#: whether the deterministic and fp8 codecs the default plan mixes in cost the loss
+DEFAULT_UNBIASED = DEFAULT + ", unbiased"
+
 
 def noise_fraction_of(plan: str) -> Optional[str]:
     """X of a plan named "default, noise X" (the default plan, `--act-compress`, with
@@ -782,7 +788,7 @@ def noise_fraction_of(plan: str) -> Optional[str]:
 
 def _adaptive(plan: str) -> bool:
     """Whether `plan` re-plans during the run (plan "auto": the default plan and "auto X")."""
-    return plan == DEFAULT or plan.startswith("auto") or plan.startswith(DEFAULT_AT_NOISE)
+    return plan in (DEFAULT, DEFAULT_UNBIASED) or plan.startswith("auto") or plan.startswith(DEFAULT_AT_NOISE)
 
 
 def _which_better(stats: dict) -> str:

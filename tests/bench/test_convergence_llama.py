@@ -214,3 +214,18 @@ def test_the_default_plan_at_another_noise_fraction_is_one_more_flag():
     assert pilot_parser().parse_args(["--plans", plan, "compress", "--save-json", "x"]).plans == [plan, "compress"]
     with pytest.raises(SystemExit):
         pilot_parser().parse_args(["--plans", C.DEFAULT_AT_NOISE + "abc", "--save-json", "x"])
+
+
+def test_the_default_plan_without_biased_codecs_is_one_more_flag():
+    """Issue 42's test of the biased codecs: "default, unbiased" is the default plan with
+    --act-compress-biased-codecs exclude, adaptive like it, and the pilot takes it."""
+    from llm_act.config import ActConfig
+
+    flags = C._flags(C.DEFAULT_UNBIASED, None, C.LLAMA_MODEL, "/nonexistent")
+    assert flags == ("--act-compress", "--act-compress-biased-codecs", "exclude")
+    assert C._adaptive(C.DEFAULT_UNBIASED)
+    args = C.train_args(300, 1234, False, extra=flags, model=C.LLAMA_MODEL, setting=C.LOW_FLOOR)
+    assert args.act_config == ActConfig(biased_codecs="exclude")
+    assert pilot_parser().parse_args(["--plans", C.DEFAULT_UNBIASED, "--save-json", "x"]).plans == [C.DEFAULT_UNBIASED]
+    with pytest.raises(SystemExit):
+        pilot_parser().parse_args(["--plans", "default, biased", "--save-json", "x"])

@@ -9,7 +9,7 @@ it builds no DeepSpeed C++ op: Adam/AdamW run as torch's, and gloo does the all-
 """
 import sys
 
-from llm_act.deferred_compile import defer_torch_compile
+from llm_act.process.deferred_compile import defer_torch_compile
 
 defer_torch_compile()  # before megatron-core is imported: it starts about 4 s sooner
 

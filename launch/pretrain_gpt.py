@@ -8,7 +8,7 @@ Runs on CPU (gloo) and on GPUs (NCCL); the loop lives in `llm_act.train`.
 """
 import sys
 
-from llm_act.deferred_compile import defer_torch_compile
+from llm_act.process.deferred_compile import defer_torch_compile
 
 defer_torch_compile()  # before megatron-core is imported: it starts about 4 s sooner
 

@@ -19,7 +19,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import pytest  # noqa: E402
 
-import llm_act._testing  # noqa: E402,F401 -- defers torch.compile before megatron-core is imported
+import tests.testing  # noqa: E402,F401 -- defers torch.compile before megatron-core is imported
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,7 +43,7 @@ def megatron_one_rank():
     (`llm_act.cpu.install()`, opt-in: `testing.init_parallel` calls it), torch on one
     thread: the test models are tiny, and one thread is several times faster on a busy
     2-core machine."""
-    from llm_act import _testing as testing
+    from tests import testing
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -15,7 +15,7 @@ it is written). A file reaches a framework when, anywhere in it (function bodies
 - it names our integration package as a string (tests/test_wheel.py imports every module of the
   built wheel by name);
 - or it imports (or runs with `-m`) a helper module of this tests package that does
-  (transitively: e.g. tests/patches/megatron/gpt_runs.py, tests/schema_extra_site_run.py).
+  (transitively: e.g. tests/gpt_runs.py, tests/schema_extra_site_run.py).
 `python -m tests.frameworks` lists the selected files.
 """
 from __future__ import annotations

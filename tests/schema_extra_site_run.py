@@ -26,13 +26,14 @@ SLOT = "pre_cross_attn_layernorm"
 declare(Site(EXTRA, SLOT, "norm", "replicated", "activation", lambda x: (x.sl, x.b, x.h),
              "int8", "attention", (Tag("input", SLOT), Tag("owns", SLOT))))
 
-from llm_act import ActConfig, _testing as T  # noqa: E402
+from llm_act import ActConfig  # noqa: E402
 from llm_act.measurement.measure import measure_profile  # noqa: E402
 from llm_act.patches.megatron import apply  # noqa: E402
 from llm_act.planner.analytic import block_profile  # noqa: E402
 from llm_act.planner.model_shape import ModelShape  # noqa: E402
 from llm_act.train.small_gpt import local_layer_spec  # noqa: E402
-from tests.patches.megatron import gpt_runs as R  # noqa: E402
+from tests import testing as T  # noqa: E402
+from tests import gpt_runs as R  # noqa: E402
 
 
 def spec_with_cross_norm():

@@ -23,7 +23,7 @@ from llm_act import ActConfig
 from llm_act.ledger import SavedTensorLedger
 from llm_act.runtime.adapt import BudgetTooSmall
 from llm_act.runtime.controller import ANY_OPTIMIZER
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 from tests.test_budget_doors import _ds_steps, _engine, _plain_steps, pp2_run
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")

@@ -20,7 +20,7 @@ import pytest
 from llm_act import sites as S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PRODUCTION = ("llm_act", "patches", "kernels", "launch")
+PRODUCTION = ("llm_act", "launch")
 NAMES = set(S.SITES) | set(S.COUNTED_SITES) | set(S.OUTER_SITES) | {S.LOSS_LOGSUMEXP}
 PREFIXES = tuple(dict.fromkeys(name.split(".")[0] + "." for name in NAMES))
 

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import _testing as T
 from llm_act.runtime.adapt import BudgetTooSmall, PlanOverBudget
-from tests.patches.megatron import gpt_runs as R
+from tests import testing as T
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 

@@ -14,7 +14,7 @@ def _selected(name: str) -> bool:
 def test_direct_imports_fixtures_helpers_and_children_are_selected():
     assert _selected("patches/megatron/test_apply.py")  # imports the integration
     assert _selected("patches/deepspeed/test_launcher.py")  # the DeepSpeed door
-    assert _selected("patches/test_cpu_shim_moe.py")  # importorskip("megatron.core")
+    assert _selected("cpu/test_shim_moe.py")  # importorskip("megatron.core")
     assert _selected("test_block_schema.py")  # runs `-m tests.schema_extra_site_run` in a child
     assert _selected("planner/test_budget_train_cli.py")  # runs launch/pretrain_gpt.py
     assert _selected("test_wheel.py")  # imports every module of the wheel, by name

@@ -1,7 +1,7 @@
 """The wheel a user gets holds every module of the source tree.
 
-An editable install maps the source folders, so it hides a package missing from the wheel
-(`llm_act.attention` and `llm_act.bench` once were). This builds the wheel from the tree,
+An editable install imports from the source tree, so it hides a package missing from the
+wheel (`llm_act.attention` and `llm_act.bench` once were). This builds the wheel from the tree,
 installs it into a folder outside the tree and imports every module from there."""
 from __future__ import annotations
 
@@ -12,18 +12,17 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: source folder -> the package it installs as (setup.py's PACKAGE_DIRS)
-FOLDERS = {"llm_act": "llm_act", "kernels": "llm_act.kernels", "patches": "llm_act.patches"}
-
+#: packages whose import reaches megatron-core, DeepSpeed and transformers: the wheel must carry
+#: them (and `tests.frameworks` runs this file in the Python 3.12 venv for them)
+INTEGRATION = ("llm_act.patches", "llm_act.train", "llm_act.cpu")
 
 def source_modules() -> list[str]:
-    """Every importable module of the source tree, by its installed name."""
+    """Every importable module of the source tree (one root, `llm_act/`: its import path is its
+    file path)."""
     out = []
-    for folder, package in FOLDERS.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            rel = path.relative_to(ROOT / folder).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            out.append(".".join([package, *parts]))
+    for path in sorted((ROOT / "llm_act").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        out.append(".".join(p for p in rel.parts if p != "__init__"))
     return out
 
 
@@ -36,6 +35,7 @@ def test_the_wheel_installs_every_module_of_the_tree(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     modules = source_modules()
     assert len(modules) > 50  # the walk found the tree
+    assert all(m in modules for m in INTEGRATION)
     missing = [m for m in modules
                if m.replace(".", "/") + ".py" not in names and m.replace(".", "/") + "/__init__.py" not in names]
     assert not missing, f"the wheel lacks {missing}"

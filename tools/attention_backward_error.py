@@ -34,15 +34,15 @@ CODEC_SETS = [  # (label, q/k/v codec, attn.out codec)
 
 
 def build(s, h, a, groups, dropout, dtype, sharp):
-    from llm_act import _testing as testing
     from llm_act.patches.megatron.swap import convert_layer
+    from llm_act.train.small_gpt import small_config, transformer_layer
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    cfg = testing.small_config(num_layers=1, hidden_size=h, num_attention_heads=a,
+    cfg = small_config(num_layers=1, hidden_size=h, num_attention_heads=a,
                                num_query_groups=groups, dropout=dropout, dtype=dtype,
                                add_bias_linear=True)
     torch.manual_seed(0)
-    layer = testing.transformer_layer(cfg).to(dtype)
+    layer = transformer_layer(cfg).to(dtype)
     if sharp != 1.0:
         with torch.no_grad():
             layer.self_attention.linear_qkv.weight.mul_(sharp)
@@ -90,9 +90,11 @@ def set_codecs(sites, qkv, out, seed):
 
 
 def errors(args):
-    from llm_act import _testing as testing
+    from llm_act import cpu
+    from llm_act.train import parallel
 
-    testing.init_parallel(tp=1)
+    cpu.install()
+    parallel.init_parallel(tp=1)
     rows = []
     for dropout in (0.0, 0.1):
         for sharp in (1.0, 3.0):
@@ -114,7 +116,7 @@ def errors(args):
                                 acc[mode][i] += rel(got[i], exact[i]) / args.seeds
                         core.set_lossy_backward("auto")
                     rows.append((dropout, sharp, str(dtype).replace("torch.", ""), label, acc))
-    testing.destroy_parallel()
+    parallel.destroy_parallel()
     head = f"{'drop':>4} {'sharp':>5} {'dtype':>8}  {'codecs (q/k/v, out)':31s}  {'path':9s}" \
            f" {'dq':>8} {'dk':>8} {'dv':>8} {'dx':>8}   stored/recompute (dq dk dv dx)"
     print(head)

@@ -62,7 +62,7 @@ import torch
 from llm_act import cpu
 from llm_act.bench import kernels, memory as M
 from llm_act.bench.timing import machine_line, median_ms
-from llm_act.fresh_process import apply_environ, fresh_context
+from llm_act.process.fresh import apply_environ, fresh_context
 from llm_act.ledger import SavedTensorLedger
 from llm_act.plan import recompute_layer, selective_layer
 from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
@@ -428,7 +428,7 @@ _CHILD_PRELOAD = ("torch", "megatron.core", "megatron.core.models.gpt.gpt_model"
 
 def _in_child(sweep: "_Sweep", name: str, measured: dict, left: Optional[float]) -> dict:
     """`sweep.scheme(name, ...)` in a fresh process (its log lines go to stdout), forked from
-    a server that imported torch and megatron-core once (`fresh_process`): no CUDA state of
+    a server that imported torch and megatron-core once (`llm_act.process.fresh`): no CUDA state of
     this process or of another scheme's."""
     import concurrent.futures
 

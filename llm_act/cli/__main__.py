@@ -1,7 +1,7 @@
 """`python -m llm_act.cli` and the `llm-act` command (`run`, the console script)."""
 import sys
 
-from llm_act.deferred_compile import defer_torch_compile
+from llm_act.process.deferred_compile import defer_torch_compile
 
 
 def run(argv=None) -> int:

@@ -9,7 +9,7 @@ its gradients in flight (`BlockProfile.stage_bytes`), the sites it consumes that
 recomputes, the largest group of its sites decoded together (`DECODE_GROUPS`), and what a
 rebuild of this stage brings forward from a later one: a recomputed site whose producer
 reads another recomputed site rebuilds and holds that one too (the rebuild cache of
-`patches/megatron/recompute_region`), and decodes its inputs while it does.
+`llm_act/patches/megatron/recompute_region`), and decodes its inputs while it does.
 
 A block without `stage_bytes` (a measured profile, a hand-written one) is one stage holding
 every site: all its recomputed sites plus its largest decode group, at once."""

@@ -129,7 +129,7 @@ def init_parallel(
     call `llm_act.cpu.install()` first; without it this raises before starting anything.
     """
     require("megatron.core", "llm_act.train.parallel")
-    from llm_act.patches.megatron import cpu_required
+    from llm_act.cpu import required as cpu_required
 
     cpu_required.require("seeding megatron's RNG tracker (model_parallel_cuda_manual_seed)",
                          "init_parallel")

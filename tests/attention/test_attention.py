@@ -7,6 +7,7 @@ import torch
 from llm_act.attention import (attention, chunk_dropout_mask, chunked_attention, pick_backend,
                                sdpa_attention, unfused_attention)
 from llm_act.codecs.registry import make_codec
+from tests.rel_error import rel_error
 
 QKV = ("attn.q", "attn.k", "attn.v")
 
@@ -63,11 +64,6 @@ def saved_stats(fn):
     return sum(n for n, _ in storages.values()), largest[0], out
 
 
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
-
-
 # ---- exactness of the chunked path -----------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -91,9 +87,9 @@ def test_chunked_bf16_close_to_reference():
     ref = reference(q, k, v, True)
     dout = torch.randn(ref.shape, dtype=torch.float64)
     assert out.dtype == torch.bfloat16
-    assert rel(out, ref) < 1e-2
+    assert rel_error(out, ref) < 1e-2
     for got, want in zip(grads(out, (q, k, v), dout), grads(ref, (q, k, v), dout)):
-        assert got.dtype == torch.bfloat16 and rel(got, want) < 2e-2
+        assert got.dtype == torch.bfloat16 and rel_error(got, want) < 2e-2
 
 
 # ---- dropout -----------------------------------------------------------------------------------
@@ -228,7 +224,7 @@ def test_compressed_qkv_recomputes_from_decoded_values(backend, p):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     # bound: relative gradient error <= the sum of the predicted relative input errors
     bound = sum(_predicted_rel_error(t, make_codec("int4_channel")) for t in (q, k, v))
-    errs = [rel(a, b) for a, b in zip(got, want)]
+    errs = [rel_error(a, b) for a, b in zip(got, want)]
     assert 0.02 < max(errs) and max(errs) <= bound, (errs, bound)
 
 
@@ -263,7 +259,7 @@ def test_unfused_matches_reference_and_int4_asym_softmax_within_bound():
     weights = _causal_probs(q, k)
     codec = make_codec("int4_asym")
     bound = math.sqrt(codec.expected_error(weights) / float(weights.pow(2).mean()))
-    errs = [rel(a, b) for a, b in zip(grads(out, (q, k, v), dout), want)]
+    errs = [rel_error(a, b) for a, b in zip(grads(out, (q, k, v), dout), want)]
     assert 0.01 < max(errs) <= bound, (errs, bound)
 
 

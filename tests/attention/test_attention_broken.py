@@ -14,6 +14,7 @@ import torch
 from llm_act.attention import attention
 from llm_act.codecs import make_codec
 from tests.attention import test_attention as A
+from tests.rel_error import rel_error
 from tests.patches import broken_codec
 
 #: draws averaged, and the bound on sqrt(K) * err(mean gradient) / mean single err (1 for
@@ -47,9 +48,9 @@ def unbiased_ratios(backend, codec_name, kind=None):
                      (q, k, v), dout) for _ in range(DRAWS)]
     out = []
     for i, ref in enumerate(exact):
-        single = sum(A.rel(d[i], ref) for d in draws) / DRAWS
+        single = sum(rel_error(d[i], ref) for d in draws) / DRAWS
         mean = sum(d[i].double() for d in draws) / DRAWS
-        out.append(math.sqrt(DRAWS) * A.rel(mean, ref.double()) / single)
+        out.append(math.sqrt(DRAWS) * rel_error(mean, ref.double()) / single)
     return out
 
 

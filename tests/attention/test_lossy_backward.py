@@ -19,7 +19,8 @@ from llm_act.attention import (DEFAULT_LOSSY_BACKWARD, OutSource, attention, chu
 from llm_act.attention import fused
 from llm_act.codecs.registry import make_codec
 from tests.attention.exact_codec import ExactLossy
-from tests.attention.test_attention import grads, make_qkv, reference, rel, saved_stats
+from tests.attention.test_attention import grads, make_qkv, reference, saved_stats
+from tests.rel_error import rel_error
 
 QKV = ("attn.q", "attn.k", "attn.v")
 CASES = [("chunked", 0.0, True, 2), ("chunked", 0.25, True, 2), ("chunked", 0.25, False, 1),
@@ -120,7 +121,7 @@ def test_out_source_gives_the_output_or_falls_back_to_recompute():
     want = grads(stored, (q, k, v), dout)
     recomputed = run(q, k, v, "chunked", 0.2, True, "recompute", codecs=codecs)
     want_recompute = grads(recomputed, (q, k, v), dout)
-    assert max(rel(a, b) for a, b in zip(want, want_recompute)) > 1e-3  # the paths differ
+    assert max(rel_error(a, b) for a, b in zip(want, want_recompute)) > 1e-3  # the paths differ
 
     for offer in ("same", "other", None):
         source = OutSource()
@@ -152,7 +153,7 @@ def test_real_codecs_stored_is_worse_so_auto_recomputes():
     for mode in ("stored", "recompute", "auto"):
         out = run(q, k, v, "chunked", 0.0, True, mode, codecs={s: "int4_channel" for s in QKV})
         assert torch.equal(out, exact)  # the forward uses the exact values either way
-        errs[mode] = [rel(a, b) for a, b in zip(grads(out, (q, k, v), dout), want)]
+        errs[mode] = [rel_error(a, b) for a, b in zip(grads(out, (q, k, v), dout), want)]
     assert all(s > r for s, r in zip(errs["stored"], errs["recompute"])), errs
     assert errs["auto"] == errs["recompute"]
     assert DEFAULT_LOSSY_BACKWARD == resolve_lossy_backward("auto") == "recompute"

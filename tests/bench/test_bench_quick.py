@@ -234,7 +234,7 @@ def test_keeping_v_is_predicted_as_the_whole_qkv_buffer():
     """With RoPE, V is the last view of the fused QKV output: a plan that compresses Q and K
     but keeps V holds the whole buffer, and the analytic profile must say so (it once counted
     V alone and under-predicted such a plan by 4 bytes per s*b*h)."""
-    from llm_act import _testing as testing
+    from tests import testing
 
     shape = M.block_shape(s=128, b=2, h=256, a=8, dropout=0.0)
     scheme = M.Scheme("q, k int4", "", {"attn.q": "int4_channel", "attn.k": "int4_channel"},

@@ -27,12 +27,9 @@ from llm_act.generic.checkpoint import checkpoint_blocks
 from llm_act.generic.hooks import GenericCompression, compress_saved_tensors
 from llm_act.ledger import SavedTensorLedger
 from tests.plain_decoder import make_blocks
+from tests.rel_error import rel_error
 
 SHAPE = (2, 64, 64)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _run(model, x, context=None, proj=None):
@@ -103,7 +100,7 @@ def test_bytes_fall_by_the_codec_factor_and_grads_stay_close(block, x, name, min
     assert s.decoded == s.encoded  # each record decoded once in backward
     for n, ref in g_ref.items():
         if ref.norm() > 0:
-            assert _rel(g[n], ref) < bound, n
+            assert rel_error(g[n], ref) < bound, n
     assert torch.equal(g["fc2.bias"], g_ref["fc2.bias"])  # no activation involved
 
 
@@ -113,10 +110,10 @@ def test_int8_noise_is_unbiased(block, x):
     runs = [_run(block, x, compress_saved_tensors(block, "int8", seed=k), proj)[1]
             for k in range(4)]
     for n in ("qkv.weight", "fc1.weight", "proj.weight"):
-        single = sum(_rel(r[n], g_ref[n]) for r in runs) / len(runs)
+        single = sum(rel_error(r[n], g_ref[n]) for r in runs) / len(runs)
         mean = torch.stack([r[n] for r in runs]).mean(0)
         assert single < 2e-2
-        assert _rel(mean, g_ref[n]) < 0.7 * single, n  # ~1/sqrt(4) for unbiased noise
+        assert rel_error(mean, g_ref[n]) < 0.7 * single, n  # ~1/sqrt(4) for unbiased noise
 
 
 def test_parameters_are_never_encoded_and_codec_chosen_per_tensor(block, x):
@@ -169,7 +166,7 @@ def test_a_storage_saved_by_several_ops_is_encoded_once():
     assert ledger.total_bytes == s.encoded_bytes == expected
     out.backward()
     assert s.decoded == 1  # once per storage per backward
-    assert _rel(a.grad, g_ref) < 2e-2
+    assert rel_error(a.grad, g_ref) < 2e-2
 
 
 def test_each_backward_decodes_again_and_sees_the_same_values(block, x):
@@ -282,7 +279,7 @@ def test_checkpoint_blocks_with_an_int8_checkpoint(x):
     assert [h.stats.encoded for h in handle.hooks] == [1, 1]
     for n, ref in g_ref.items():
         if ref.norm() > 0:
-            assert _rel(g[n], ref) < 2e-2, n
+            assert rel_error(g[n], ref) < 2e-2, n
     handle.remove()
 
 

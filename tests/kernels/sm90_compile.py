@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "llm_act" / "kernels"
 
 
 def _is_jit(decorator) -> bool:

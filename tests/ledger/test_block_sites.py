@@ -11,9 +11,9 @@ import warnings
 import pytest
 import torch
 
-from llm_act import _testing as T
 from llm_act.ledger import SavedTensorLedger
 from llm_act.sites import FINAL_NORM_INPUT, MODEL_SITES, SITES
+from tests import testing as T
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 

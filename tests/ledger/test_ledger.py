@@ -169,15 +169,8 @@ def test_reported_records_count_their_encoded_bytes_once():
 # ---- a stock megatron-core layer ---------------------------------------------------------
 
 megatron = pytest.importorskip("megatron.core")
-from llm_act import _testing as T  # noqa: E402
 from llm_act.bench.memory import ledger_and_held  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    T.init_parallel(seed=1234)
-    yield
-    T.destroy_parallel()
+from tests import testing as T  # noqa: E402
 
 
 def expected_per_sbh(dtype, dropout, s, b, h, a):
@@ -249,7 +242,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype,dropout,s,b,h,a", CASES)
-def test_stock_layer_sites_match_analysis_and_process_memory(parallel, dtype, dropout, s, b, h, a):
+def test_stock_layer_sites_match_analysis_and_process_memory(megatron_one_rank, dtype, dropout, s, b, h, a):
     led, held = run_layer(dtype, dropout, s, b, h, a)
     sbh = s * b * h
     want = expected_per_sbh(dtype, dropout, s, b, h, a)
@@ -263,7 +256,7 @@ def test_stock_layer_sites_match_analysis_and_process_memory(parallel, dtype, dr
     assert held == pytest.approx(led.total_bytes, rel=0.01)
 
 
-def test_gpt_model_sites_outside_the_blocks(parallel):
+def test_gpt_model_sites_outside_the_blocks(megatron_one_rank):
     cfg = T.small_config(hidden_size=64, num_attention_heads=4, dtype=torch.bfloat16,
                          dropout=0.1, num_layers=2)
     model = T.gpt_model(cfg, vocab_size=128, max_sequence_length=32)

@@ -18,7 +18,7 @@ from llm_act import ActConfig
 from llm_act.measurement import fidelity
 from llm_act.measurement.fidelity import FidelityReport, group_name, lossy_sites
 from tests.patches.broken_codec import broken
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 

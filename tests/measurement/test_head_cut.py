@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import _testing as T
 from llm_act.measurement import fidelity, probing
 from llm_act.measurement.head_cut import HeadCut, head_of
 from llm_act.measurement.sensitivity import batch_loss, measure_sensitivity, per_row_losses, sensitive_sites
 from llm_act.patches.megatron import apply
-from tests.patches.megatron import gpt_runs as R
+from tests import testing as T
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 

@@ -2,7 +2,7 @@
 against the ledger, what it measures, and that it leaves the run untouched.
 
 Plans with "recompute" are not tested here: the controller and `llm_act.plan` do not bind
-recomputation yet (patches/megatron/recompute.py is still being wired), so the profile
+recomputation yet (llm_act/patches/megatron/recompute.py is still being wired), so the profile
 offers "recompute" only when `plans` accepts it.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from llm_act.ledger import SavedTensorLedger
 from llm_act.measurement.measure import measure_profile
 from llm_act.patches.megatron import apply
 from llm_act.planner import evaluate_plan, solve_plan
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 

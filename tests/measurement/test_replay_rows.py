@@ -11,7 +11,7 @@ import torch
 
 from llm_act.measurement.replay import StepReplay, first_rows
 from llm_act.measurement.sensitivity import per_row_losses
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 

@@ -19,7 +19,7 @@ from llm_act import ActConfig
 from llm_act.measurement.measure import measure_profile
 from llm_act.measurement.sensitivity import CompressionNoiseWarning, check_noise, measure_sensitivity, sensitive_sites
 from llm_act.patches.megatron import apply
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 

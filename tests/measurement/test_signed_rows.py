@@ -19,7 +19,7 @@ from llm_act import ActConfig
 from llm_act.measurement.replay import StepReplay
 from llm_act.measurement.sensitivity import Sensitivity, measure_sensitivity, scale_rows
 from llm_act.patches.megatron import apply
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 

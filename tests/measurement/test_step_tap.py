@@ -17,7 +17,7 @@ from llm_act.measurement.sensitivity import measure_sensitivity, sensitive_sites
 from llm_act.measurement.step_tap import StepTap
 from llm_act.patches.megatron import apply
 from llm_act.sites import ATTN_OUT, ATTN_Q, ATTN_QKV_INPUT, LN2_INPUT, MLP_ACT_INPUT, MLP_FC1_INPUT, MLP_FC2_INPUT
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 

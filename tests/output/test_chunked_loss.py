@@ -23,6 +23,7 @@ from llm_act.output.chunked_loss import (
     stock_logits_bytes,
     stored_bytes,
 )
+from tests.rel_error import rel_error
 
 S, B, H, V = 24, 2, 16, 96
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (5e-2, 2e-2)}  # (loss abs, grad rel L2)
@@ -54,17 +55,13 @@ def _reference(hidden, weight, labels):
     return loss.view(s, b).t()
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
-
-
 def _assert_close(got, ref, dtype):
     loss_tol, grad_tol = TOL[dtype]
     assert got[0].shape == ref[0].shape == (B, S) and got[0].dtype == torch.float32
     assert float((got[0] - ref[0]).abs().max()) < loss_tol
     assert got[1].dtype == got[2].dtype == dtype
     for g, r in zip(got[1:], ref[1:]):
-        assert _rel(g, r) < grad_tol
+        assert rel_error(g, r) < grad_tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,7 +131,7 @@ def test_skips_the_weight_gradient_of_a_frozen_weight():
     h = hidden.clone().requires_grad_()
     chunked_linear_cross_entropy(h, weight, labels, chunk_tokens=7).backward(grad)
     ref = _run(_reference, hidden, weight, labels, grad)
-    assert weight.grad is None and _rel(h.grad, ref[1]) < 1e-5
+    assert weight.grad is None and rel_error(h.grad, ref[1]) < 1e-5
 
 
 @pytest.mark.parametrize("args, kwargs, err, match", [
@@ -180,7 +177,7 @@ def test_bound_catches_ignored_grad(dtype):
     hidden, weight, labels, grad = _inputs(dtype)
     ref = _run(_reference, hidden.float(), weight.float(), labels, grad)
     got = _run(lambda h, w, y: _IgnoresGrad.apply(h, w, y, 7, None, False), hidden, weight, labels, grad)
-    assert min(_rel(got[1], ref[1]), _rel(got[2], ref[2])) > TOL[dtype][1]
+    assert min(rel_error(got[1], ref[1]), rel_error(got[2], ref[2])) > TOL[dtype][1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -193,7 +190,7 @@ def test_bound_catches_dropped_one_hot(dtype, monkeypatch):
     monkeypatch.setattr(chunked_loss, "_local_target", _no_one_hot)  # backward only
     loss.backward(grad)
     assert float((loss - ref[0]).abs().max()) < TOL[dtype][0]  # forward was right
-    assert min(_rel(h.grad, ref[1]), _rel(w.grad, ref[2])) > TOL[dtype][1]
+    assert min(rel_error(h.grad, ref[1]), rel_error(w.grad, ref[2])) > TOL[dtype][1]
 
 
 # ---- megatron-core's vocab_parallel_cross_entropy on the full logits ----
@@ -213,7 +210,7 @@ def test_equals_megatron_vocab_parallel_cross_entropy(dtype, megatron_one_rank):
                hidden, weight, labels, grad)
     assert float((got[0] - ref[0]).abs().max()) < 1e-5  # the same logits: same loss in fp32
     for g, r in zip(got[1:], ref[1:]):  # bf16 grad_weight: a chunked fp32 sum vs one bf16 GEMM (~3e-3)
-        assert g.dtype == r.dtype and _rel(g, r) < (1e-5 if dtype is torch.float32 else 1e-2)
+        assert g.dtype == r.dtype and rel_error(g, r) < (1e-5 if dtype is torch.float32 else 1e-2)
 
 
 def test_saves_less_than_megatron(megatron_one_rank):
@@ -245,16 +242,16 @@ def _tp_worker(rank, world_size, port):
                    hidden, weight[shard], labels, grad)
         loss_tol, grad_tol = TOL[dtype]
         assert float((got[0] - ref[0]).abs().max()) < loss_tol, rank
-        assert _rel(got[1], ref[1]) < grad_tol, rank
-        assert _rel(got[2], ref[2][shard]) < grad_tol, rank
+        assert rel_error(got[1], ref[1]) < grad_tol, rank
+        assert rel_error(got[2], ref[2][shard]) < grad_tol, rank
         # sequence parallel: this rank holds its shard of the sequence, the loss covers all of it
         rows = slice(rank * S // world_size, (rank + 1) * S // world_size)
         got = _run(lambda h, w, y: chunked_linear_cross_entropy(h, w, y, chunk_tokens=7, tp_group=group,
                                                                 sequence_parallel=True),
                    hidden[rows], weight[shard], labels, grad)
         assert got[0].shape == (B, S) and float((got[0] - ref[0]).abs().max()) < loss_tol, rank
-        assert got[1].shape == hidden[rows].shape and _rel(got[1], ref[1][rows]) < grad_tol, rank
-        assert _rel(got[2], ref[2][shard]) < grad_tol, rank
+        assert got[1].shape == hidden[rows].shape and rel_error(got[1], ref[1][rows]) < grad_tol, rank
+        assert rel_error(got[2], ref[2][shard]) < grad_tol, rank
     hidden, weight, labels, grad = _inputs(torch.float32)
     hidden[3, 1, 0] = float("nan")
     loss = chunked_linear_cross_entropy(hidden, weight[shard], labels, chunk_tokens=7, tp_group=group)
@@ -269,6 +266,6 @@ def _tp_worker(rank, world_size, port):
 @pytest.mark.dist
 def test_tp2_matches_tp1():
     """Vocab-parallel, and vocab- plus sequence-parallel, on two gloo ranks."""
-    from llm_act import _testing as T
+    from tests import testing as T
 
     T.spawn(_tp_worker, 2, timeout=60)

@@ -14,8 +14,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from llm_act import _testing as T  # noqa: E402
-from tests.output.test_chunked_loss import _MaxNumel, _rel  # noqa: E402
+from tests import testing as T  # noqa: E402
+from tests.output.test_chunked_loss import _MaxNumel  # noqa: E402
+from tests.rel_error import rel_error  # noqa: E402
 
 VOCAB, SEQ, BATCH, HIDDEN = 256, 32, 2, 32
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -56,7 +57,7 @@ def test_loss_and_grads_match_stock(dtype, tied, megatron_one_rank):
     assert grads.keys() == ref_grads.keys()
     assert ("output_layer.weight" in grads) is not tied  # tied: the embedding weight gets both
     for name, ref in ref_grads.items():
-        assert grads[name].dtype == ref.dtype and _rel(grads[name], ref) < TOL[dtype], name
+        assert grads[name].dtype == ref.dtype and rel_error(grads[name], ref) < TOL[dtype], name
 
 
 def test_no_labels_is_stock(megatron_one_rank):
@@ -123,7 +124,7 @@ def _tp_worker(rank, world_size, port, expected_loss):
         assert float((loss - expected_loss).abs().max()) < 1e-4, where
         assert float((loss - ref_loss).abs().max()) < 1e-5, where
         for name, ref in ref_grads.items():
-            assert _rel(grads[name], ref) < 1e-5, (where, name)
+            assert rel_error(grads[name], ref) < 1e-5, (where, name)
 
 
 @pytest.mark.dist

@@ -21,7 +21,8 @@ from llm_act.config import OUTPUT_LOSS_MODES
 from llm_act.output import DEFAULT_CHUNK_TOKENS
 from llm_act.runtime import output_choice
 from llm_act.runtime.output_choice import OutputSizes, choose
-from tests.output.test_chunked_loss import _MaxNumel, _rel
+from tests.output.test_chunked_loss import _MaxNumel
+from tests.rel_error import rel_error
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -164,8 +165,8 @@ def test_gemm_time_is_measured_or_estimated():
 
 # ---- apply() on a real megatron-core GPTModel -----------------------------------------------
 def _build(dropout=0.0, tied=True, num_layers=1, seed=0):
-    from llm_act import _testing as T
-    from tests.patches.megatron.gpt_runs import seed_all
+    from tests import testing as T
+    from tests.gpt_runs import seed_all
 
     seed_all(seed)
     cfg = T.small_config(hidden_size=HIDDEN, num_attention_heads=4, num_layers=num_layers, dropout=dropout)
@@ -173,14 +174,14 @@ def _build(dropout=0.0, tied=True, num_layers=1, seed=0):
 
 
 def _batch(seed=1):
-    from llm_act import _testing as T
+    from tests import testing as T
 
     return T.gpt_batch(BATCH, SEQ, VOCAB, generator=torch.Generator().manual_seed(seed))
 
 
 def _step(model, seed=5, data_seed=1):
     """(per-token loss, {name: grad}) of one forward/backward with fixed RNG streams."""
-    from tests.patches.megatron.gpt_runs import seed_all
+    from tests.gpt_runs import seed_all
 
     seed_all(seed)
     ids, pos, labels = _batch(data_seed)
@@ -209,7 +210,7 @@ def test_apply_chunked_matches_stock_and_never_holds_the_logits(tied):
     assert float((loss - ref_loss).abs().max()) < 1e-5
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
-        assert _rel(grads[name], ref) < 1e-5, name
+        assert rel_error(grads[name], ref) < 1e-5, name
 
 
 @pytest.mark.usefixtures("megatron_one_rank")
@@ -297,7 +298,7 @@ def test_auto_picks_stock_when_plentiful_and_chunked_when_only_it_fits(monkeypat
     assert controller.output_loss == "chunked"  # "auto" starts from the memory-saving side
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
-    from llm_act import _testing as T
+    from tests import testing as T
 
     def train(steps):
         for _ in range(steps):
@@ -338,8 +339,8 @@ def _tp_worker(rank, world_size, port):
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
-    from llm_act import _testing as T
     from llm_act.patches.megatron import apply
+    from tests import testing as T
 
     T.init_parallel(tp=2, rank=rank, world_size=world_size, port=port, seed=1234)
     stock = _build(tied=False)
@@ -350,7 +351,7 @@ def _tp_worker(rank, world_size, port):
     loss, grads = _step(model)
     assert float((loss - ref_loss).abs().max()) < 1e-5, rank
     for name, ref in ref_grads.items():
-        assert _rel(grads[name], ref) < 1e-5, (rank, name)
+        assert rel_error(grads[name], ref) < 1e-5, (rank, name)
     # plan "auto": every rank of the TP group switches alike (the source rank's broadcast)
     auto = _build(num_layers=2, tied=False)
     ctl = apply(auto, ActConfig(plan="auto", sensitivity=False, noise_fraction=None, budget="1GB",
@@ -370,7 +371,7 @@ def _tp_worker(rank, world_size, port):
 @pytest.mark.dist
 @pytest.mark.slow  # ~20 s here: each rank imports megatron-core and builds its groups
 def test_tp2_vocab_parallel_through_apply_and_one_decision():
-    from llm_act import _testing as T
+    from tests import testing as T
 
     T.spawn(_tp_worker, 2, timeout=180)
 

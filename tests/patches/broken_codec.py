@@ -43,6 +43,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from tests.rel_error import rel_error
+
 ENV_SITE, ENV_LAYER = "LLM_ACT_TEST_BROKEN_SITE", "LLM_ACT_TEST_BROKEN_LAYER"
 ENV_KIND = "LLM_ACT_TEST_BROKEN_KIND"
 #: a kind here breaks every codec object of the process (`everywhere`)
@@ -246,13 +248,6 @@ def env_for_subprocess(env: dict, folder: Path, site: str = ALL,
     out["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(folder), str(root), env.get("PYTHONPATH", "")) if p)
     return out
-
-
-def rel_error(grads, ref) -> float:
-    """||g - g_ref|| / ||g_ref|| over all parameters of `ref` together (float64)."""
-    num = sum(float((grads[n].double() - ref[n].double()).pow(2).sum()) for n in ref)
-    den = sum(float(ref[n].double().pow(2).sum()) for n in ref)
-    return (num / den) ** 0.5
 
 
 def param_errors(grads, ref) -> dict[str, float]:

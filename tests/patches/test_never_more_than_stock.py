@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import _testing as T
 from llm_act.codecs import base as codec_base
 from llm_act.codecs.base import side_list_nbytes
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, check_choice
 from llm_act.ledger import SavedTensorLedger
 from llm_act.sites import SITES
+from tests import testing as T
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -56,7 +56,7 @@ def _over(got: dict, ref: dict, sites, layers) -> list:
 
 def _megatron_bytes(dtype, codecs: dict, seq: int = 32, batch: int = 2, **overrides):
     from llm_act.patches.megatron import apply
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
     model = R.build(dtype, dropout=0.1, num_layers=2, **overrides)
     apply(model, ActConfig(plan="keep", codecs=codecs))

@@ -79,7 +79,7 @@ def test_moe_sites_match_the_ledger(megatron_one_rank):
     sites byte for byte; the router input as the dense fc1 input (the norm's statistics booked
     at the norm's input by the ledger); the routing within 2x (a prior: the dispatcher's index
     bookkeeping is not modelled exactly)."""
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
     from tests.patches.megatron.moe_runs import build_moe
 
     _, _, led = R.step(build_moe(), ledger=True)

@@ -23,10 +23,10 @@ import warnings
 import pytest
 import torch
 
-from llm_act import _testing as T
 from llm_act.ledger import SavedTensorLedger
 from llm_act.planner.analytic import block_profile
 from llm_act.planner.model_shape import DeviceModel, ModelShape
+from tests import testing as T
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 

@@ -53,7 +53,7 @@ def test_auto_offers_no_codec_below_the_floor(min_bits, low_offered):
 def test_a_fixed_plan_and_a_pin_are_not_limited():
     from llm_act import ActConfig
     from llm_act.patches.megatron import apply
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
     model = R.build(dropout=0.0, num_layers=2, seed=0)
     ctl = apply(model, ActConfig(plan="compress", codecs={"attn.v": "int2"}))

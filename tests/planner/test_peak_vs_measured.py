@@ -10,7 +10,7 @@ rebuilds or decodes, and what a rebuild there brings forward; a block recomputed
 prediction (`evaluate_plan` on the analytic profile, `DeviceModel.cpu()`) is compared with
 the peak of live tensor storage over one training step -- forward, loss and backward -- of a
 small megatron-core GPT on CPU, measured by
-`llm_act.measurement.peak_memory.LiveStorageTracker` above the step's entry state (weights,
+`tests.peak_memory.LiveStorageTracker` above the step's entry state (weights,
 their gradients kept allocated and zeroed in place, the batch; after one warm-up step), with
 the codec kernels opaque (`inside_custom_ops=False`: on a GPU each is one kernel, and the CPU
 references' fp32 temporaries are not what a GPU holds) and the references' rounding noise
@@ -47,15 +47,15 @@ import torch
 pytest.importorskip("pulp")
 
 from llm_act import ActConfig  # noqa: E402
-from llm_act import _testing as T  # noqa: E402
 from llm_act.measurement.measured_profile import runtime_block  # noqa: E402
-from llm_act.measurement.peak_memory import LiveStorageTracker  # noqa: E402
+from tests.peak_memory import LiveStorageTracker  # noqa: E402
 from llm_act.plan import compress_layer, keep_layer, recompute_layer, selective_layer  # noqa: E402
 from llm_act.planner import evaluate_plan, solve_plan  # noqa: E402
 from llm_act.planner.analytic import block_profile, grad_bytes, outer_profile, stage_bytes  # noqa: E402
 from llm_act.sites import FINAL_NORM_INPUT  # noqa: E402
 from llm_act.planner.model_shape import DeviceModel, ModelShape  # noqa: E402
 from llm_act.planner.static_memory import input_bytes, loss_bytes, outer_bytes  # noqa: E402
+from tests import testing as T  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 

@@ -23,7 +23,7 @@ import warnings
 import pytest
 import torch
 
-from llm_act import _testing as T
+from tests import testing as T
 
 pytestmark = pytest.mark.dist
 
@@ -43,7 +43,7 @@ def _worker(rank, world, port, mode):
     from llm_act.planner import evaluate_plan
     from llm_act.measurement.measure import measure_profile
     from llm_act.sites import DEFAULT_CODECS
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
     from llm_act.codecs.outlier import OutlierInt4
 

@@ -23,8 +23,8 @@ import warnings
 import pytest
 import torch
 
-from llm_act import _testing as T
 from llm_act.runtime import agreement
+from tests import testing as T
 
 pytestmark = pytest.mark.dist
 
@@ -55,7 +55,7 @@ def _megatron_worker(rank, world, port, tmp):
     warnings.filterwarnings("ignore")
     from llm_act import ActConfig
     from llm_act.patches.megatron import apply
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
     T.init_parallel(tp=2, rank=rank, world_size=world, port=port)
 

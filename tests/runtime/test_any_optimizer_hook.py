@@ -13,7 +13,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from llm_act import ActConfig
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 

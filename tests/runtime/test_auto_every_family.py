@@ -29,11 +29,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llm_act import ActConfig, _testing as T
+from llm_act import ActConfig
 from llm_act.codecs.registry import CODEC_NAMES, MASK_CODECS, accepts, check_choice, refusal
 from llm_act.measurement.measured_profile import MeasuredProfile
 from llm_act.sites import MASK_SITES, MLP_ACT_INPUT
-from tests.patches.megatron import gpt_runs as R
+from tests import testing as T
+from tests import gpt_runs as R
 from tests.patches.megatron.moe_runs import build_moe
 from tests.test_budget_doors import _engine, pp2_run
 

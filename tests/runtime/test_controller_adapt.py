@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import _testing as T
 from llm_act.patches.megatron import apply
 from llm_act.plan import resolve
 from llm_act.planner import evaluate_plan
 from llm_act.runtime.schedule import interval_sequence
-from tests.patches.megatron import gpt_runs as R
+from tests import testing as T
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 

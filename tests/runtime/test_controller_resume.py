@@ -13,7 +13,7 @@ import torch
 from llm_act import ActConfig
 from llm_act.patches.megatron import apply
 from llm_act.plan import is_keep
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 

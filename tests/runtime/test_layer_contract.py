@@ -50,8 +50,8 @@ def test_every_binder_class_declares_and_implements_the_contract(module, name):
 
 def _gpt_binders(**overrides):
     from llm_act import ActConfig
-    from llm_act import _testing as T
     from llm_act.patches.megatron import apply
+    from tests import testing as T
 
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
     torch.manual_seed(0)
@@ -133,7 +133,7 @@ ABOVE = {
                             "llm_act.train", "llm_act.bench", "llm_act.cli"),
     "llm_act/runtime": ("llm_act.patches", "llm_act.generic", "llm_act.attention", "llm_act.train",
                         "llm_act.bench", "llm_act.cli"),
-    "patches": ("llm_act.train", "llm_act.bench", "llm_act.cli"),
+    "llm_act/patches": ("llm_act.train", "llm_act.bench", "llm_act.cli"),
 }
 
 

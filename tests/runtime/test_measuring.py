@@ -12,7 +12,6 @@ import warnings
 import pytest
 import torch
 
-from llm_act import _testing as T
 from llm_act.runtime import measuring
 from llm_act.runtime.measuring import (
     PLAIN,
@@ -26,7 +25,8 @@ from llm_act.runtime.measuring import (
     round_rows,
     scaled_medians,
 )
-from tests.patches.megatron import gpt_runs as R
+from tests import testing as T
+from tests import gpt_runs as R
 from tests.runtime.test_controller_adapt import _setup, _train
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 
-from llm_act import _testing as T
+from tests import testing as T
 
 pytestmark = pytest.mark.dist
 
@@ -42,7 +42,7 @@ def _worker(rank, world, port, where):
     from llm_act.measurement import fidelity
     from llm_act.patches.megatron import apply
     from llm_act.runtime import agreement, measuring, solving
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
     T.init_parallel(tp=1, rank=rank, world_size=world, port=port)
     torch.manual_seed(0)

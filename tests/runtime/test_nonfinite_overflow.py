@@ -13,7 +13,7 @@ import torch
 from llm_act import ActConfig
 from llm_act.codecs.base import nonfinite_capacity
 from llm_act.patches.megatron import apply
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 from tests.runtime.test_controller_adapt import _train
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")

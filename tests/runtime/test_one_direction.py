@@ -18,7 +18,7 @@ from llm_act import ActConfig
 from llm_act.codecs.base import Codec
 from llm_act.patches.megatron import apply
 from llm_act.sites import ATTN_QKV_INPUT, CHECKPOINT_SITE, MLP_ACT_INPUT, MLP_FC1_INPUT
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from llm_act import _testing as T
 from llm_act.train import parallel
+from tests import testing as T
 
 
 def test_the_port_is_free_and_below_the_ephemeral_range():

@@ -128,7 +128,7 @@ def _resume_on_two_ranks(rank, world, port, ckpt, port2):
 
 @pytest.mark.dist
 def test_every_rank_refuses_the_schedule_without_hanging(tmp_path):
-    from llm_act import _testing as T
+    from tests import testing as T
 
     T.spawn(_resume_on_two_ranks, 2, str(tmp_path / "ckpt"), T.free_port(), timeout=150)
     assert os.path.exists(tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00_000_001" / "model_optim_rng.pt")

@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from llm_act._testing import spawn  # noqa: E402
+from tests.testing import spawn  # noqa: E402
 from tests.patches import broken_codec  # noqa: E402
 
 #: relative tolerance on the loss of a compressed run vs the same run without compression.

@@ -40,7 +40,7 @@ def _launch(stage, folder, env=None, steps=3, extra=()):
     launcher = shutil.which("deepspeed") or (str(beside) if beside.exists() else None)
     if launcher is None:
         pytest.skip("the deepspeed launcher is not on PATH")
-    from llm_act._testing import free_port
+    from tests.testing import free_port
 
     out = folder / "result.json"
     cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "launch/ds_train.py",
@@ -118,7 +118,7 @@ def test_launcher_loss_tolerance_fails_with_a_broken_codec_quick(tmp_path):
     healthy 4.3e-4 on this one rank (5.2e-5 through the launcher on 2), every codec decoding
     zeros 0.018 (0.013). Always rounding down (3.5e-4 on 2 ranks) stays within the
     tolerance: losses cannot see it here; the gradient bounds can (test_hf_zero.py)."""
-    from llm_act._testing import spawn
+    from tests.testing import spawn
 
     out = tmp_path / "result.json"
     spawn(_worker_quick, 1, broken_codec.ZEROS, str(out), timeout=300)

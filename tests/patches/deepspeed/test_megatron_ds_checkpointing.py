@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("deepspeed")
 pytest.importorskip("megatron.core")
 
-from llm_act._testing import spawn  # noqa: E402
+from tests.testing import spawn  # noqa: E402
 
 SEED = 1234
 STEPS = 3
@@ -30,7 +30,7 @@ def _init(rank, world, port):
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     import deepspeed
 
-    from llm_act import _testing as testing
+    from tests import testing
 
     deepspeed.init_distributed(dist_backend="gloo")
     testing.init_parallel(rank=rank, world_size=world, seed=SEED)
@@ -44,7 +44,7 @@ def _reseed(seed=SEED):
 
 
 def _gpt(dropout):
-    from llm_act import _testing as testing
+    from tests import testing
 
     _reseed()
     config = testing.small_config(hidden_size=32, num_attention_heads=4, num_layers=LAYERS,
@@ -65,7 +65,7 @@ def _ds(stage, section=None, **extra):
 
 
 def _batches(rank):
-    from llm_act import _testing as testing
+    from tests import testing
 
     g = torch.Generator().manual_seed(100 + rank)  # every rank its own data
     return [testing.gpt_batch(BATCH, SEQ, VOCAB, generator=g) for _ in range(STEPS)]

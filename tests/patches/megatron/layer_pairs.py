@@ -10,8 +10,9 @@ import math
 
 import torch
 
-from llm_act import _testing as testing
 from llm_act.codecs.base import Codec, Encoded
+from tests import testing
+from tests.rel_error import rel_error
 
 
 def twin_layers(config, dtype=torch.float32, state=None):
@@ -72,11 +73,7 @@ def grads(module, x: torch.Tensor, gy_seed: int = 7) -> list[torch.Tensor]:
 
 def rel_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
     """Relative L2 error of each gradient (float64)."""
-    out = []
-    for g, r in zip(got, ref):
-        r = r.double()
-        out.append(float((g.double() - r).norm() / r.norm().clamp(min=1e-30)))
-    return out
+    return [rel_error(g, r) for g, r in zip(got, ref)]
 
 
 class GaussianChannel(Codec):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from llm_act import _testing as T
-from tests.patches.megatron import gpt_runs as R
+from tests import testing as T
+from tests import gpt_runs as R
 
 EXPERTS, TOPK = 4, 2
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import _testing as T
 from llm_act.codecs import make_codec
 from llm_act.patches.megatron import apply, block_spec, layer_spec
 from llm_act.patches.megatron.act_module import ActModule
+from tests import testing as T
 from tests.patches import broken_codec
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from llm_act import _testing as T  # noqa: E402
+from tests import testing as T  # noqa: E402
 
 pytestmark = pytest.mark.dist
 #: gradient bound of "compress" vs "keep" (chunked attention) under TP=2: relative error over
@@ -32,7 +32,7 @@ def _keep_worker(rank, world_size, port):
     from llm_act import ActConfig
     from llm_act.patches.megatron import apply
     from tests.patches import broken_codec
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
     T.init_parallel(tp=2, rank=rank, world_size=world_size, port=port)
     for dtype in (torch.float32, torch.bfloat16):
@@ -85,7 +85,7 @@ def _sp_worker(rank, world_size, port):
     warnings.filterwarnings("ignore")
     from llm_act import ActConfig
     from llm_act.patches.megatron import apply, block_spec
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
     T.init_parallel(tp=2, rank=rank, world_size=world_size, port=port)
     stock = R.build(dropout=0.0)
@@ -122,7 +122,7 @@ def _qk_layernorm_worker(rank, world_size, port):
     from llm_act import ActConfig
     from llm_act.ledger import SavedTensorLedger
     from llm_act.patches.megatron import apply
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
     T.init_parallel(tp=2, rank=rank, world_size=world_size, port=port)
     kw = dict(dropout=0.0, qk_layernorm=True, normalization="RMSNorm", num_query_groups=2,

@@ -26,26 +26,22 @@ import warnings
 import pytest
 import torch
 
-from llm_act import _testing as testing
 from llm_act.bench.memory import held_after_forward, ledger_and_held
 from llm_act.codecs import make_codec
 from llm_act.ledger import SavedTensorLedger
 from llm_act.sites import DEFAULT_CODECS
+from tests import testing
 from tests.attention.exact_codec import ExactLossy
 from tests.patches import broken_codec
 from tests.patches.megatron.layer_pairs import GaussianChannel, rel_errors
+
+#: megatron-core on one gloo rank for the whole module (the fixture in tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 S, B, H, A = 32, 2, 64, 4
 QKV = ("attn.q", "attn.k", "attn.v")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def parallel():
-    testing.init_parallel(tp=1)
-    yield
-    testing.destroy_parallel()
 
 
 def config(dropout=0.0, dtype=torch.float32, **kw):
@@ -99,8 +95,6 @@ def rope(s, h, a):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     return RotaryEmbedding(kv_channels=h // a, rotary_percent=1.0, use_cpu_initialization=True)(s)
-
-
 
 
 # ---- exactness -------------------------------------------------------------------------------

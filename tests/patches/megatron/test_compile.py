@@ -18,9 +18,9 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._dynamo.utils import counters
 
 from llm_act import ActConfig
-from llm_act import _testing as T
 from llm_act.patches.megatron import apply
-from tests.patches.megatron import gpt_runs as R
+from tests import testing as T
+from tests import gpt_runs as R
 
 pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 

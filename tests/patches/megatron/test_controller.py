@@ -20,7 +20,7 @@ from llm_act.plan import VALUE_ACT_CODEC, keep_layer, plan_from, resolve
 from llm_act.runtime.controller import Controller
 from llm_act.runtime.seeds import codec_seed
 from llm_act.sites import DEFAULT_CODECS, SITES
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 

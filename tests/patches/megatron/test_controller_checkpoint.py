@@ -28,9 +28,9 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import _testing as T
 from llm_act.patches.megatron import apply, controller_state
-from tests.patches.megatron import gpt_runs as R
+from tests import testing as T
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -69,7 +69,7 @@ def assert_same_state(a, b, where="state"):
 
 
 def _dist_ckpt_cpu():
-    from llm_act.patches.megatron.cpu_stand_ins import CpuTorch
+    from llm_act.cpu.stand_ins import CpuTorch
 
     return [(importlib.import_module(name), CpuTorch()) for name in _DIST_CKPT_CUDA]
 

@@ -17,7 +17,7 @@ from llm_act.patches.megatron.spec import block_spec
 from llm_act.plan import plan_json
 from llm_act.sites import FINAL_NORM_INPUT, LN1_INPUT
 from tests.patches import broken_codec
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 

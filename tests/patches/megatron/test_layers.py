@@ -33,10 +33,10 @@ import warnings
 import pytest
 import torch
 
-from llm_act import _testing as testing
 from llm_act.codecs import make_codec
 from llm_act.codecs.fewbit import derivative
 from llm_act.ledger import SavedTensorLedger
+from tests import testing
 from tests.patches import broken_codec
 from tests.patches.megatron.layer_pairs import (
     GaussianChannel,
@@ -47,6 +47,9 @@ from tests.patches.megatron.layer_pairs import (
     twin_layers,
 )
 
+#: megatron-core on one gloo rank for the whole module (the fixture in tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("megatron_one_rank")
+
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 S, B, H = 32, 2, 64
@@ -55,13 +58,6 @@ VALUE_SITES = ("ln1.input", "attn.qkv_input", "attn.out", "mlp.fc1_input", "mlp.
 ALL_SITES = VALUE_SITES + ("ln2.input", "mlp.act_input")
 DROP_SITES = ("attn.hidden_dropout_mask", "mlp.hidden_dropout_mask")
 QK_SITES = ("attn.q_norm_input", "attn.k_norm_input")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def parallel():
-    testing.init_parallel(tp=1)
-    yield
-    testing.destroy_parallel()
 
 
 def config(dropout=0.0, **kw):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_act import _testing as testing
+from tests import testing
 
 S, B, H = 16, 2, 64
 #: relative error bound per gradient with int8 at every linear/norm site. Measured: the real

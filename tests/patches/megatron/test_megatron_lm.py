@@ -64,7 +64,7 @@ def test_install_with_megatron_lm_is_idempotent_and_patches_every_stand_in(tmp_p
     modules only some versions have where they exist (0.16: `megatron.legacy`; 0.19:
     `megatron.training.models.dist_utils`, `megatron.training.utils.common_utils`), the
     second nothing."""
-    from llm_act.patches.megatron import cpu_shim_megatron_lm as lm
+    from llm_act.cpu import megatron_lm as lm
 
     optional = {"megatron.legacy.fused_kernels": "megatron.legacy.fused_kernels.load"}
     optional.update((name, f"{name}.torch") for name in lm._OPTIONAL_TRAINING_MODULES)

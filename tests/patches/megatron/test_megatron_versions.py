@@ -12,9 +12,9 @@ import torch
 pytest.importorskip("megatron.core")
 
 from llm_act import ActConfig  # noqa: E402
-from llm_act import _testing as T  # noqa: E402
 from llm_act.patches.megatron import apply, compat, layer_spec  # noqa: E402
-from tests.patches.megatron import gpt_runs as R  # noqa: E402
+from tests import testing as T  # noqa: E402
+from tests import gpt_runs as R  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_one_rank")  # tests/conftest.py
 

@@ -10,12 +10,12 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.usefixtures("megatron_one_rank")  # tests/conftest.py
 
 from llm_act import ActConfig  # noqa: E402
-from llm_act import _testing as T  # noqa: E402
 from llm_act.ledger import SavedTensorLedger  # noqa: E402
 from llm_act.patches.megatron import apply, layer_spec  # noqa: E402
 from llm_act.sites import MOE_SITES  # noqa: E402
+from tests import testing as T  # noqa: E402
 from tests.patches import broken_codec  # noqa: E402
-from tests.patches.megatron import gpt_runs as R  # noqa: E402
+from tests import gpt_runs as R  # noqa: E402
 from tests.patches.megatron.moe_runs import EXPERTS, build_moe  # noqa: E402
 from tests.patches.megatron.test_apply import SWIGLU_BOUND  # noqa: E402  (the dense bound)
 

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from llm_act import _testing as T  # noqa: E402
+from tests import testing as T  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -15,7 +15,7 @@ def _worker(rank, world_size, port, dispatchers):
     import torch
 
     from llm_act.runtime import agreement
-    from llm_act import _testing as T
+    from tests import testing as T
 
     torch.set_num_threads(1)
     T.init_parallel(rank=rank, world_size=world_size, port=port, ep=world_size, seed=1234)
@@ -33,7 +33,7 @@ def _check(rank, dispatcher):
     from llm_act.runtime import agreement
     from llm_act.patches.megatron import apply
     from llm_act.sites import MOE_SITES
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
     from tests.patches.megatron.moe_runs import build_moe
     from tests.patches.megatron.test_apply import SWIGLU_BOUND
 

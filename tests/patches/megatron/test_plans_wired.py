@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from llm_act import ActConfig
-from llm_act import _testing as T
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.megatron import apply
 from llm_act.planner import InfeasibleBudget, solve_plan
+from tests import testing as T
 from tests.patches import broken_codec
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 

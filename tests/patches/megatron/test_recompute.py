@@ -14,14 +14,17 @@ import warnings
 import pytest
 import torch
 
-from llm_act import _testing as testing
 from llm_act.codecs import make_codec
 from llm_act.ledger import SavedTensorLedger
 from llm_act.patches.megatron import recompute as R
 from llm_act.plan import recompute_layer, selective_layer
+from tests import testing
 from tests.patches import broken_codec
 from tests.patches.megatron.layer_pairs import twin_layers
 from tests.patches.megatron.test_layers import assert_identical, layer_step
+
+#: megatron-core on one gloo rank for the whole module (the fixture in tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -35,13 +38,6 @@ CHOICES = {
     "selective": selective_layer(),
     "full": recompute_layer(),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def parallel():
-    testing.init_parallel(tp=1)
-    yield
-    testing.destroy_parallel()
 
 
 def codecs(broken=None):
@@ -87,7 +83,7 @@ def test_recompute_is_bit_identical_to_keep(dtype):
 def _converted_bf16_gpt():
     """(model with its layers converted, their sites, the stock model's (loss, grads, _))."""
     from llm_act.patches.megatron.swap import convert_layer
-    from tests.patches.megatron import gpt_runs
+    from tests import gpt_runs
 
     model = gpt_runs.build(torch.bfloat16, dropout=0.1, num_layers=2)
     ref = gpt_runs.build(torch.bfloat16, dropout=0.1, num_layers=2)
@@ -103,7 +99,7 @@ FULL_INT4_TOL = 0.15
 
 def test_full_recompute_ledger_on_a_bf16_gpt():
     from llm_act.codecs.base import side_list_nbytes
-    from tests.patches.megatron import gpt_runs
+    from tests import gpt_runs
 
     model, sites, (loss_ref, grads_ref, _) = _converted_bf16_gpt()
     sbh = gpt_runs.SEQ * gpt_runs.BATCH * model.config.hidden_size
@@ -126,7 +122,7 @@ def test_full_recompute_ledger_on_a_bf16_gpt():
 
 @pytest.mark.parametrize("layers", [(1,), (0, 1)])
 def test_full_recompute_bound_fails_with_a_broken_checkpoint(layers):
-    from tests.patches.megatron import gpt_runs
+    from tests import gpt_runs
 
     model, sites, (_, grads_ref, _) = _converted_bf16_gpt()
     for i, s in enumerate(sites):

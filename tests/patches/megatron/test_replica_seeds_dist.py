@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from llm_act import _testing as T
+from tests import testing as T
 
 pytestmark = pytest.mark.dist
 
@@ -35,7 +35,7 @@ def _worker(rank, world, port, mode):
     from llm_act.runtime import agreement
     from llm_act.runtime.seeds import DP_SEED_STRIDE, codec_seed
     from llm_act.patches.megatron import apply
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
     T.init_parallel(tp=2 if mode == "tp" else 1, rank=rank, world_size=world, port=port)
     dp_rank = rank if mode == "dp" else 0

@@ -27,7 +27,7 @@ from llm_act import ActConfig
 from llm_act.patches.megatron import apply
 from llm_act.plan import keep_layer, resolve, selective_layer
 from llm_act.sites import ATTENTION_INTERNAL_SITES
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")

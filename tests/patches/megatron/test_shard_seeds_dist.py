@@ -25,7 +25,7 @@ import warnings
 import pytest
 import torch
 
-from llm_act import _testing as T
+from tests import testing as T
 
 #: replicated on the TP ranks without sequence parallelism, token shards under it
 SP_SITES = ("ln1.input", "attn.qkv_input", "ln2.input", "mlp.fc1_input")
@@ -72,7 +72,7 @@ def _corr(a, b) -> float:
 def _run(sequence_parallel: bool):
     from llm_act import ActConfig
     from llm_act.patches.megatron import apply, block_spec
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
     sites = SP_SITES + PARTITIONED
     config = ActConfig(plan="keep", codecs={site: "int4" for site in sites})

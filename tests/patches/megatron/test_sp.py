@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_act import _testing as testing
+from tests import testing
 from tests.patches.broken_codec import param_errors
 
 S, B, H = 16, 2, 64
@@ -115,12 +115,6 @@ def _sp_grads(grads, layer):
         if getattr(p, "sequence_parallel", False):
             torch.distributed.all_reduce(grads[n], group=parallel_state.get_tensor_model_parallel_group())
     return grads
-
-
-def _rel(a: dict, b: dict) -> float:
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
-    den = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return (num / den) ** 0.5
 
 
 def _worker(rank, world_size, port):

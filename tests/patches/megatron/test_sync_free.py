@@ -20,7 +20,7 @@ import torch
 from llm_act import ActConfig
 from llm_act.patches.megatron import apply
 from tests.no_syncs import NoSyncs
-from tests.patches.megatron import gpt_runs as R
+from tests import gpt_runs as R
 
 pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 

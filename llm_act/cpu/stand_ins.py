@@ -1,5 +1,5 @@
-"""The CPU stand-ins the megatron-core shim (`cpu_shim`) and its Megatron-LM part
-(`cpu_shim_megatron_lm`) both build on: `torch` and `torch.cuda` as a shimmed module sees
+"""The CPU stand-ins the megatron-core shim (`shim`) and its Megatron-LM part
+(`megatron_lm`) both build on: `torch` and `torch.cuda` as a shimmed module sees
 them (CUDA devices resolve to the CPU; streams and events do nothing, since CPU ops run
 eagerly in order), and the marking rules every patch follows (a patched object carries
 `MARK` and keeps its original in `__wrapped__`; only the stock object is ever replaced).

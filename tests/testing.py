@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from llm_act.deferred_compile import defer_torch_compile
+from llm_act.process.deferred_compile import defer_torch_compile
 
 
 def _after_import(name: str, patch: Callable[[Any], None]) -> None:
@@ -59,7 +59,7 @@ def skip_deepspeed_shm_build() -> None:
 defer_torch_compile()
 skip_deepspeed_shm_build()
 
-from llm_act.fresh_process import apply_environ, fresh_context  # noqa: E402
+from llm_act.process.fresh import apply_environ, fresh_context  # noqa: E402
 from llm_act.train import parallel as _parallel  # noqa: E402
 from llm_act.train.parallel import destroy_parallel, free_port  # noqa: E402
 from llm_act.train.small_gpt import gpt_batch, gpt_model, local_layer_spec, small_config, transformer_layer  # noqa: E402
@@ -68,7 +68,7 @@ from llm_act.train.small_gpt import gpt_batch, gpt_model, local_layer_spec, smal
 def init_parallel(*args: Any, **kwargs: Any) -> None:
     """`llm_act.train.parallel.init_parallel` after `llm_act.cpu.install()`: the tests run
     megatron-core on CPU, so they opt in to the CPU stand-ins (a no-op where CUDA is). A test
-    of what runs without them (tests/patches/test_cpu_opt_in.py) calls neither."""
+    of what runs without them (tests/cpu/test_opt_in.py) calls neither."""
     from llm_act import cpu
 
     cpu.install()

@@ -1,4 +1,4 @@
-"""`llm_act.deferred_compile`: megatron-core's `torch.compile`d fusions are built at their
+"""`llm_act.process.deferred_compile`: megatron-core's `torch.compile`d fusions are built at their
 first call, so a process that imports megatron-core skips torch._inductor's compile stack
 (about 4 s per process); what a deferred function returns is what the compiled one does."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from llm_act.deferred_compile import defer_torch_compile
+from llm_act.process.deferred_compile import defer_torch_compile
 
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def test_a_deferred_function_compiles_at_its_first_call_and_modules_compile_as_before():

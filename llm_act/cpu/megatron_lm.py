@@ -2,11 +2,11 @@
 branch core_r0.19.0, the latter also with megatron-core 0.19's wheel, which ships
 `megatron.training`).
 
-`cpu_shim.install()` makes megatron-core's model and schedules run on CPU; Megatron-LM's
+`shim.install()` makes megatron-core's model and schedules run on CPU; Megatron-LM's
 loop (`megatron/training/*`, and the megatron-core parts only that loop reaches: DDP grad
 buffers, the optimizer, grad scaler, clip_grads, timers, the rerun state machine) assumes
 CUDA in more places. `patch_core()` and `patch_training()` here, called by
-`cpu_shim.install(megatron_lm=True)` after its own part and only when CUDA is absent, add
+`shim.install(megatron_lm=True)` after its own part and only when CUDA is absent, add
 what it needs:
 
 - `initialize_megatron` runs with `allow_no_cuda=True` (its "Megatron requires CUDA."
@@ -16,7 +16,7 @@ what it needs:
   not);
 - in the modules of `_TRAINING_MODULES` and `_CORE_MODULES`, and of
   `_OPTIONAL_TRAINING_MODULES` where they exist, the global `torch` is
-  `cpu_shim`'s proxy, grown with
+  `shim`'s proxy, grown with
   `device_count() == 1` (so initialize.py builds the model-parallel groups and seeds the
   RNG tracker, as on one GPU per rank), `set_device` doing nothing,
   `get_device_properties` describing the CPU, `default_stream`, and CUDA's RNG state played
@@ -29,10 +29,10 @@ what it needs:
   `clip_grad_by_total_norm_fp32`: CPU fp32 gradients take the function's own
   `decoupled_grad` path, which scales the same tensors (`_cpu_grads`).
 
-`cpu_shim.install_core()` does the megatron-core part alone (no Megatron-LM needed):
+`shim.install_core()` does the megatron-core part alone (no Megatron-LM needed):
 megatron-core's DDP and `get_megatron_optimizer` then run on CPU too.
 
-Every patched object carries `cpu_stand_ins.MARK` and keeps the original in `__wrapped__`; a
+Every patched object carries `stand_ins.MARK` and keeps the original in `__wrapped__`; a
 target someone else already replaced is left alone, and a second call changes nothing.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 from llm_act.patches.megatron import compat
-from llm_act.patches.megatron.cpu_stand_ins import (
+from llm_act.cpu.stand_ins import (
     CPU_STREAM, MARK, cpu_device, CpuCuda, CpuTorch, mark, patch_attr, replace_torch)
 
 #: Megatron-LM's modules that reach torch.cuda or build on "cuda"
@@ -246,7 +246,7 @@ def _rebind(name: str, patched: Any, modules: tuple[str, ...]) -> list[str]:
 def patch_core() -> list[str]:
     """The stand-ins inside megatron-core that only a training stack reaches (timers, DDP
     buffers, the optimizer, grad scaler, clip_grads, the rerun state machine), over the
-    megatron-core shim `cpu_shim.install()` already put in (`cpu_shim.install_core()` runs
+    megatron-core shim `shim.install()` already put in (`shim.install_core()` runs
     both). Returns what was patched; nothing on a second call."""
     done = replace_torch(_CORE_MODULES, _LmTorch)
     clip = importlib.import_module("megatron.core.optimizer.clip_grads")
@@ -277,7 +277,7 @@ def require_megatron_lm() -> None:
             importlib.import_module(name)
     except ModuleNotFoundError as err:
         raise ModuleNotFoundError(
-            f"cpu_shim.install(megatron_lm=True) needs Megatron-LM's `megatron.training` "
+            f"shim.install(megatron_lm=True) needs Megatron-LM's `megatron.training` "
             f"({err}): run from a Megatron-LM checkout (tag core_v0.16.1 or branch "
             f"core_r0.19.0), put one on PYTHONPATH, or install megatron-core 0.19 or later "
             f"(its wheel ships `megatron.training`)") from err

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from llm_act import _testing as T
 from llm_act.ledger import SavedTensorLedger
-from tests.patches.broken_codec import check_gradients, param_errors, rel_error  # noqa: F401
+from tests import testing as T
+from tests.patches.broken_codec import check_gradients, param_errors  # noqa: F401
+from tests.rel_error import rel_error  # noqa: F401
 
 VOCAB, SEQ, BATCH = 128, 32, 2
 

@@ -8,19 +8,13 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for CPU-only torch")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for CPU-only torch"),
+              pytest.mark.usefixtures("megatron_one_rank")]
 
-from llm_act import _testing as T  # noqa: E402
-from llm_act.patches.megatron import cpu_shim, cpu_stand_ins  # noqa: E402
+from llm_act.cpu import shim, stand_ins  # noqa: E402
+from tests import testing as T  # noqa: E402
 
 VOCAB, SEQ, BATCH = 64, 16, 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def parallel():
-    T.init_parallel(seed=1234)
-    yield
-    T.destroy_parallel()
 
 
 def _grads(model, batch):
@@ -36,18 +30,18 @@ def _batch():
 
 
 def test_install_is_idempotent_and_marks_what_it_patches():
-    cpu_shim.install()
-    assert cpu_shim.install() == []  # second call: nothing left to patch
+    shim.install()
+    assert shim.install() == []  # second call: nothing left to patch
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     fork = random.CudaRNGStatesTracker.__dict__["fork"]
-    assert getattr(fork, cpu_shim.MARK) and fork.__wrapped__.__module__ == random.__name__
-    assert getattr(random._get_cuda_rng_state, cpu_shim.MARK)
+    assert getattr(fork, shim.MARK) and fork.__wrapped__.__module__ == random.__name__
+    assert getattr(random._get_cuda_rng_state, shim.MARK)
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
-    assert getattr(mappings.torch, cpu_shim.MARK) and mappings.torch.__wrapped__ is torch
+    assert getattr(mappings.torch, shim.MARK) and mappings.torch.__wrapped__ is torch
     assert mappings.torch.cuda.current_device() == torch.device("cpu")
     assert mappings.torch.zeros(2, device="cuda").device.type == "cpu"
     assert mappings.torch.Tensor is torch.Tensor
-    assert cpu_shim.installed()
+    assert shim.installed()
 
 
 def test_foreign_patches_are_left_alone(tmp_path, monkeypatch):
@@ -65,18 +59,18 @@ def test_foreign_patches_are_left_alone(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     mod = importlib.import_module("shimtarget")
     try:
-        assert cpu_stand_ins.is_stock_function(mod.plain, mod)
-        assert cpu_stand_ins.is_stock_function(mod.managed, mod)  # stock @contextmanager counts
+        assert stand_ins.is_stock_function(mod.plain, mod)
+        assert stand_ins.is_stock_function(mod.managed, mod)  # stock @contextmanager counts
         original = mod.plain
         mod.plain = functools.wraps(original)(lambda: 2)  # someone else's wrapper
-        assert not cpu_stand_ins.patch_attr(mod, "plain", lambda f: (lambda: 3), mod)
+        assert not stand_ins.patch_attr(mod, "plain", lambda f: (lambda: 3), mod)
         assert mod.plain() == 2
         mod.plain = original
-        assert cpu_stand_ins.patch_attr(mod, "plain", lambda f: (lambda: 3), mod)
+        assert stand_ins.patch_attr(mod, "plain", lambda f: (lambda: 3), mod)
         assert mod.plain() == 3 and mod.plain.__wrapped__ is original
-        assert not cpu_stand_ins.patch_attr(mod, "plain", lambda f: (lambda: 4), mod)  # once
+        assert not stand_ins.patch_attr(mod, "plain", lambda f: (lambda: 4), mod)  # once
         mod.torch = object()  # a replaced global is not ours to replace
-        assert cpu_stand_ins.replace_torch(("shimtarget",), cpu_stand_ins.CpuTorch) == []
+        assert stand_ins.replace_torch(("shimtarget",), stand_ins.CpuTorch) == []
     finally:
         sys.modules.pop("shimtarget", None)
 
@@ -134,7 +128,7 @@ def test_seed_call_seeds_the_default_generator_like_cuda():
 def _tp_worker(rank, world_size, port, expected_loss):
     import torch
 
-    from llm_act import _testing as T
+    from tests import testing as T
 
     T.init_parallel(tp=world_size, rank=rank, world_size=world_size, port=port, seed=1234)
     torch.manual_seed(0)
@@ -162,7 +156,7 @@ def _pp_worker(rank, world_size, port):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from llm_act import _testing as T
+    from tests import testing as T
 
     T.init_parallel(pp=world_size, rank=rank, world_size=world_size, port=port)
     cfg = T.small_config(hidden_size=32, num_attention_heads=4, pipeline_dtype=torch.float32)

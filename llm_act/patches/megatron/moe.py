@@ -19,7 +19,8 @@ import torch
 
 from llm_act._imports import require
 from llm_act.codecs.base import Codec
-from llm_act.patches.megatron import cpu_required, unsupported
+from llm_act.cpu import required as cpu_required
+from llm_act.patches.megatron import unsupported
 from llm_act.patches.megatron.act_module import ActModule
 from llm_act.patches.megatron.moe_functions import (
     ACT, FC1, FC2, ROUTING, EncodedRouterGating, ExpertFFN, ExpertStore, PaddingOnly)

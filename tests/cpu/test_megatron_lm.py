@@ -1,7 +1,7 @@
-"""The Megatron-LM stand-ins of the CPU shim (`cpu_shim.install(megatron_lm=True)`), tested
+"""The Megatron-LM stand-ins of the CPU shim (`shim.install(megatron_lm=True)`), tested
 without a Megatron-LM checkout: the request is refused with the fix named, before anything
 changes; nothing happens where CUDA is available; the megatron-core part
-(`cpu_shim.install_core`) is idempotent and leaves someone else's patch alone; clip_grads' CUDA-type
+(`shim.install_core`) is idempotent and leaves someone else's patch alone; clip_grads' CUDA-type
 assert gives way for CPU fp32 gradients only; and plan "auto" advances and re-plans at the
 step of megatron-core's own `MegatronOptimizer` over its DDP, with no call of ours.
 The run through Megatron-LM's `pretrain()` is tests/patches/megatron/test_megatron_lm.py.
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is f
 
 from llm_act import ActConfig  # noqa: E402
 from llm_act.runtime.controller import ANY_OPTIMIZER  # noqa: E402
-from llm_act.patches.megatron import cpu_shim  # noqa: E402
-from llm_act.patches.megatron import cpu_shim_megatron_lm as lm  # noqa: E402
+from llm_act.cpu import shim  # noqa: E402
+from llm_act.cpu import megatron_lm as lm  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
@@ -32,7 +32,7 @@ NO_MEGATRON_LM = importlib.util.find_spec("megatron.training") is None
 def test_without_megatron_lm_the_request_names_the_fix_and_changes_nothing():
     module_cuda, tensor_cuda = torch.nn.Module.cuda, torch.Tensor.cuda
     with pytest.raises(ModuleNotFoundError, match=r"megatron\.training.*core_v0\.16\.1.*PYTHONPATH"):
-        cpu_shim.install(megatron_lm=True)
+        shim.install(megatron_lm=True)
     assert torch.nn.Module.cuda is module_cuda and torch.Tensor.cuda is tensor_cuda
     assert not lm.installed()
 
@@ -42,9 +42,9 @@ def test_nothing_happens_where_cuda_is_available(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     before = timers.torch
-    assert cpu_shim.install(megatron_lm=True) == []
-    assert cpu_shim.install_core() == []
-    assert timers.torch is before and not getattr(torch.nn.Module.cuda, cpu_shim.MARK, False)
+    assert shim.install(megatron_lm=True) == []
+    assert shim.install_core() == []
+    assert timers.torch is before and not getattr(torch.nn.Module.cuda, shim.MARK, False)
 
 
 def test_install_core_is_idempotent_and_leaves_others_patches_alone(monkeypatch):
@@ -52,10 +52,10 @@ def test_install_core_is_idempotent_and_leaves_others_patches_alone(monkeypatch)
     import megatron.core.rerun_state_machine as rerun
     import megatron.core.timers as timers
 
-    cpu_shim.install_core()
-    assert cpu_shim.install_core() == []  # second call: nothing left
+    shim.install_core()
+    assert shim.install_core() == []  # second call: nothing left
     for module in (timers, rerun, clip):
-        assert getattr(module.torch, cpu_shim.MARK, False) and module.torch.__wrapped__ is torch
+        assert getattr(module.torch, shim.MARK, False) and module.torch.__wrapped__ is torch
     cuda = timers.torch.cuda
     assert cuda.device_count() == 1 and cuda.current_device() == torch.device("cpu")
     assert cuda.get_device_properties(0).total_memory > 0
@@ -64,7 +64,7 @@ def test_install_core_is_idempotent_and_leaves_others_patches_alone(monkeypatch)
     theirs = object()
     monkeypatch.setattr(timers, "torch", torch)  # as stock again ...
     monkeypatch.setattr(clip, "clip_grad_by_total_norm_fp32", theirs)  # ... but this one is someone's
-    assert cpu_shim.install_core() == ["megatron.core.timers.torch"]
+    assert shim.install_core() == ["megatron.core.timers.torch"]
     assert clip.clip_grad_by_total_norm_fp32 is theirs
 
 
@@ -80,9 +80,9 @@ def _params(*grads):
 def test_clip_grads_scales_cpu_fp32_gradients_as_the_cuda_path_does():
     import megatron.core.optimizer.clip_grads as clip
 
-    cpu_shim.install_core()
+    shim.install_core()
     ours = clip.clip_grad_by_total_norm_fp32
-    assert getattr(ours, cpu_shim.MARK, False)
+    assert getattr(ours, shim.MARK, False)
     with pytest.raises(AssertionError):  # the stock assert: CUDA float gradients only
         ours.__wrapped__(_params(torch.ones(3)), 1.0, 10.0)
     a, b = torch.arange(4.0), torch.full((2, 3), -2.0)
@@ -107,9 +107,9 @@ def test_auto_replans_at_the_step_of_megatron_cores_own_optimizer():
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from llm_act.patches.megatron import apply
-    from tests.patches.megatron import gpt_runs as R
+    from tests import gpt_runs as R
 
-    cpu_shim.install_core()
+    shim.install_core()
     model = R.build(num_layers=2, dropout=0.0)
     controller = apply(model, ActConfig(plan="auto"))
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_act.measurement.peak_memory import LiveStorageTracker, module_tensors, track_peak
+from tests.peak_memory import LiveStorageTracker, module_tensors, track_peak
 
 F = 4  # bytes per float32
 

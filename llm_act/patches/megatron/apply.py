@@ -41,7 +41,8 @@ import torch
 
 from llm_act._imports import require
 from llm_act.config import ActConfig
-from llm_act.patches.megatron import controller_state, cpu_required, output, unsupported
+from llm_act.cpu import required as cpu_required
+from llm_act.patches.megatron import controller_state, output, unsupported
 from llm_act.patches.megatron.swap import convert_layer, convert_outer
 from llm_act.runtime import agreement
 from llm_act.runtime.controller import Controller

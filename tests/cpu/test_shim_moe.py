@@ -10,13 +10,11 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is for CPU-only torch"),
               pytest.mark.usefixtures("megatron_one_rank")]  # tests/conftest.py
 
-from llm_act import _testing as T  # noqa: E402
-from llm_act.patches.megatron import cpu_shim  # noqa: E402
+from llm_act.cpu import shim  # noqa: E402
+from tests import testing as T  # noqa: E402
 
 VOCAB, SEQ, BATCH, EXPERTS, TOPK = 64, 16, 2, 4, 2
 DISPATCHERS = ("allgather", "alltoall")
-
-
 
 
 def _moe_config(dispatcher, **overrides):
@@ -47,16 +45,16 @@ def _batch(seed=7):
 
 
 def test_install_patches_moe_once():
-    cpu_shim.install()
-    assert cpu_shim.install() == []
+    shim.install()
+    assert shim.install() == []
     router = importlib.import_module("megatron.core.transformer.moe.router")
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     for mod in (router, dispatcher, moe_utils):
-        assert getattr(mod.torch, cpu_shim.MARK) and mod.torch.__wrapped__ is torch
+        assert getattr(mod.torch, shim.MARK) and mod.torch.__wrapped__ is torch
     assert router.torch.cuda.current_device() == torch.device("cpu")
     move = moe_utils.maybe_move_tensor_to_cpu
-    assert getattr(move, cpu_shim.MARK) and dispatcher.maybe_move_tensor_to_cpu is move
+    assert getattr(move, shim.MARK) and dispatcher.maybe_move_tensor_to_cpu is move
     assert list(move(torch.tensor([3, 4]), as_numpy=True)) == [3, 4]
     stream = dispatcher.torch.cuda.Stream()
     with dispatcher.torch.cuda.stream(stream):
@@ -146,7 +144,7 @@ def test_apply_refuses_grouped_gemm_with_the_fix():
 def _ep_worker(rank, world_size, port, dispatcher, state, expected):
     import torch
 
-    from llm_act import _testing as T
+    from tests import testing as T
 
     T.init_parallel(rank=rank, world_size=world_size, port=port, ep=world_size, seed=1234)
     model = _moe_model(_moe_config(dispatcher))

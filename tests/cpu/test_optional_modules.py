@@ -1,4 +1,4 @@
-"""The Megatron-LM CPU stand-ins across Megatron-LM versions (`cpu_shim_megatron_lm`), each in
+"""The Megatron-LM CPU stand-ins across Megatron-LM versions (`megatron_lm`), each in
 a fresh process where `megatron.training` is importable (megatron-core 0.19's wheel ships it):
 the modules only some versions have (0.16: `megatron.legacy`; 0.19:
 `megatron.training.models.dist_utils`, `megatron.training.utils.common_utils`) get their stand-in
@@ -36,7 +36,7 @@ def _fresh(code: str) -> list[str]:
 
 def test_the_optional_modules_get_their_stand_ins_where_they_exist():
     from llm_act.patches.megatron import compat
-    from llm_act.patches.megatron import cpu_shim_megatron_lm as lm
+    from llm_act.cpu import megatron_lm as lm
 
     names = sorted(lm._OPTIONAL_TRAINING_MODULES)
     present, first, second, device = _fresh(

@@ -57,7 +57,7 @@ from llm_act.attention._stash import is_lossy
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import RECOMPUTE
 from llm_act.config import ATTENTION_MODES
-from llm_act.patches.megatron import cpu_required
+from llm_act.cpu import required as cpu_required
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw
 from llm_act.patches.megatron.dropout import StoredMaskDropout
 from llm_act.sites import (

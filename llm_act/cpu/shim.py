@@ -21,7 +21,7 @@ not emulated: megatron refuses it at build time.
 
 `install()` fixes exactly these, and only when CUDA is absent. It is opt-in, through the
 public `llm_act.cpu.install()`: `apply()`, `layer_spec()` and `init_parallel()` never call it
-(`cpu_required` names it where a part needs it):
+(`required` names it where a part needs it):
 
 - In the modules listed in `_CUDA_MODULES`, the module-global name `torch` is replaced by
   a thin proxy (`CpuTorch`) that forwards everything to torch, except that
@@ -55,8 +55,8 @@ from typing import Any, Callable
 import torch
 
 from llm_act._imports import require
-from llm_act.patches.megatron import cpu_shim_megatron_lm
-from llm_act.patches.megatron.cpu_stand_ins import MARK, CpuTorch, patch_attr, replace_torch
+from llm_act.cpu import megatron_lm as lm_part
+from llm_act.cpu.stand_ins import MARK, CpuTorch, patch_attr, replace_torch
 
 __all__ = ["MARK", "install", "install_core", "installed"]
 
@@ -207,7 +207,7 @@ def install(megatron_lm: bool = False) -> list[str]:
     """Patch megatron-core for a CPU-only run; returns what was patched (empty if nothing).
 
     `megatron_lm=True` adds the stand-ins Megatron-LM's own loop (`pretrain()`) needs
-    (`cpu_shim_megatron_lm`). Does nothing when CUDA is available and nothing on a second
+    (`llm_act.cpu.megatron_lm`). Does nothing when CUDA is available and nothing on a second
     call. Raises ModuleNotFoundError, before changing anything, when megatron-core (or,
     with `megatron_lm`, Megatron-LM) is missing.
     """
@@ -217,7 +217,7 @@ def install(megatron_lm: bool = False) -> list[str]:
 
     require("megatron.core", "the megatron-core CPU shim")
     if megatron_lm:
-        cpu_shim_megatron_lm.require_megatron_lm()
+        lm_part.require_megatron_lm()
     done = replace_torch(_CUDA_MODULES, CpuTorch)
     done += _patch_random(importlib.import_module("megatron.core.tensor_parallel.random"))
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
@@ -227,7 +227,7 @@ def install(megatron_lm: bool = False) -> list[str]:
     )
     _installed = True
     if megatron_lm:
-        done += cpu_shim_megatron_lm.patch_core() + cpu_shim_megatron_lm.patch_training()
+        done += lm_part.patch_core() + lm_part.patch_training()
     return done
 
 
@@ -239,7 +239,7 @@ def install_core() -> list[str]:
     call."""
     if torch.cuda.is_available():
         return []
-    return install() + cpu_shim_megatron_lm.patch_core()
+    return install() + lm_part.patch_core()
 
 
 def installed() -> bool:

@@ -1,8 +1,8 @@
-"""Run by tests/patches/test_cpu_opt_in.py in a fresh process, so that no earlier
+"""Run by tests/cpu/test_opt_in.py in a fresh process, so that no earlier
 `llm_act.cpu.install()` leaks in: what `init_parallel`, `layer_spec` and `apply` do on a
 CPU-only host without the stand-ins, then the same after `llm_act.cpu.install()`.
 
-    python -m tests.patches.cpu_opt_in_run
+    python -m tests.cpu.opt_in_run
 
 prints one JSON object: case -> "ok", "ok <loss>" or "<ExceptionType>: <message>", and the
 megatron-core objects carrying the shim's mark before and after the install.
@@ -19,7 +19,7 @@ import torch
 
 def patched() -> list[str]:
     """megatron-core (and torch) objects the CPU shim has marked."""
-    from llm_act.patches.megatron.cpu_stand_ins import MARK
+    from llm_act.cpu.stand_ins import MARK
 
     names = [name for name, mod in list(sys.modules.items())
              if name.startswith("megatron") and getattr(vars(mod).get("torch"), MARK, False)]
@@ -47,9 +47,10 @@ def main() -> dict:
     logging.disable(logging.WARNING)
     import torch.distributed as dist
 
-    from llm_act import _testing as T, cpu
+    from llm_act import cpu
     from llm_act.patches.megatron import apply, layer_spec
     from llm_act.train import parallel
+    from tests import testing as T
 
     out: dict = {}
 

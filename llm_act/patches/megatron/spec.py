@@ -20,7 +20,8 @@ from typing import Any, Optional, Union
 
 from llm_act._imports import require
 from llm_act.config import ActConfig
-from llm_act.patches.megatron import compat, cpu_required, unsupported
+from llm_act.cpu import required as cpu_required
+from llm_act.patches.megatron import compat, unsupported
 from llm_act.patches.megatron.apply import as_config
 from llm_act.patches.megatron.attention import ActCoreAttention
 from llm_act.patches.megatron.dropout import ActBiasDropoutAdd

@@ -1,7 +1,7 @@
 """The CPU stand-ins only on request (issue 29): on a CPU-only host `init_parallel`,
 `layer_spec` and `apply` never patch megatron-core; what runs without the stand-ins runs
 (and computes what it computes with them); what needs them raises one line naming
-`llm_act.cpu.install()`. One fresh process (`cpu_opt_in_run`), so no install leaks in."""
+`llm_act.cpu.install()`. One fresh process (`opt_in_run`), so no install leaks in."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ FIX = "call llm_act.cpu.install() first"
 
 @pytest.fixture(scope="module")
 def run() -> dict:
-    done = subprocess.run([sys.executable, "-m", "tests.patches.cpu_opt_in_run"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "tests.cpu.opt_in_run"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

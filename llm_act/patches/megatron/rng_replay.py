@@ -12,7 +12,7 @@ import contextlib
 import threading
 from typing import Iterator
 
-from llm_act.patches.megatron import cpu_required
+from llm_act.cpu import required as cpu_required
 
 
 def _random():

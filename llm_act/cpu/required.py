@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from llm_act.patches.megatron import cpu_shim
+from llm_act.cpu import shim
 
 __all__ = ["CpuStandInsMissing", "check_config", "check_model", "missing", "require"]
 
@@ -39,7 +39,7 @@ def _cuda() -> bool:
 
 def missing() -> bool:
     """True on a host without CUDA where `llm_act.cpu.install()` has not run."""
-    return not _cuda() and not cpu_shim.installed()
+    return not _cuda() and not shim.installed()
 
 
 def require(part: str, where: str) -> None:

@@ -4,7 +4,7 @@ megatron-core calls CUDA in places a CPU run reaches (RoPE and the stock attenti
 on `torch.cuda.current_device()`, megatron's RNG tracker on CUDA generator states, MoE
 routing, sequence parallelism, the pipeline schedules). `install()` replaces `torch` inside
 those megatron-core modules by a proxy that answers with the CPU
-(`llm_act.patches.megatron.cpu_shim` lists every patch). That changes megatron-core for the
+(`llm_act.cpu.shim` lists every patch). That changes megatron-core for the
 whole process, so it is opt-in: `apply()`, `layer_spec()` and `init_parallel()` never do it;
 the processes llm_act owns (`llm-act train` / `demo`, the benches, the launchers) and its
 tests call `install()` themselves. Where the stand-ins are needed and missing, llm_act
@@ -23,13 +23,13 @@ def install(megatron_lm: bool = False) -> list[str]:
     before changing anything, when megatron-core (or, with `megatron_lm`, Megatron-LM) is
     missing.
     """
-    from llm_act.patches.megatron import cpu_shim
+    from llm_act.cpu import shim
 
-    return cpu_shim.install(megatron_lm=megatron_lm)
+    return shim.install(megatron_lm=megatron_lm)
 
 
 def installed() -> bool:
     """True once `install()` patched megatron-core in this process (never where CUDA is)."""
-    from llm_act.patches.megatron import cpu_shim
+    from llm_act.cpu import shim
 
-    return cpu_shim.installed()
+    return shim.installed()

@@ -36,7 +36,7 @@ DEFAULT_CHUNK = 128
 MASK_STORAGES = ("regen", "bitmask")
 
 
-def _chunks(chunk_size: Union[int, Sequence[int]]) -> tuple[int, int]:
+def chunk_sizes(chunk_size: Union[int, Sequence[int]]) -> tuple[int, int]:
     sizes = (chunk_size, chunk_size) if isinstance(chunk_size, int) else tuple(chunk_size)
     if len(sizes) != 2 or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in sizes):
         raise ValueError(f"chunk_size must be a positive int or a pair of them, got {chunk_size!r}")
@@ -239,7 +239,7 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     C.check_qkv(q, k, v)
     p = C.check_dropout(dropout_p)
     scale = C.check_scale(scale, q.shape[-1])
-    cq, ck = _chunks(chunk_size)
+    cq, ck = chunk_sizes(chunk_size)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if mask_storage not in MASK_STORAGES:

@@ -40,7 +40,7 @@ import torch
 
 from llm_act.attention import _common as C
 from llm_act.attention._stash import Report, Stash, is_lossy, restore
-from llm_act.attention.chunked import (DEFAULT_CHUNK, MASK_STORAGES, _chunks, chunked_attention,
+from llm_act.attention.chunked import (DEFAULT_CHUNK, MASK_STORAGES, chunk_sizes, chunked_attention,
                                        chunked_backward, chunked_forward, draw_mask, replay_mask)
 from llm_act.attention.fused import fused_backward, fused_forward, fused_kind
 from llm_act.attention.sdpa import sdpa_attention, sdpa_call
@@ -310,7 +310,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     lossy = any(is_lossy(c) for c in qkv_codecs)
     if recompute_out or lossy:
         scale = C.check_scale(scale, q.shape[-1])
-        cq, ck = _chunks(chunk_size)
+        cq, ck = chunk_sizes(chunk_size)
         if p > 0.0:
             C.resolve_generator(generator, q.device)
         impl = None

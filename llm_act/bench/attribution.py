@@ -103,11 +103,11 @@ def curve_table(result: dict, model: str, plans, window: int = 30) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from llm_act.cli.main import _seed_range
+    from llm_act.cli.main import seed_range
 
     p = argparse.ArgumentParser(prog="python -m llm_act.bench.attribution", allow_abbrev=False,
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=_seed_range, default=(1234, 1235, 1236), metavar="A-B")
+    p.add_argument("--seeds", type=seed_range, default=(1234, 1235, 1236), metavar="A-B")
     p.add_argument("--plans", nargs="+", default=None, help="a subset of the variants (default: all)")
     p.add_argument("--steps", type=int, default=None, help="default: the fp32 setting's")
     p.add_argument("--previous", default=None, help="a convergence JSON whose stock runs are reused")

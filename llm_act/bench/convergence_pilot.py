@@ -25,9 +25,9 @@ from llm_act.bench import convergence as C
 
 
 def _seeds(text: str) -> tuple[int, ...]:
-    from llm_act.cli.main import _seed_range
+    from llm_act.cli.main import seed_range
 
-    return _seed_range(text)
+    return seed_range(text)
 
 
 def parser() -> argparse.ArgumentParser:

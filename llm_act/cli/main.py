@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                             help="fp32: the low-floor measurement (10 paired seeds, two sizes; the "
                                  "default when no --convergence-json is given); bf16: the chaotic "
                                  "setting of earlier rounds, as confirmation")
-            sp.add_argument("--seeds", type=_seed_range, default=None, metavar="A-B",
+            sp.add_argument("--seeds", type=seed_range, default=None, metavar="A-B",
                             help="run only these seeds of the setting (a range A-B or a comma list), "
                                  "e.g. to split the bench over two processes with their own --save-json")
 
@@ -107,7 +107,7 @@ def _budget_fraction(text: str):
     return value
 
 
-def _seed_range(text: str) -> tuple[int, ...]:
+def seed_range(text: str) -> tuple[int, ...]:
     """'1234-1238' or '1234,1236' -> the seeds (argparse type)."""
     try:
         if "-" in text.strip("-"):

@@ -69,8 +69,8 @@ class FP8(Codec):
         f = self.format
         flat = x.reshape(-1).float()
         scale = ref.fp8_scales_ref(flat, self.block, self.fmt)
-        y = ref._blocked(flat, self.block).abs() / scale[:, None]
-        s = ref._blocked(torch.ones_like(flat), self.block) * scale[:, None]
+        y = ref.blocked_view(flat, self.block).abs() / scale[:, None]
+        s = ref.blocked_view(torch.ones_like(flat), self.block) * scale[:, None]
         y, s = y.reshape(-1)[:n], s.reshape(-1)[:n]
         finite = torch.isfinite(y)
         y = torch.where(finite, y.clamp(max=f.fmax), torch.zeros_like(y))

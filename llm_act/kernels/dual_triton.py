@@ -35,7 +35,7 @@ from llm_act.kernels import EXACT_LAUNCH
 from llm_act.kernels.dual_ref import (chunk_blocks, decode_max, num_chunks, num_pool_blocks,
                                       pool_pow2, row_bytes)
 from llm_act.kernels.fp8_triton import bf16_bits, bf16_rne, bf16_value
-from llm_act.kernels.int_quant_triton import ENCODE_WARPS, _noise, _noise_args
+from llm_act.kernels.int_quant_triton import ENCODE_WARPS, _noise_args, rounding_noise
 from llm_act.kernels.nonfinite_triton import keep_nonfinite
 from llm_act.kernels.nonfinite_ref import nonfinite_args
 
@@ -126,7 +126,7 @@ def _dual_encode_kernel(
     r = tl.where(inv_ok[None, None, :], tl.math.div_rn(hq - lo[None, None, :],
                                                        safe[None, None, :]), 0.0)
     pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    u = _noise(noise_ptr, seed, state_ptr, offs, valid, pid, BLOCKS * POOL_P, BLOCK_C,
+    u = rounding_noise(noise_ptr, seed, state_ptr, offs, valid, pid, BLOCKS * POOL_P, BLOCK_C,
                NOISE, SIDE)
     u = tl.reshape(u, (BLOCKS, POOL_P, BLOCK_C))
     q = tl.minimum(tl.maximum(tl.floor(r + u), 0.0), levels[None, None, :])

@@ -62,7 +62,7 @@ def num_blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
-def _blocked(flat: torch.Tensor, block: int) -> torch.Tensor:
+def blocked_view(flat: torch.Tensor, block: int) -> torch.Tensor:
     """[nblocks, block] view of `flat` padded with zeros."""
     pad = (-flat.numel()) % block
     if pad:
@@ -75,7 +75,7 @@ def fp8_scales_ref(x: torch.Tensor, block: int, fmt: str) -> torch.Tensor:
     f = get_format(fmt)
     a = x.reshape(-1).float().abs()
     a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
-    amax = _blocked(a, block).amax(dim=1)
+    amax = blocked_view(a, block).amax(dim=1)
     # a tensor divisor: torch's CUDA `/` by a Python scalar multiplies by its reciprocal
     scale = amax / torch.full_like(amax, f.fmax)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -95,7 +95,7 @@ def fp8_encode_ref(
     flat = x.reshape(-1).float()
     n = flat.numel()
     scale = fp8_scales_ref(flat, block, fmt)
-    y = _blocked(flat, block) / scale[:, None]
+    y = blocked_view(flat, block) / scale[:, None]
     y = y.reshape(-1)[:n].clamp(-f.fmax, f.fmax)
     bits = y.to(f.torch_dtype).view(torch.uint8)
     bits = torch.where(torch.isfinite(flat), bits, torch.full_like(bits, NAN_CODE))
@@ -108,7 +108,7 @@ def fp8_decode_ref(payload: torch.Tensor, scale: torch.Tensor, block: int, fmt: 
     f = get_format(fmt)
     n = payload.numel()
     v = payload.view(f.torch_dtype).float()
-    y = clamp_finite((_blocked(v, block) * scale[:, None]).reshape(-1)[:n])
+    y = clamp_finite((blocked_view(v, block) * scale[:, None]).reshape(-1)[:n])
     return y.to(dtype)
 
 

@@ -47,7 +47,7 @@ def clamp_finite(y, lim):
 
 
 @triton.jit
-def _params(lo, hi, bad, BITS: tl.constexpr, SYM: tl.constexpr):
+def stored_params(lo, hi, bad, BITS: tl.constexpr, SYM: tl.constexpr):
     """Stored (scale, zero) from finite min/max and the flag; matches `quant_params`."""
     if SYM:
         amax = tl.maximum(tl.abs(lo), tl.abs(hi))
@@ -64,7 +64,7 @@ def _params(lo, hi, bad, BITS: tl.constexpr, SYM: tl.constexpr):
 
 
 @triton.jit
-def _codes(x, finite, scale, zero, u, BITS: tl.constexpr, SYM: tl.constexpr):
+def quant_codes(x, finite, scale, zero, u, BITS: tl.constexpr, SYM: tl.constexpr):
     """int32 codes of float32 x given broadcast stored scale/zero; matches `quantize`."""
     mag = tl.abs(scale)
     safe = tl.where(mag > 0, mag, 1.0)
@@ -85,7 +85,7 @@ def _codes(x, finite, scale, zero, u, BITS: tl.constexpr, SYM: tl.constexpr):
 
 
 @triton.jit
-def _values(codes, scale, zero, BITS: tl.constexpr, SYM: tl.constexpr):
+def dequant_values(codes, scale, zero, BITS: tl.constexpr, SYM: tl.constexpr):
     """float32 values of int32 codes given broadcast stored scale/zero; matches `dequantize`."""
     c = codes.to(tl.float32)
     if SYM:
@@ -99,7 +99,7 @@ def _values(codes, scale, zero, BITS: tl.constexpr, SYM: tl.constexpr):
 
 
 @triton.jit
-def _noise(noise_ptr, seed, state_ptr, idx, valid, pid, R: tl.constexpr, C: tl.constexpr,
+def rounding_noise(noise_ptr, seed, state_ptr, idx, valid, pid, R: tl.constexpr, C: tl.constexpr,
            NOISE: tl.constexpr, SIDE: tl.constexpr):
     """0.5 (nearest), the passed-in noise, or 8 random bits per element from Philox keyed
     by `seed` (and the codec's call count when a state is passed)."""
@@ -117,7 +117,7 @@ def _noise(noise_ptr, seed, state_ptr, idx, valid, pid, R: tl.constexpr, C: tl.c
 @triton.jit
 def _finite_range(x, valid, AXIS: tl.constexpr):
     """The finite mask and, per row (AXIS 1) or column (AXIS 0), the finite min and max (0
-    where none is finite) and whether any element is not finite: what `_params` takes."""
+    where none is finite) and whether any element is not finite: what `stored_params` takes."""
     finite = valid & (tl.abs(x) < float("inf"))
     lo = tl.min(tl.where(finite, x, float("inf")), axis=AXIS)
     hi = tl.max(tl.where(finite, x, float("-inf")), axis=AXIS)
@@ -152,12 +152,12 @@ def _encode_groups_kernel(x_ptr, noise_ptr, seed, out_ptr, scale_ptr, zero_ptr,
     raw = tl.load(x_ptr + idx, mask=valid, other=0.0)
     x = raw.to(tl.float32)
     finite, lo, hi, bad = _finite_range(x, valid, 1)
-    scale, zero = _params(lo, hi, bad, BITS, SYM)
+    scale, zero = stored_params(lo, hi, bad, BITS, SYM)
     tl.store(scale_ptr + g, scale, mask=gmask)
     if not SYM:
         tl.store(zero_ptr + g, zero, mask=gmask)
-    u = _noise(noise_ptr, seed, state_ptr, idx, valid, pid, GPP, BLOCK_G, NOISE, SIDE)
-    codes = _codes(x, finite, scale[:, None], zero[:, None], u, BITS, SYM)
+    u = rounding_noise(noise_ptr, seed, state_ptr, idx, valid, pid, GPP, BLOCK_G, NOISE, SIDE)
+    codes = quant_codes(x, finite, scale[:, None], zero[:, None], u, BITS, SYM)
     codes = tl.where(valid, codes, 0)
     packed = _pack(codes, GPP, BLOCK_G, BITS)
     j = tl.arange(0, BLOCK_G // PER)
@@ -188,14 +188,14 @@ def _encode_axis_kernel(x_ptr, noise_ptr, seed, out_ptr, scale_ptr, zero_ptr,
     raw = tl.load(x_ptr + r[:, None] * stride_r + c[None, :], mask=valid, other=0.0)
     x = raw.to(tl.float32)
     finite, lo, hi, bad = _finite_range(x, valid, 0)
-    scale, zero = _params(lo, hi, bad, BITS, SYM)
+    scale, zero = stored_params(lo, hi, bad, BITS, SYM)
     poffs = pid_r.to(tl.int64) * C + c
     tl.store(scale_ptr + poffs, scale, mask=cmask)
     if not SYM:
         tl.store(zero_ptr + poffs, zero, mask=cmask)
     pid = pid_r * tl.num_programs(1) + tl.program_id(1)
-    u = _noise(noise_ptr, seed, state_ptr, idx, valid, pid, BLOCK_R, BLOCK_C, NOISE, SIDE)
-    codes = tl.where(valid, _codes(x, finite, scale[None, :], zero[None, :], u, BITS, SYM), 0)
+    u = rounding_noise(noise_ptr, seed, state_ptr, idx, valid, pid, BLOCK_R, BLOCK_C, NOISE, SIDE)
+    codes = tl.where(valid, quant_codes(x, finite, scale[None, :], zero[None, :], u, BITS, SYM), 0)
     packed = _pack(codes, BLOCK_R, BLOCK_C, BITS)
     j = tl.program_id(1) * (BLOCK_C // PER) + tl.arange(0, BLOCK_C // PER)
     bmask = (r < rows)[:, None] & (j < RB)[None, :]
@@ -241,7 +241,7 @@ def _decode_groups_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, n, n_groups,
     bmask = gmask[:, None] & (j[None, :] < GS // PER) & (bidx < n_bytes)
     codes = _unpack(tl.load(packed_ptr + bidx, mask=bmask, other=0), GPP, BLOCK_G, BITS)
     scale, zero = _scale_zero(scale_ptr, zero_ptr, g, gmask, SYM)
-    val = _values(codes, scale[:, None], zero[:, None], BITS, SYM)
+    val = dequant_values(codes, scale[:, None], zero[:, None], BITS, SYM)
     _store_values(out_ptr, idx, val, valid, BF16_BITS)
 
 
@@ -271,7 +271,7 @@ def _decode_axis_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, rows, C, RB,
     packed = tl.load(packed_ptr + r[:, None] * RB + j[None, :], mask=bmask, other=0)
     codes = _unpack(packed, BLOCK_R, BLOCK_C, BITS)
     scale, zero = _scale_zero(scale_ptr, zero_ptr, pid_r.to(tl.int64) * C + c, cmask, SYM)
-    val = _values(codes, scale[None, :], zero[None, :], BITS, SYM)
+    val = dequant_values(codes, scale[None, :], zero[None, :], BITS, SYM)
     valid = (r < rows)[:, None] & cmask[None, :]
     _store_values(out_ptr, r[:, None] * C + c[None, :], val, valid, BF16_BITS)
 

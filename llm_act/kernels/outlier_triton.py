@@ -14,7 +14,7 @@
   and its column of values once; writes x's dtype as bit patterns.
 
 Same bits on a GPU as the reference, by construction (see `llm_act.kernels`): scale, codes
-and values come from `int_quant_triton`'s `_params` / `_codes` / `_values` (divisions are
+and values come from `int_quant_triton`'s `stored_params` / `quant_codes` / `dequant_values` (divisions are
 `tl.math.div_rn`), and launches pass `EXACT_LAUNCH` (no FMA contraction). The order-
 dependent float results are the z-scores that pick outlier channels (compared without a
 division, see `outlier_ref.select_tiles_ref`): the column sums are float64 sums of at most
@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from llm_act.kernels import EXACT_LAUNCH
-from llm_act.kernels.int_quant_triton import (ENCODE_WARPS, _codes, _noise, _noise_args,
-                                              _params, _values)
+from llm_act.kernels.int_quant_triton import (ENCODE_WARPS, _noise_args, dequant_values, quant_codes,
+                                              rounding_noise, stored_params)
 from llm_act.kernels.nonfinite_ref import nonfinite_args
 from llm_act.kernels.nonfinite_triton import keep_nonfinite
 from llm_act.kernels.outlier_ref import index_dtype, record_layout
@@ -115,16 +115,16 @@ def _encode_kernel(x_ptr, noise_ptr, seed, packed_ptr, scale_ptr, zero_ptr, val_
     flag = tl.max(bad.to(tl.int32), axis=2) > 0
     lo = tl.where(has, lo, 0.0)
     hi = tl.where(has, hi, 0.0)
-    scale, zero = _params(lo, hi, flag, 4, False)
+    scale, zero = stored_params(lo, hi, flag, 4, False)
     gcol = t * (TC // GS) + g
     gmask = rmask[:, None] & ((g * GS < TC) & (t * TC + g * GS < C))[None, :]
     poffs = r[:, None] * G + gcol[None, :]
     tl.store(scale_ptr + poffs, scale, mask=gmask)
     tl.store(zero_ptr + poffs, zero, mask=gmask)
     pid = chunk * tl.num_programs(1) + t
-    u = _noise(noise_ptr, seed, state_ptr, offs, valid, pid, CR, NG_P * GS_P, NOISE, SIDE)
+    u = rounding_noise(noise_ptr, seed, state_ptr, offs, valid, pid, CR, NG_P * GS_P, NOISE, SIDE)
     u = tl.reshape(u, (CR, NG_P, GS_P))
-    code = _codes(x, finite, scale[:, :, None], zero[:, :, None], u, 4, False)
+    code = quant_codes(x, finite, scale[:, :, None], zero[:, :, None], u, 4, False)
     code = tl.where(use | bad, code, 0)  # outliers and padding: 0
     lo_c, hi_c = tl.split(tl.reshape(code, (CR, NG_P, GS_P // 2, 2)))
     bcol, bmask = _byte_coords(rmask, C, TC, GS, GS_P, NG_P)
@@ -217,7 +217,7 @@ def _decode_kernel(packed_ptr, scale_ptr, zero_ptr, val_ptr, index_ptr, out_ptr,
     poffs = r[:, None] * G + gcol[None, :]
     s = tl.load(scale_ptr + poffs, mask=gmask, other=0.0)
     z = tl.load(zero_ptr + poffs, mask=gmask, other=0.0)
-    bits = _to_bits(_values(code, s[:, :, None], z[:, :, None], 4, False), KIND)
+    bits = _to_bits(dequant_values(code, s[:, :, None], z[:, :, None], 4, False), KIND)
     for k in range(K):  # each slot: its channel, then its column of exact values
         idx_k = tl.load(index_ptr + chunk.to(tl.int64) * S + t * K + k).to(tl.int32)
         v = tl.load(val_ptr + r * S + t * K + k, mask=rmask, other=0)

@@ -392,7 +392,7 @@ _COSTS: dict[str, Callable[[_Terms], _Cost]] = {
 }
 
 
-def _mask_dtype(shape: ModelShape, device: DeviceModel) -> torch.dtype:
+def mask_dtype(shape: ModelShape, device: DeviceModel) -> torch.dtype:
     """A stored dropout mask: bool from CUDA's dropout, the model dtype from torch's CPU dropout."""
     return torch.bool if device.rng_device == "cuda" else shape.torch_dtype
 
@@ -400,7 +400,7 @@ def _mask_dtype(shape: ModelShape, device: DeviceModel) -> torch.dtype:
 def _site_dtype(site: Site, shape: ModelShape, device: DeviceModel) -> torch.dtype:
     """`Site.dtype` for a model of `shape` on `device`."""
     if site.dtype == "mask":
-        return _mask_dtype(shape, device)
+        return mask_dtype(shape, device)
     return {"activation": shape.torch_dtype, "float32": torch.float32}[site.dtype]
 
 
@@ -538,7 +538,7 @@ def layer_forward_ms(shape: ModelShape, device: Optional[DeviceModel] = None) ->
 # ---- the block's backward: its gradients in flight ------------------------------------------
 #: what the step holds through every block's backward besides the blocks: the fp32 per-token
 #: losses (4 bytes a token), the scalar loss and its gradient seed (4 + 4)
-_LOSS_PER_TOKEN, _LOSS_SCALARS = 4, 8
+LOSS_BYTES_PER_TOKEN, LOSS_SCALAR_BYTES = 4, 8
 
 
 def grad_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> int:
@@ -594,7 +594,7 @@ def stage_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> tupl
     a = shape.num_attention_heads // t
     tokens = s * b
     n_hid = shape.local_seq * b * h
-    loss = _LOSS_PER_TOKEN * tokens + _LOSS_SCALARS
+    loss = LOSS_BYTES_PER_TOKEN * tokens + LOSS_SCALAR_BYTES
     if shape.is_moe:  # one expert's fc2 at a time: its rows' input gradient, its weight's
         rows = math.ceil(shape.tokens_per_expert)
         f = shape.moe_ffn_hidden_size

@@ -2,9 +2,9 @@
 
 One job: turn `BlockProfile`s into what the MILP (`llm_act.planner.milp_model`) and the
 searches around it choose among, and price a choice exactly. Per site the options are keep,
-each codec and recompute (`_site_options`); per block the whole-block recomputes, with the
-checkpoint kept or encoded (`_full_options`). Blocks with equal (sites, inflight) share one
-`_Class` and its variables, their counts added up (`_classes`). `_evaluate` gives the exact
+each codec and recompute (`site_options`); per block the whole-block recomputes, with the
+checkpoint kept or encoded (`whole_block_options`). Blocks with equal (sites, inflight) share one
+`BlockClass` and its variables, their counts added up (`block_classes`). `evaluate_choice` gives the exact
 bytes, peak, time and noise of a `Solution` in integer bytes: every plan a solver returns is
 checked with it, so the tolerances of floating point never decide whether a plan fits.
 """
@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, RECOMPUTE
-from llm_act.planner.profile import BlockProfile, SiteProfile, _byte_count
+from llm_act.planner.profile import BlockProfile, SiteProfile, byte_count
 from llm_act.planner.transient import transient_bytes, whole_block_bytes
 from llm_act.sites import CHECKPOINT_SITE, MODEL_SITES
 
 
 @dataclass(slots=True)
-class _Option:
+class ChoiceOption:
     name: str
     stored: int
     cost_ms: float
@@ -35,7 +35,7 @@ class _Option:
 
 
 @dataclass
-class _Class:
+class BlockClass:
     """Blocks with equal (sites, inflight, full_ms): one set of variables. `full`: the
     whole-block options (recompute everything from the checkpoint, kept or encoded), of
     which a plan takes an integer count of the class's blocks."""
@@ -43,8 +43,8 @@ class _Class:
     sites: tuple[SiteProfile, ...]
     inflight: int
     count: int = 0
-    options: list[list[_Option]] = field(default_factory=list)
-    full: list[_Option] = field(default_factory=list)
+    options: list[list[ChoiceOption]] = field(default_factory=list)
+    full: list[ChoiceOption] = field(default_factory=list)
     grad: int = 0
     """bytes added to the transient while one of its blocks backpropagates (`grad_bytes`: the
     whole-block options', and the per-site choices' when `stages` is empty); a class with no
@@ -91,26 +91,26 @@ class _Class:
         return bool(self.sites) and all(s.name in MODEL_SITES for s in self.sites)
 
 
-def counts_out_early(classes: Sequence[_Class]) -> bool:
+def counts_out_early(classes: Sequence[BlockClass]) -> bool:
     """Whether the blocks' transients count out what the sites after the blocks store
-    (`_Class.freed_first`): where the end of forward is its own event (a floor class:
+    (`BlockClass.freed_first`): where the end of forward is its own event (a floor class:
     `solve_plan`'s `loss_bytes` / `input_bytes`), those bytes are live there and freed before
     any block backpropagates. Without it (the runtime's measured model, which holds what lies
     outside the blocks through the whole step) they are counted like any stored tensor."""
     return any(c.floor for c in classes)
 
 
-def _site_options(site: SiteProfile, resolution: float = 0.0) -> list[_Option]:
+def site_options(site: SiteProfile, resolution: float = 0.0) -> list[ChoiceOption]:
     """keep, each codec, recompute (where it can), their times rounded to `resolution`."""
-    opts = [_Option(KEEP, site.nbytes, 0.0, 0.0)]
-    opts += [_Option(c.name, c.nbytes, _rounded(c.cost_ms, resolution), site.sensitivity * c.variance)
+    opts = [ChoiceOption(KEEP, site.nbytes, 0.0, 0.0)]
+    opts += [ChoiceOption(c.name, c.nbytes, _rounded(c.cost_ms, resolution), site.sensitivity * c.variance)
              for c in site.codecs]
     if site.recomputable:
-        opts.append(_Option(RECOMPUTE, 0, _rounded(float(site.forward_ms), resolution), 0.0))
+        opts.append(ChoiceOption(RECOMPUTE, 0, _rounded(float(site.forward_ms), resolution), 0.0))
     return opts
 
 
-def _exact_ms(block: BlockProfile, choice: Sequence[str], whole: dict[str, int]) -> float:
+def exact_added_ms(block: BlockProfile, choice: Sequence[str], whole: dict[str, int]) -> float:
     """The added time of `block` under per-site `choice` (names in site order) for the layers
     not recomputed whole, and `whole` ({checkpoint choice: layers}), from its exact times."""
     def cost(site: SiteProfile, name: str) -> float:
@@ -144,8 +144,8 @@ def checkpoint_of(name: str) -> str:
     return KEEP if name == "full" else name.split(":", 1)[1]
 
 
-def _full_options(block: BlockProfile, options: list[list[_Option]], resolution: float = 0.0
-                  ) -> list[_Option]:
+def whole_block_options(block: BlockProfile, options: list[list[ChoiceOption]], resolution: float = 0.0
+                  ) -> list[ChoiceOption]:
     """Whole-block recompute with the checkpoint kept or stored by each of its value codecs:
     stored the checkpoint's option, time the block's forward (+ the codec's), noise the
     codec's; while the block backpropagates, every other site is live at full precision
@@ -155,7 +155,7 @@ def _full_options(block: BlockProfile, options: list[list[_Option]], resolution:
     names = [s.name for s in block.sites]
     nbytes = [s.nbytes for s in block.sites]
     ci = names.index(CHECKPOINT_SITE)
-    return [_Option(full_name(o.name), o.stored, _rounded(block.full_ms, resolution) + o.cost_ms, o.noise,
+    return [ChoiceOption(full_name(o.name), o.stored, _rounded(block.full_ms, resolution) + o.cost_ms, o.noise,
                     whole_block_bytes(nbytes, names, o.name))
             for o in options[ci] if o.name == KEEP or o.name in CHECKPOINT_CODECS]
 
@@ -169,26 +169,26 @@ def _rounded(ms: float, resolution: float) -> float:
     return math.exp(round(math.log(ms) / step) * step)
 
 
-def _classes(blocks: Sequence[BlockProfile], resolution: float = 0.0) -> tuple[list[_Class], list[int]]:
+def block_classes(blocks: Sequence[BlockProfile], resolution: float = 0.0) -> tuple[list[BlockClass], list[int]]:
     """Blocks grouped into classes (equal blocks share variables), with every option's time
     rounded to `resolution` (relative; 0: exact)."""
     index: dict[tuple, int] = {}
-    classes: list[_Class] = []
+    classes: list[BlockClass] = []
     owner: list[int] = []
     for block in blocks:
         key = (block.sites, block.inflight, block.full_ms, block.grad_bytes, block.stage_bytes)
         if key not in index:
             index[key] = len(classes)
-            options = [_site_options(s, resolution) for s in block.sites]
-            classes.append(_Class(block.sites, block.inflight, options=options,
-                                  full=_full_options(block, options, resolution), grad=block.grad_bytes,
+            options = [site_options(s, resolution) for s in block.sites]
+            classes.append(BlockClass(block.sites, block.inflight, options=options,
+                                  full=whole_block_options(block, options, resolution), grad=block.grad_bytes,
                                   stages=block.stage_bytes))
         classes[index[key]].count += block.count
         owner.append(index[key])
     return classes, owner
 
 
-def _no_full(classes: Sequence[_Class]) -> list[list[int]]:
+def no_whole_blocks(classes: Sequence[BlockClass]) -> list[list[int]]:
     return [[0] * len(c.full) for c in classes]
 
 
@@ -196,12 +196,12 @@ def _no_full(classes: Sequence[_Class]) -> list[list[int]]:
 Solution = tuple[list[list[int]], list[list[int]]]
 
 
-def _evaluate(classes: list[_Class], picks: list[list[int]],
+def evaluate_choice(classes: list[BlockClass], picks: list[list[int]],
               fulls: Optional[list[list[int]]] = None) -> tuple[int, int, float, float]:
     """Exact figures of a choice: (stored bytes, peak bytes, time ms, noise). `fulls[k]`:
     how many of class k's blocks take each whole-block option (the rest take `picks[k]`)."""
     stored, peak, ms, noise = 0, 0, 0.0, 0.0
-    fulls = fulls or _no_full(classes)
+    fulls = fulls or no_whole_blocks(classes)
     encoded = any(c.first and not c.floor and c.encodes_checkpoint(p, f) for c, p, f in zip(classes, picks, fulls))
     # what the sites after the blocks store: freed before any block backpropagates (`counts_out_early`)
     gone_early = sum(c.inflight * c.count * sum(c.options[i][o].stored for i, o in enumerate(p))
@@ -225,11 +225,12 @@ def _evaluate(classes: list[_Class], picks: list[list[int]],
     return stored, peak, ms, noise
 
 
-def _floor(classes: list[_Class], owner: list[int], loss_bytes: int, input_bytes: int) -> list[_Class]:
+def end_of_forward_class(classes: list[BlockClass], owner: list[int], loss_bytes: int,
+                         input_bytes: int) -> list[BlockClass]:
     """The end of forward as a class (none when it holds nothing), the first block's class
-    marked (`_Class.first`)."""
-    loss_bytes = _byte_count(loss_bytes, "loss_bytes")
-    input_bytes = _byte_count(input_bytes, "input_bytes")
+    marked (`BlockClass.first`)."""
+    loss_bytes = byte_count(loss_bytes, "loss_bytes")
+    input_bytes = byte_count(input_bytes, "input_bytes")
     if owner:
         classes[owner[0]].first = True
-    return [_Class((), 1, 0, grad=loss_bytes, input_bytes=input_bytes)] if loss_bytes or input_bytes else []
+    return [BlockClass((), 1, 0, grad=loss_bytes, input_bytes=input_bytes)] if loss_bytes or input_bytes else []

@@ -23,13 +23,13 @@ from typing import Optional
 import numpy as np
 
 from llm_act.codecs.registry import KEEP, RECOMPUTE
+from llm_act.planner.milp_model import VAR_RTOL
 from llm_act.planner.transient import decode_groups, transient_bound
 
 _BISECT = 20  # steps of each bisection (log-scale over ~12 decades: ~3e-5 relative)
 #: the memory price at a noise price between two tried ones is first looked for between
 #: theirs, widened by this factor (it moves little there); the whole range if not found
 _BRACKET = 1.5
-_VAR_RTOL = 1e-6
 #: the price of noise in ms per unit when its budget does not bind: it only breaks ties in time
 _NOISE_TIE = 1e-9
 
@@ -148,7 +148,7 @@ class LagrangeProblem:
     def figures(self, picks: np.ndarray) -> tuple[int, float, float]:
         """(stored bytes, noise, time ms) of picks: bytes in exact integers, noise and time
         summed by numpy in a fixed order (the final plan is re-checked exactly by the MILP
-        module's `_evaluate`)."""
+        module's `evaluate_choice`)."""
         idx = np.arange(picks.shape[1])[None, :]
         blk = np.arange(picks.shape[0])[:, None]
         per = self.stored[idx, picks].sum(axis=1)
@@ -159,7 +159,7 @@ class LagrangeProblem:
 
     def fits(self, stored: int, noise: float) -> tuple[bool, bool]:
         return (stored + self.peak <= self.mem_limit,
-                noise <= self.var_limit * (1 + _VAR_RTOL) if self.var_limit else noise <= 0.0)
+                noise <= self.var_limit * (1 + VAR_RTOL) if self.var_limit else noise <= 0.0)
 
 
 def _min_mu(prob: LagrangeProblem, lam: float, lo: float, hi: float,
@@ -301,7 +301,7 @@ def _greedy(prob: LagrangeProblem, picks: np.ndarray) -> np.ndarray:
         ds = prob.count[kk] * prob.inflight * (prob.stored[ii, oo] - prob.stored[ii, old_o])
         dn = prob.count[kk] * (prob.noise[kk, ii, oo] - prob.noise[kk, ii, old_o])
         room = stored + ds + prob.peak <= prob.mem_limit
-        room &= (noise + dn <= prob.var_limit * (1 + _VAR_RTOL)) if prob.var_limit else (noise + dn <= 0.0)
+        room &= (noise + dn <= prob.var_limit * (1 + VAR_RTOL)) if prob.var_limit else (noise + dn <= 0.0)
         order, gains = order[room], gains[room]
         if not len(order):
             break

@@ -2,29 +2,29 @@
 
 One job: merge the classes of blocks that differ only in noise and time (per-layer
 sensitivities, times within their measurement noise) into one class each with the
-count-weighted means (`_merged`), and give a merged solution back to its members
-(`_spread`). The merged MILP is small whatever the depth, and its plan has exactly the
+count-weighted means (`merge_classes`), and give a merged solution back to its members
+(`spread_solution`). The merged MILP is small whatever the depth, and its plan has exactly the
 same bytes, time and summed noise in the original problem: the full search takes it as a
 fallback (`llm_act.planner.search`) and the fast path starts from it (`llm_act.planner.fast`).
 """
 from __future__ import annotations
 
-from llm_act.planner.classes import _Class, _no_full, _Option, Solution
+from llm_act.planner.classes import BlockClass, ChoiceOption, Solution, no_whole_blocks
 
 
-def _merged(classes: list[_Class]) -> tuple[list[_Class], list[int]]:
+def merge_classes(classes: list[BlockClass]) -> tuple[list[BlockClass], list[int]]:
     """Classes that differ only in measured figures (per-layer sensitivities, times that
     differ by their measurement noise) merged into one with the count-weighted mean noise
     and time of every option, and the merged index of every class. A plan of the merged
-    problem, given to all its members (`_spread`), has exactly the same bytes, time and
+    problem, given to all its members (`spread_solution`), has exactly the same bytes, time and
     summed noise in the original one (the means are count-weighted): a feasible answer found
     in a fraction of the time."""
     index: dict[tuple, int] = {}
-    merged: list[_Class] = []
+    merged: list[BlockClass] = []
     member: list[int] = []
 
     def bare(opts):
-        return [_Option(o.name, o.stored, 0.0, 0.0, o.transient) for o in opts]
+        return [ChoiceOption(o.name, o.stored, 0.0, 0.0, o.transient) for o in opts]
 
     for cls in classes:
         key = (cls.inflight, tuple((s.name, s.inputs, tuple((o.name, o.stored) for o in opts))
@@ -33,7 +33,7 @@ def _merged(classes: list[_Class]) -> tuple[list[_Class], list[int]]:
                cls.input_bytes)
         if key not in index:
             index[key] = len(merged)
-            merged.append(_Class(cls.sites, cls.inflight, 0, [bare(opts) for opts in cls.options],
+            merged.append(BlockClass(cls.sites, cls.inflight, 0, [bare(opts) for opts in cls.options],
                                  bare(cls.full), cls.grad, cls.stages, input_bytes=cls.input_bytes))
         m = merged[index[key]]
         m.first = m.first or cls.first
@@ -51,13 +51,13 @@ def _merged(classes: list[_Class]) -> tuple[list[_Class], list[int]]:
     return merged, member
 
 
-def _spread(classes: list[_Class], member: list[int], sol: Solution) -> Solution:
+def spread_solution(classes: list[BlockClass], member: list[int], sol: Solution) -> Solution:
     """A merged problem's solution given to its member classes: each takes its merged
     class's per-site choice, and the merged class's whole-block counts go to the members
     whose per-site choice adds the most noise (moving those blocks saves the most), then
     whose whole block costs the least over it, ties to the lower class index."""
     picks = [list(sol[0][m]) for m in member]
-    fulls = _no_full(classes)
+    fulls = no_whole_blocks(classes)
 
     def order(k: int, c: int):
         opts = [classes[k].options[i][o] for i, o in enumerate(picks[k])]

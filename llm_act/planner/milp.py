@@ -30,13 +30,14 @@ from typing import Optional, Sequence
 
 from llm_act.codecs.registry import KEEP
 from llm_act.plan import Plan, is_whole, whole_layer
-from llm_act.planner.classes import (_Class, _classes, _evaluate, _exact_ms, _floor, _full_options, _no_full,
-                                     _site_options, checkpoint_of, full_name, Solution)
-from llm_act.planner.fast import _fast_applies, _fast_search
+from llm_act.planner.classes import (BlockClass, Solution, block_classes, checkpoint_of, end_of_forward_class,
+                                     evaluate_choice, exact_added_ms, full_name, no_whole_blocks, site_options,
+                                     whole_block_options)
+from llm_act.planner.fast import fast_applies, fast_search
 from llm_act.planner.lagrange import blind_input
-from llm_act.planner.milp_model import _Limit, _VAR_RTOL, SolverError
-from llm_act.planner.profile import BlockProfile, _byte_count
-from llm_act.planner.search import _search
+from llm_act.planner.milp_model import VAR_RTOL, SolverError, TimeLimit
+from llm_act.planner.profile import BlockProfile, byte_count
+from llm_act.planner.search import full_search
 from llm_act.sites import CHECKPOINT_SITE
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class InfeasibleVariance(ValueError):
 
 
 def _limits(budget_bytes, static_bytes) -> tuple[int, int]:
-    return (_byte_count(budget_bytes, "budget_bytes"), _byte_count(static_bytes, "static_bytes"))
+    return (byte_count(budget_bytes, "budget_bytes"), byte_count(static_bytes, "static_bytes"))
 
 
 def _check_blocks(blocks) -> tuple[BlockProfile, ...]:
@@ -146,7 +147,7 @@ def solve_plan(
     if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) \
             or not time_limit > 0 or math.isinf(time_limit):
         raise ValueError(f"time_limit: expected a finite number of seconds > 0, got {time_limit!r}")
-    limit = _Limit(float(time_limit))
+    limit = TimeLimit(float(time_limit))
     blocks = _check_blocks(blocks)
     budget, static = _limits(budget_bytes, static_bytes)
     if objective not in OBJECTIVES:
@@ -161,35 +162,35 @@ def solve_plan(
     if isinstance(time_resolution, bool) or not isinstance(time_resolution, (int, float)) \
             or not 0 <= time_resolution < 1:
         raise ValueError(f"time_resolution: expected a fraction in [0, 1), got {time_resolution!r}")
-    classes, owner = _classes(blocks, float(time_resolution))
-    classes += _floor(classes, owner, loss_bytes, input_bytes)
+    classes, owner = block_classes(blocks, float(time_resolution))
+    classes += end_of_forward_class(classes, owner, loss_bytes, input_bytes)
     mem_limit = budget - static
     undecided: Optional[SolverError] = None
     picks, nvars, optimal, quick = None, 0, True, False
     bounds: list = []
-    if mem_limit >= 0 and _fast_applies(classes, objective, mem_limit, variance_budget, fast):
-        picks = _fast_search(classes, mem_limit, variance_budget, limit)
+    if mem_limit >= 0 and fast_applies(classes, objective, mem_limit, variance_budget, fast):
+        picks = fast_search(classes, mem_limit, variance_budget, limit)
         quick = picks is not None
         optimal = not quick
         nvars = sum(len(opts) for c in classes for opts in c.options) + 1 if quick else 0
     try:
         if not quick:
-            picks, nvars, optimal = (None, 0, True) if mem_limit < 0 else _search(
+            picks, nvars, optimal = (None, 0, True) if mem_limit < 0 else full_search(
                 classes, objective, mem_limit, variance_budget, limit, bounds)
     except SolverError as err:  # decided below: a budget under the edge is the user's error
         picks, nvars, optimal, undecided = None, 0, False, err
     if picks is None:
         # the smallest footprint and the least noise are easy problems: their own limit
-        least = _search(classes, "memory", None, None, _Limit(limit.seconds))[0]
-        min_act = sum(_evaluate(classes, *least)[:2])
+        least = full_search(classes, "memory", None, None, TimeLimit(limit.seconds))[0]
+        min_act = sum(evaluate_choice(classes, *least)[:2])
         if mem_limit < min_act:
             raise InfeasibleBudget(budget, static, min_act + static)
         if variance_budget is not None:  # the least noise within the memory budget decides
             # (at the very edge of the budget the solver's tolerances may miss the plan the
             # memory search found: that one then stands for the least noise)
-            quiet = _search(classes, "variance", mem_limit, None, _Limit(limit.seconds))[0] or least
-            least_noise = _evaluate(classes, *quiet)[3]
-            if least_noise > variance_budget * (1 + _VAR_RTOL):
+            quiet = full_search(classes, "variance", mem_limit, None, TimeLimit(limit.seconds))[0] or least
+            least_noise = evaluate_choice(classes, *quiet)[3]
+            if least_noise > variance_budget * (1 + VAR_RTOL):
                 raise InfeasibleVariance(variance_budget, least_noise)
             if undecided is None:
                 picks, optimal = quiet, False
@@ -238,9 +239,9 @@ def _plan(blocks, classes, owner, sol: Solution, exact: bool = False) -> Plan:
         choice.append(per_site)
         full.append(mine)
         block_fulls.append(counts)
-    stored, peak, ms, noise = _evaluate(classes, picks, fulls)
+    stored, peak, ms, noise = evaluate_choice(classes, picks, fulls)
     if exact:  # only the times were rounded: bytes and noise are the classes' own
-        ms = sum(_exact_ms(b, [classes[k].options[i][o].name for i, o in enumerate(picks[k])], mine)
+        ms = sum(exact_added_ms(b, [classes[k].options[i][o].name for i, o in enumerate(picks[k])], mine)
                  for b, k, mine in zip(blocks, owner, full))
     return Plan(blocks=tuple(blocks), choice=choice, activation_bytes=stored + peak, overhead_ms=ms,
                 variance=noise, peak_bytes=peak, full=full)
@@ -258,11 +259,11 @@ def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str
         raise ValueError(f"choice: expected {len(blocks)} entries (one per block), got {len(choice)}")
     classes = []
     for b in blocks:
-        options = [_site_options(s) for s in b.sites]
-        classes.append(_Class(b.sites, b.inflight, b.count, options, _full_options(b, options), b.grad_bytes,
+        options = [site_options(s) for s in b.sites]
+        classes.append(BlockClass(b.sites, b.inflight, b.count, options, whole_block_options(b, options), b.grad_bytes,
                               b.stage_bytes))
-    floor = _floor(classes, list(range(len(classes))), loss_bytes, input_bytes)
-    picks, fulls = [], _no_full(classes)
+    floor = end_of_forward_class(classes, list(range(len(classes))), loss_bytes, input_bytes)
+    picks, fulls = [], no_whole_blocks(classes)
     for n, (cls, block, ch) in enumerate(zip(classes, blocks, choice)):
         if cls.full and is_whole(ch, block):
             name = full_name(ch.get(CHECKPOINT_SITE, KEEP))

@@ -2,7 +2,7 @@
 GACT's variance budget, sec. 4), and the solvers that decide it.
 
 One job: build the model over the classes of `llm_act.planner.classes` (`_Model`), solve it
-within the time a `solve_plan` allows (`_Limit`), and return a verified answer (`_run`).
+within the time a `solve_plan` allows (`TimeLimit`), and return a verified answer (`solve_verified`).
 
 Model, per distinct block k (blocks with equal (sites, inflight) share variables, their
 counts add up) and site i, binary x[k,i,o] over o in {keep, codec..., recompute}:
@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 from llm_act._imports import require
 from llm_act.codecs.registry import KEEP, RECOMPUTE
-from llm_act.planner.classes import _Class, _evaluate, checkpoint_of, counts_out_early, Solution
+from llm_act.planner.classes import BlockClass, Solution, checkpoint_of, counts_out_early, evaluate_choice
 from llm_act.planner.transient import carries, decode_groups, stage_of
 from llm_act.sites import CHECKPOINT_SITE
 
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 _MIB = float(2**20)
 _TIE = 1e-6  # the tie-break term never weighs more than this fraction of a primary step
-_VAR_RTOL = 1e-6  # relative tolerance of the variance budget
+VAR_RTOL = 1e-6  # relative tolerance of the variance budget
 
 
 class SolverError(RuntimeError):
@@ -61,7 +61,7 @@ class SolverError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=1)
-def _solver_names() -> tuple[str, ...]:
+def solver_names() -> tuple[str, ...]:
     """The solvers to try, best first: HiGHS when highspy is installed, then a CBC on PATH
     or the CBC bundled with pulp < 4. More than one, so that a solver that fails on a
     problem (not "infeasible": a numerical "solve error") leaves another to decide it."""
@@ -123,7 +123,7 @@ def _solve(prob, deadline: float) -> str:
     "error" as "no plan found": `solve_plan` then decides feasibility from the least-memory
     problem, so a solver's hiccup is classified, never passed on as a crash."""
     pulp = require("pulp", "the activation planner")
-    for name in _solver_names():
+    for name in solver_names():
         base = _BASE_OPTIONS.get(name, {})
         for options in (base, {**base, **_RETRY_OPTIONS.get(name, {})}):
             seconds = max(1.0, deadline - time.perf_counter())  # the solvers take whole seconds
@@ -172,10 +172,10 @@ class _Model:
     whole-block options for all of them (sum_o x + sum w = 1 on every site's row). A class
     with no sites is a given number of whole blocks (`_whole_part`): integer counts per
     whole-block option summing to its count. Identical layers split between whole blocks and
-    per-site ones are searched around this model (`_mix`): inside it, the product of a
+    per-site ones are searched around this model (`mixed_whole_blocks`): inside it, the product of a
     count and a choice made it 10-100x slower to solve."""
 
-    def __init__(self, classes: list[_Class], objective: str,
+    def __init__(self, classes: list[BlockClass], objective: str,
                  mem_limit: Optional[int], var_limit: Optional[float]):
         pulp = require("pulp", "the activation planner")
         self.classes = classes
@@ -215,7 +215,7 @@ class _Model:
         self.peak = _variable(self.prob, "peak", "Continuous")
         early_freed = counts_out_early(classes)
         # what the sites after the blocks store is freed before any block backpropagates: a
-        # block's transient is held against peak + that (`classes.counts_out_early`, `_evaluate`)
+        # block's transient is held against peak + that (`classes.counts_out_early`, `evaluate_choice`)
         early = pulp.lpSum([cls.inflight * cls.count * o.stored / _MIB * v
                             for k, cls in enumerate(classes) if cls.freed_first and early_freed
                             for row, opts in zip(self.x[k], cls.options) for v, o in zip(row, opts)])
@@ -257,7 +257,7 @@ class _Model:
             self.prob += self._sum(lambda c, o: o.noise / var_limit) <= 1.0, self.var_row
         self._objective(objective)
 
-    def _site_peak(self, k: int, cls: _Class, peak: Any) -> None:
+    def _site_peak(self, k: int, cls: BlockClass, peak: Any) -> None:
         """`peak` >= class k's per-site transient (`transient.transient_bound`): per backward
         stage its gradients, its recomputed sites, the sites a rebuild there brings forward
         (z >= both recomputed - 1, chain by chain) and each decode group it touches (one
@@ -317,10 +317,10 @@ class _Model:
         noise_max = max(o.noise for _, o in every) or 1.0
         cost_max = max(o.cost_ms for _, o in every) or 1.0
 
-        def primary(c: _Class, o: _Option) -> float:
+        def primary(c: BlockClass, o: ChoiceOption) -> float:
             return o.cost_ms if objective == "time" else o.noise / noise_max
 
-        def secondary(c: _Class, o: _Option) -> float:
+        def secondary(c: BlockClass, o: ChoiceOption) -> float:
             other = o.noise / noise_max if objective == "time" else o.cost_ms / cost_max
             unkept = len(c.sites) if o in c.full else (o.name != KEEP)
             return unkept + other
@@ -345,7 +345,7 @@ class _Model:
 
 
 @dataclass
-class _Limit:
+class TimeLimit:
     """The time `solve_plan` allows, shared by the solver calls of one solve."""
 
     seconds: float
@@ -355,7 +355,7 @@ class _Limit:
         self.deadline = time.perf_counter() + self.seconds
 
 
-def _run(classes, objective, mem_limit, var_limit, limit: _Limit, bounds: Optional[list] = None
+def solve_verified(classes, objective, mem_limit, var_limit, limit: TimeLimit, bounds: Optional[list] = None
          ) -> tuple[Optional[Solution], int, str]:
     """(solution or None, variable count, `_solve`'s status). The answer is verified in
     exact arithmetic (integer bytes; noise within a relative 1e-6): a plan that passed a row
@@ -371,13 +371,13 @@ def _run(classes, objective, mem_limit, var_limit, limit: _Limit, bounds: Option
         sol = model.picks()
         if bounds is not None:
             bounds.append(_dual_bound(model.prob))
-        stored, peak, _ms, noise = _evaluate(classes, *sol)
+        stored, peak, _ms, noise = evaluate_choice(classes, *sol)
         over_mem = mem_limit is not None and stored + peak > mem_limit
-        over_var = var_limit is not None and noise > var_limit * (1 + _VAR_RTOL)
+        over_var = var_limit is not None and noise > var_limit * (1 + VAR_RTOL)
         if not over_mem and not over_var:
             return sol, nvars, status
         if over_mem:
             model.set_rhs(model.mem_row, (mem_limit - 0.5) / _MIB)
         if over_var and model.var_row is not None:
-            model.set_rhs(model.var_row, 1.0 - _VAR_RTOL)
+            model.set_rhs(model.var_row, 1.0 - VAR_RTOL)
     return None, nvars, "infeasible"

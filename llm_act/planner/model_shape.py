@@ -93,7 +93,7 @@ class DeviceModel:
         return nbytes / (self.link_gbs * 1e9) * 1e3 + self.launch_ms
 
 
-def _positive_int(value, what: str) -> int:
+def positive_int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{what}: expected a positive integer, got {value!r}")
     return int(value)
@@ -145,11 +145,11 @@ class ModelShape:
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                   "micro_batch_size", "vocab_size", "tp", "pp"):
-            object.__setattr__(self, f, _positive_int(getattr(self, f), f))
+            object.__setattr__(self, f, positive_int(getattr(self, f), f))
         h, a = self.hidden_size, self.num_attention_heads
-        object.__setattr__(self, "ffn_hidden_size", _positive_int(
+        object.__setattr__(self, "ffn_hidden_size", positive_int(
             4 * h if self.ffn_hidden_size is None else self.ffn_hidden_size, "ffn_hidden_size"))
-        object.__setattr__(self, "num_query_groups", _positive_int(
+        object.__setattr__(self, "num_query_groups", positive_int(
             a if self.num_query_groups is None else self.num_query_groups, "num_query_groups"))
         for f in ("gated_linear_unit", "sequence_parallel", "bias", "tie_embeddings", "qk_layernorm"):
             if not isinstance(getattr(self, f), bool):
@@ -175,7 +175,7 @@ class ModelShape:
         self._check_moe()
 
     def _check_moe(self) -> None:
-        object.__setattr__(self, "ep", _positive_int(self.ep, "ep"))
+        object.__setattr__(self, "ep", positive_int(self.ep, "ep"))
         if self.num_experts is None:
             if self.ep != 1:
                 raise ValueError(f"ep: expert parallelism (ep={self.ep}) needs an MoE model "
@@ -184,12 +184,12 @@ class ModelShape:
                 raise ValueError("moe_capacity_factor: a capacity factor needs an MoE model "
                                  "(num_experts), got a dense one")
             return
-        e = _positive_int(self.num_experts, "num_experts")
+        e = positive_int(self.num_experts, "num_experts")
         object.__setattr__(self, "num_experts", e)
-        k = _positive_int(self.moe_topk, "moe_topk")
+        k = positive_int(self.moe_topk, "moe_topk")
         if k > e:
             raise ValueError(f"moe_topk: expected at most num_experts={e}, got {k}")
-        object.__setattr__(self, "moe_ffn_hidden_size", _positive_int(
+        object.__setattr__(self, "moe_ffn_hidden_size", positive_int(
             self.ffn_hidden_size if self.moe_ffn_hidden_size is None else self.moe_ffn_hidden_size,
             "moe_ffn_hidden_size"))
         c = self.moe_capacity_factor

@@ -19,7 +19,7 @@ from llm_act.sites import BACKWARD_STAGES
 from llm_act.sites import CHECKPOINT_SITE
 
 
-def _byte_count(value, what: str) -> int:
+def byte_count(value, what: str) -> int:
     """An exact non-negative byte count (ints, or floats that hold an integer)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what}: expected an integer byte count, got {value!r}")
@@ -59,7 +59,7 @@ class CodecOption:
             raise TypeError(f"CodecOption.name: expected a non-empty string, got {self.name!r}")
         if self.name in ("keep", "recompute"):
             raise ValueError(f"CodecOption.name: {self.name!r} is not a codec (it is always an option)")
-        object.__setattr__(self, "nbytes", _byte_count(self.nbytes, f"CodecOption {self.name!r} nbytes"))
+        object.__setattr__(self, "nbytes", byte_count(self.nbytes, f"CodecOption {self.name!r} nbytes"))
         for f in ("encode_ms", "decode_ms", "variance"):
             object.__setattr__(self, f, _non_negative(getattr(self, f), f"CodecOption {self.name!r} {f}"))
 
@@ -88,7 +88,7 @@ class SiteProfile:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"SiteProfile.name: expected a non-empty string, got {self.name!r}")
-        object.__setattr__(self, "nbytes", _byte_count(self.nbytes, f"site {self.name!r} nbytes"))
+        object.__setattr__(self, "nbytes", byte_count(self.nbytes, f"site {self.name!r} nbytes"))
         if self.forward_ms is not None:
             object.__setattr__(
                 self, "forward_ms",
@@ -131,7 +131,7 @@ def _stage_bytes(value: Any) -> tuple[tuple[str, int], ...]:
         if not (isinstance(pair, tuple) and len(pair) == 2 and pair[0] in known):
             raise ValueError(f"BlockProfile.stage_bytes: expected (stage, bytes) pairs with a stage "
                              f"in {known}, got {pair!r}")
-        out.append((pair[0], _byte_count(pair[1], f"BlockProfile.stage_bytes[{pair[0]!r}]")))
+        out.append((pair[0], byte_count(pair[1], f"BlockProfile.stage_bytes[{pair[0]!r}]")))
     if len({name for name, _ in out}) != len(out):
         raise ValueError(f"BlockProfile.stage_bytes: a stage appears twice in {value!r}")
     return tuple(out)
@@ -186,7 +186,7 @@ class BlockProfile:
             if v < 1:
                 raise ValueError(f"BlockProfile.{f}: must be >= 1, got {v}")
             object.__setattr__(self, f, int(v))
-        object.__setattr__(self, "grad_bytes", _byte_count(self.grad_bytes, "BlockProfile.grad_bytes"))
+        object.__setattr__(self, "grad_bytes", byte_count(self.grad_bytes, "BlockProfile.grad_bytes"))
         object.__setattr__(self, "stage_bytes", _stage_bytes(self.stage_bytes))
         if self.full_ms is not None:
             if CHECKPOINT_SITE not in seen:

@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from llm_act.planner.analytic import _LOSS_PER_TOKEN, _LOSS_SCALARS, _mask_dtype
-from llm_act.planner.model_shape import DeviceModel, ModelShape, _positive_int
+from llm_act.planner.analytic import LOSS_BYTES_PER_TOKEN, LOSS_SCALAR_BYTES, mask_dtype
+from llm_act.planner.model_shape import DeviceModel, ModelShape, positive_int
 from llm_act.sites import EMBEDDING_DROPOUT_MASK, LOSS_LOGITS, LOSS_LOGSUMEXP
 from llm_act.output.chunked_loss import stock_logits_bytes, stored_bytes
 from llm_act.output.chunked_loss import DEFAULT_CHUNK_TOKENS
@@ -65,8 +65,8 @@ _CE_BOOKKEEPING = 8 + 8 + 4 + 4 + 4
 
 
 def _mask_bytes(shape: ModelShape, device: DeviceModel) -> int:
-    """Bytes per element of a stored dropout mask (`_mask_dtype`, as the block's masks)."""
-    return torch.empty((), dtype=_mask_dtype(shape, device)).element_size()
+    """Bytes per element of a stored dropout mask (`mask_dtype`, as the block's masks)."""
+    return torch.empty((), dtype=mask_dtype(shape, device)).element_size()
 
 
 def loss_bytes(shape: ModelShape, stage: Optional[int] = None, device: Optional[DeviceModel] = None,
@@ -108,7 +108,7 @@ def loss_bytes(shape: ModelShape, stage: Optional[int] = None, device: Optional[
         raise ValueError(f"stage: expected an int in [0, {shape.pp}), got {stage!r}")
     if output_loss not in ("stock", "chunked"):
         raise ValueError(f"output_loss: expected 'stock' or 'chunked', got {output_loss!r}")
-    chunk = _positive_int(DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens, "chunk_tokens")
+    chunk = positive_int(DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens, "chunk_tokens")
     stage = int(stage)
     outer = outer_bytes(shape, stage) if output_loss == "stock" else outer_bytes(shape, stage, output_loss)
     b, e, h, inflight = shape.micro_batch_size, shape.elem_bytes, shape.hidden_size, shape.pp - stage
@@ -119,7 +119,7 @@ def loss_bytes(shape: ModelShape, stage: Optional[int] = None, device: Optional[
     if stage != shape.pp - 1:
         return total
     tokens, vocab = shape.seq_length * b, shape.padded_vocab_size // shape.tp
-    losses = _LOSS_PER_TOKEN * tokens + _LOSS_SCALARS
+    losses = LOSS_BYTES_PER_TOKEN * tokens + LOSS_SCALAR_BYTES
     if output_loss == "stock":
         forward = tokens * (vocab * e + _CE_BOOKKEEPING)
         wgrad = vocab * h * e if device.wgrad_temporaries else 0
@@ -189,7 +189,7 @@ def static_bytes(shape: ModelShape, zero_stage: int = 0, dp: int = 1,
     """
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, got {zero_stage!r}")
-    dp = _positive_int(dp, "dp")
+    dp = positive_int(dp, "dp")
     if stage is None:
         return max(static_bytes(shape, zero_stage, dp, k) for k in range(shape.pp))
     if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 0 <= stage < shape.pp:

@@ -84,7 +84,7 @@ class Groups:
     """global rank that solves and broadcasts for this stage"""
 
 
-def _dist():
+def initialized_dist():
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
@@ -102,7 +102,7 @@ def _megatron_state():
 
 def groups() -> Optional[Groups]:
     """The groups of this job, or None when running alone."""
-    dist = _dist()
+    dist = initialized_dist()
     if dist is None or dist.get_world_size() == 1:
         return None
     ps = _megatron_state()
@@ -123,7 +123,7 @@ def groups() -> Optional[Groups]:
 def expert_parallel_ranks() -> list[int]:
     """Global ranks of this rank's expert-parallel group (megatron's; this rank alone without
     expert parallelism or megatron's parallel state)."""
-    dist = _dist()
+    dist = initialized_dist()
     if dist is None:
         return [0]
     ps = _megatron_state()
@@ -136,7 +136,7 @@ def data_parallel_rank() -> int:
     """This rank's index among the data-parallel replicas: megatron's DP rank when its
     parallel state is up, else the torch.distributed rank (a job without model
     parallelism: DDP, ZeRO), 0 when running alone."""
-    dist = _dist()
+    dist = initialized_dist()
     if dist is None:
         return 0
     ps = _megatron_state()
@@ -167,7 +167,7 @@ def collective_timeout() -> float:
 
 
 def _describe(group: Any) -> str:
-    dist = _dist()
+    dist = initialized_dist()
     if group is None or group is dist.group.WORLD:
         return f"the world group ({dist.get_world_size()} ranks)"
     ranks = dist.get_process_group_ranks(group)
@@ -184,7 +184,7 @@ def timed(start: Callable[[], Any], op: str, group: Any = None) -> None:
     try:
         start().wait(timeout=datetime.timedelta(seconds=limit))
     except RuntimeError as err:  # gloo: "Operation timed out!"; NCCL: DistBackendError
-        dist = _dist()
+        dist = initialized_dist()
         raise CollectiveError(
             f"llm_act: {op} over {_describe(group)} did not complete on rank {dist.get_rank()} "
             f"(after {time.monotonic() - begun:.1f} s; timeout {limit:g} s, set by {TIMEOUT_ENV}): "
@@ -196,13 +196,13 @@ def timed(start: Callable[[], Any], op: str, group: Any = None) -> None:
 
 def _device(group: Any) -> torch.device:
     """Where payload tensors live: NCCL moves only CUDA tensors, gloo CPU ones."""
-    if _dist().get_backend(group) == "nccl":
+    if initialized_dist().get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def _all_gather(t: torch.Tensor, group: Any, op: str) -> list[torch.Tensor]:
-    dist = _dist()
+    dist = initialized_dist()
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     timed(lambda: dist.all_gather(out, t, group=group, async_op=True), op, group)
     return out
@@ -236,7 +236,7 @@ def _announce() -> None:
 def gather(obj: Any, group: Any = None, op: str = "all_gather of statistics") -> list[Any]:
     """`obj` of every rank of `group` (a list in rank order); `op` names the operation in a
     `CollectiveError`."""
-    dist = _dist()
+    dist = initialized_dist()
     if dist is not None:
         _announce()  # on every rank alike, also where `group` has one rank
     if dist is None or dist.get_world_size(group) == 1:
@@ -266,7 +266,7 @@ def reduce_dict(values: Mapping[Any, float], op: str, group: Any = None) -> dict
 
 def broadcast(obj: Any, g: Optional[Groups], op: str = "broadcast of the plan") -> Any:
     """`obj` of the stage's source rank, on every rank of the stage."""
-    dist = _dist()
+    dist = initialized_dist()
     if dist is not None:
         _announce()
     if dist is None or g is None or dist.get_world_size(g.stage) == 1:
@@ -283,7 +283,7 @@ def broadcast(obj: Any, g: Optional[Groups], op: str = "broadcast of the plan") 
 
 
 def is_source(g: Optional[Groups]) -> bool:
-    dist = _dist()
+    dist = initialized_dist()
     return dist is None or g is None or dist.get_rank() == g.src
 
 
@@ -369,7 +369,7 @@ def agree(items: Mapping[Any, Any], what: str, fix: str, group: Any = None) -> N
     on every rank: "llm_act: ranks disagree on the <what>: <field>: rank 0 <value>, rank 1
     <value>; ...; <fix>".
     """
-    dist = _dist()
+    dist = initialized_dist()
     if dist is None or dist.get_world_size(group) == 1:
         return
     device = _device(group)

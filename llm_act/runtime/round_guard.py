@@ -92,7 +92,7 @@ class RoundGuard:
 
     # ---- the exchange --------------------------------------------------------------------
     def _world(self) -> Optional[Any]:
-        dist = agreement._dist()
+        dist = agreement.initialized_dist()
         return dist if dist is not None and dist.get_world_size() > 1 else None
 
     def _join(self) -> None:

@@ -13,7 +13,7 @@ pytest.importorskip("pulp")
 from llm_act.bench import planner as P  # noqa: E402
 from llm_act.planner import evaluate_plan, solve_plan  # noqa: E402
 from llm_act.planner import fast, milp, milp_model  # noqa: E402
-from llm_act.planner.classes import _classes  # noqa: E402
+from llm_act.planner.classes import block_classes  # noqa: E402
 
 
 def _fits(blocks, plan, budget, noise):
@@ -63,8 +63,8 @@ def test_24_jittered_blocks_within_half_a_percent_of_a_long_search():
     still the fast path, as the adapter solves it (times rounded to their noise), within
     0.5% of a long MILP search and above the bound that search proves."""
     blocks, budget, noise = P.jittered_problem(24, seed=1)
-    classes, _ = _classes(blocks)
-    assert len(classes) == 24 and fast._fast_applies(classes, "time", budget, noise, None)
+    classes, _ = block_classes(blocks)
+    assert len(classes) == 24 and fast.fast_applies(classes, "time", budget, noise, None)
     plan = solve_plan(blocks, budget, variance_budget=noise, time_resolution=milp.TIME_RESOLUTION)
     _fits(blocks, plan, budget, noise)
     assert not plan.optimal and plan.bound_ms is None  # the fast path: no MILP over 24 classes
@@ -97,9 +97,9 @@ def test_fast_path_applies_only_where_it_is_meant_to():
     assert not forced.optimal and forced.overhead_ms <= small.overhead_ms * 1.05
     # many distinct blocks: the fast path, but only for the time objective under a noise budget
     many, budget, noise, _ = P.distinct_problem(fast.FAST_MIN_CLASSES)
-    classes, _ = _classes(many)
-    assert fast._fast_applies(classes, "time", budget, noise, None)
-    assert not fast._fast_applies(classes, "time", budget, None, None)
-    assert not fast._fast_applies(classes, "variance", budget, noise, None)
-    assert not fast._fast_applies(classes, "time", budget, noise, False)
-    assert not fast._fast_applies(classes[:3], "time", budget, noise, None)
+    classes, _ = block_classes(many)
+    assert fast.fast_applies(classes, "time", budget, noise, None)
+    assert not fast.fast_applies(classes, "time", budget, None, None)
+    assert not fast.fast_applies(classes, "variance", budget, noise, None)
+    assert not fast.fast_applies(classes, "time", budget, noise, False)
+    assert not fast.fast_applies(classes[:3], "time", budget, noise, None)

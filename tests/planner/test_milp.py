@@ -555,7 +555,7 @@ def test_a_solve_error_is_retried_without_presolve(monkeypatch):
     monkeypatch.setattr(pulp.LpProblem, "solve", solve)
     plan = solve_plan([gpt_block(count=2)], 10**12)
     assert plan.optimal and len(seen) == 2
-    name = milp_model._solver_names()[0]
+    name = milp_model.solver_names()[0]
     base = milp_model._BASE_OPTIONS.get(name, {})
     assert seen[0] == base and seen[1] == {**base, **milp_model._RETRY_OPTIONS[name]}
 
@@ -584,14 +584,14 @@ def test_a_solver_that_crashes_is_a_try_that_decided_nothing(monkeypatch):
         with pytest.raises(SolverError):
             solve_plan([block], 10**12, fast=False)
     assert len(calls) >= 2  # the retry without presolve, and any next solver
-    real = milp._search
+    real = milp.full_search
 
     def search(classes, objective, mem_limit, var_limit, limit, *rest):
         if objective == "time":
             raise SolverError("the solver crashed")
         return real(classes, objective, mem_limit, var_limit, limit, *rest)
 
-    monkeypatch.setattr(milp, "_search", search)
+    monkeypatch.setattr(milp, "full_search", search)
     with pytest.raises(InfeasibleVariance) as caught:
         solve_plan([block], budget, variance_budget=least / 2, fast=False)
     assert caught.value.min_variance == pytest.approx(least)

@@ -15,9 +15,9 @@ from llm_act.plan import load_plan_json, recompute_layer
 from llm_act.planner import (BlockProfile, InfeasibleBudget, InfeasibleVariance, SiteProfile,
                              evaluate_plan, solve_plan)
 from llm_act.planner.analytic import block_profile
-from llm_act.planner.classes import _classes, _evaluate
-from llm_act.planner.milp_model import _Limit, _run
-from llm_act.planner.search import _search, _split, _unsplit
+from llm_act.planner.classes import block_classes, evaluate_choice
+from llm_act.planner.milp_model import TimeLimit, solve_verified
+from llm_act.planner.search import _split, _unsplit, full_search
 from llm_act.planner.presets import MODELS, model_shape
 from llm_act.sites import CHECKPOINT_SITE
 
@@ -83,12 +83,12 @@ def test_identical_layers_split_between_whole_and_per_site(between):
     assert 0 < whole < n, plan.full
     assert plan.activation_bytes <= budget and plan.overhead_ms < full.overhead_ms
     assert plan.overhead_ms >= per_site.overhead_ms
-    classes, _ = _classes([block])
+    classes, _ = block_classes([block])
     tried = []
     for w in range(1, n):
-        sol = _run(_split(classes, 0, w), "time", budget, 0.0, _Limit(10.0))[0]
+        sol = solve_verified(_split(classes, 0, w), "time", budget, 0.0, TimeLimit(10.0))[0]
         if sol is not None:
-            tried.append(_evaluate(classes, *_unsplit(classes, 0, sol))[2])
+            tried.append(evaluate_choice(classes, *_unsplit(classes, 0, sol))[2])
     assert plan.overhead_ms == pytest.approx(min(tried), rel=1e-9)
     # the per-layer plan: whole layers first, each a full recompute choice; its figures are
     # those of the layers evaluated one by one
@@ -107,8 +107,8 @@ def test_identical_layers_split_between_whole_and_per_site(between):
 
 def min_memory(block) -> int:
     """The least memory of any plan of `block` that adds no noise."""
-    classes, _ = _classes([block])
-    return sum(_evaluate(classes, *_search(classes, "memory", None, 0.0, _Limit(10.0))[0])[:2])
+    classes, _ = block_classes([block])
+    return sum(evaluate_choice(classes, *full_search(classes, "memory", None, 0.0, TimeLimit(10.0))[0])[:2])
 
 
 def test_whole_blocks_only_where_offered():

@@ -15,7 +15,7 @@ import torch
 
 from llm_act import ledger
 from llm_act.codecs.base import Codec
-from llm_act.patches.megatron.recompute_codec import _Visible
+from llm_act.patches.megatron.recompute_codec import VisibleKeep
 from llm_act.sites import check_site
 
 
@@ -90,7 +90,7 @@ class ActModule:
             if getattr(self, "act_record_sink", None) is not None:
                 # a recomputation may rebuild a later site from this one's record: keep x
                 # itself through the compressed path (the bytes stock keeps)
-                return _Visible()
+                return VisibleKeep()
             return None
         return codec
 

@@ -31,7 +31,7 @@ from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.regen import default_generator, dropout_keep_mask, fused_dropout
 from llm_act.patches.megatron import compat
 from llm_act.patches.megatron.act_module import ActModule, codec_within_raw, count_kept
-from llm_act.patches.megatron.functions import Record, _report
+from llm_act.patches.megatron.functions import Record, report_record
 from llm_act.sites import ATTN_HIDDEN_DROPOUT_MASK, sites_where
 
 #: the hidden-dropout masks: the sites a bias-dropout-add stores (the schema's `holder` "bda")
@@ -66,7 +66,7 @@ class StoredMaskDropout(torch.autograd.Function):
             enc = codec.encode(stored)
         record = Record(enc)
         ctx.record = record
-        _report(owner, site, record, None)
+        report_record(owner, site, record, None)
         return out
 
     @staticmethod

@@ -35,7 +35,7 @@ class Record:
         return self.enc.nbytes + sum(t.numel() * t.element_size() for t in self.side.values())
 
 
-def _report(owner, site: str, record, replaces: Optional[torch.Tensor]) -> None:
+def report_record(owner, site: str, record, replaces: Optional[torch.Tensor]) -> None:
     if owner is not None:
         owner.act_report(site, record, record.nbytes, replaces)
 
@@ -43,7 +43,7 @@ def _report(owner, site: str, record, replaces: Optional[torch.Tensor]) -> None:
 # ---- linear ---------------------------------------------------------------------------------
 
 
-def _megatron_linear_helpers():
+def megatron_linear_helpers():
     from megatron.core.tensor_parallel import layers as L
     from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
@@ -68,7 +68,7 @@ class EncodedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        L, prepare = _megatron_linear_helpers()
+        L, prepare = megatron_linear_helpers()
         (weight,) = ctx.saved_tensors
         if ctx.gradient_accumulation_fusion:
             weight.main_grad = ctx.main_grad
@@ -97,7 +97,7 @@ def save_linear_ctx(ctx, input, weight, bias, gradient_accumulation_fusion, tp_g
     ctx.use_bias = bias is not None
     ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
     ctx.tp_group = tp_group
-    _report(owner, site, ctx.record, input)
+    report_record(owner, site, ctx.record, input)
 
 
 def linear_param_grads(ctx, L, weight, grad_output, total_input):
@@ -145,7 +145,7 @@ class EncodedLayerNorm(torch.autograd.Function):
         record = Record(codec.encode(x), mean=mean, rstd=rstd)
         ctx.save_for_backward(weight, bias)
         ctx.record, ctx.codec, ctx.shape = record, codec, list(normalized_shape)
-        _report(owner, site, record, x)
+        report_record(owner, site, record, x)
         return out
 
     @staticmethod
@@ -185,7 +185,7 @@ class EncodedRMSNorm(torch.autograd.Function):
         ctx.save_for_backward(weight)
         ctx.record, ctx.codec = record, codec
         ctx.dims = tuple(range(-len(normalized_shape), 0))
-        _report(owner, site, record, x)
+        report_record(owner, site, record, x)
         return out
 
     @staticmethod
@@ -211,7 +211,7 @@ class FewBitActivation(torch.autograd.Function):
         out = fn(x)
         record = Record(codec.encode(x))
         ctx.record, ctx.codec = record, codec
-        _report(owner, site, record, x)
+        report_record(owner, site, record, x)
         return out
 
     @staticmethod
@@ -230,7 +230,7 @@ class EncodedRecompute(torch.autograd.Function):
         out = fn(x)
         record = Record(codec.encode(x))
         ctx.record, ctx.codec, ctx.fn = record, codec, fn
-        _report(owner, site, record, x)
+        report_record(owner, site, record, x)
         return out
 
     @staticmethod
@@ -264,7 +264,7 @@ class MaskActivation(torch.autograd.Function):
         out = torch.relu(x)
         record = Record(_bitmask().encode(~(out <= 0)))
         ctx.record = record
-        _report(owner, site, record, x)
+        report_record(owner, site, record, x)
         return out
 
     @staticmethod

@@ -24,7 +24,7 @@ from llm_act.patches.megatron import unsupported
 from llm_act.patches.megatron.act_module import ActModule
 from llm_act.patches.megatron.moe_functions import (
     ACT, FC1, FC2, ROUTING, EncodedRouterGating, ExpertFFN, ExpertStore, PaddingOnly)
-from llm_act.patches.megatron.recompute_codec import _Visible, SiteRecompute
+from llm_act.patches.megatron.recompute_codec import SiteRecompute, VisibleKeep
 
 require("megatron.core", "llm_act.patches.megatron.moe")
 from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
@@ -108,7 +108,7 @@ class ActSequentialMLP(ActModule, SequentialMLP):
             codec = self.act_codec(site, stores=stores)
             if isinstance(codec, SiteRecompute):
                 recompute.add(site)
-            codecs[site] = _Visible() if codec is None or codec.name == "keep" else codec
+            codecs[site] = VisibleKeep() if codec is None or codec.name == "keep" else codec
         store = ExpertStore(codecs, frozenset(recompute), activation_of(expert.config)[1],
                             expert.linear_fc1, expert.linear_fc2, self)
         return ExpertFFN.apply(x, p, expert.linear_fc1.weight, expert.linear_fc2.weight, store)

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from llm_act.codecs.base import Codec
-from llm_act.patches.megatron.functions import Record, _megatron_linear_helpers, _report, linear_param_grads
+from llm_act.patches.megatron.functions import Record, linear_param_grads, megatron_linear_helpers, report_record
 from llm_act.sites import MOE_ACT_INPUT, MOE_FC1_INPUT, MOE_FC2_INPUT, MOE_ROUTING
 
 FC1, ACT, FC2, ROUTING = MOE_FC1_INPUT, MOE_ACT_INPUT, MOE_FC2_INPUT, MOE_ROUTING
@@ -43,7 +43,7 @@ class EncodedRouterGating(torch.autograd.Function):
         flat = inp.reshape(-1, inp.shape[-1]).to(router_dtype)
         w = weight.to(router_dtype)
         out = torch.mm(flat, w.t()) if bias is None else torch.addmm(bias.to(router_dtype), flat, w.t())
-        _report(owner, site, ctx.record, inp)
+        report_record(owner, site, ctx.record, inp)
         return out.view(*inp.shape[:-1], -1)
 
     @staticmethod
@@ -62,7 +62,7 @@ class EncodedRouterGating(torch.autograd.Function):
 
 @dataclass
 class ExpertStore:
-    """How one expert's forward stores its tensors: a codec per site (a lossless `_Visible`
+    """How one expert's forward stores its tensors: a codec per site (a lossless `VisibleKeep`
     for "keep"), the sites rebuilt in backward, the activation, and its two linears (for
     megatron's gradient-accumulation fusion)."""
 
@@ -78,7 +78,7 @@ def _put(store: ExpertStore, site: str, t: torch.Tensor) -> Optional[Record]:
     if site in store.recompute:
         return None
     record = Record(store.codecs[site].encode(t))
-    _report(store.owner, site, record, t)
+    report_record(store.owner, site, record, t)
     return record
 
 
@@ -127,7 +127,7 @@ class ExpertFFN(torch.autograd.Function):
             pp = p.detach().requires_grad_(need_p)
             zz = (store.fn(hh) * pp.unsqueeze(-1)).to(hh.dtype)
         z = zz.detach() if rec[FC2] is None else _get(store, FC2, rec[FC2])
-        L, prepare = _megatron_linear_helpers()
+        L, prepare = megatron_linear_helpers()
         gz = torch.matmul(g, w2)
         g2, z2 = prepare(g, z)
         gw2, _ = linear_param_grads(_Fused(store.fc2, w2), L, w2, g2, z2)

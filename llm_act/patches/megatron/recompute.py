@@ -4,12 +4,12 @@ A recomputed site is one its consumer keeps *nothing* of: in backward the tensor
 by re-running its producer (`recompute_producers`) back to the nearest stored tensor.
 `LayerRecompute` binds a layer's {site: choice} to its modules. A consumer that is a
 compressed module (`ActModule`) gets `SiteRecompute` as its codec (`recompute_codec`); the
-layer's per-forward frame (`recompute_region._Frame`) rebuilds under `torch.no_grad()` (the
+layer's per-forward frame (`recompute_region.LayerFrame`) rebuilds under `torch.no_grad()` (the
 consumer's backward needs only the value), re-entering every module through `__call__` (so
 hooks fire and ZeRO-3 gathers), with megatron's RNG states replayed (`rng_replay`) so a
 dropout draws the same mask.
 
-Stock modules whose internals are sites use a *region* (`recompute_region._Region`:
+Stock modules whose internals are sites use a *region* (`recompute_region.RegionFunction`:
 megatron's CheckpointFunction with its inputs kept or encoded): the core attention
 (`attn.softmax`, `attn.dropout_mask` recomputed: Megatron's "selective", q/k/v stored per
 their choices) and the whole block ("full": every site but `ln1.input` recomputed, GACT's
@@ -31,9 +31,9 @@ import torch
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, check_choice
 from llm_act.layer_contract import LayerBinder, binder_of
-from llm_act.patches.megatron.recompute_codec import SiteRecompute, _Visible
+from llm_act.patches.megatron.recompute_codec import SiteRecompute, VisibleKeep
 from llm_act.patches.megatron.recompute_producers import MOE_FULL_ONLY, PRODUCER_INPUTS
-from llm_act.patches.megatron.recompute_region import _Box, _Frame, _Region, _alive
+from llm_act.patches.megatron.recompute_region import LayerFrame, RegionBox, RegionFunction, alive_object
 from llm_act.patches.megatron.rng_replay import capture_rng, is_recomputing, recomputing, replay_rng
 from llm_act.sites import (
     ATTENTION_INTERNAL_SITES,
@@ -62,7 +62,7 @@ OPTIONAL_SITES = frozenset(QK_NORM_SITES) | frozenset(DENSE_MLP_SITES) | frozens
 _MADE_BY: dict[str, Site] = {site.name: site for site in BLOCK if site.made_by is not None}
 
 
-def _made(layer: torch.nn.Module, site: Site, frame: _Frame) -> torch.Tensor:
+def _made(layer: torch.nn.Module, site: Site, frame: LayerFrame) -> torch.Tensor:
     """`site` rebuilt by its `made_by` submodule from the one site it reads (a linear's
     `(output, bias)` summed, as the next module in the forward would)."""
     out = layer.get_submodule(site.made_by)(frame.value(site.recomputed_from[0]))
@@ -95,7 +95,7 @@ class LayerRecompute(LayerBinder):
     def __init__(self, layer: torch.nn.Module, sites: Mapping[str, Any], index: int):
         self.layer, self.sites, self.index = layer, dict(sites), index
         self.choice: dict[str, str] = {s: KEEP for s in SITES}
-        self.frame: Optional[_Frame] = None
+        self.frame: Optional[LayerFrame] = None
         self.mode = "none"  # "none" | "sites" | "full"
         self._handles: list = []
         self._checkpoint_codec: Optional[Codec] = None
@@ -168,7 +168,7 @@ class LayerRecompute(LayerBinder):
         # the path of the forward it repeats (that one ran under no_grad: no codec at all).
         # A site codec there would make that re-run store again: `SiteRecompute` at
         # attn.softmax asks for a frame that backward has not opened (it raised), and q/k/v
-        # codecs (or `_Visible`) send it down the unfused path re-encoding the decoded q/k/v.
+        # codecs (or `VisibleKeep`) send it down the unfused path re-encoding the decoded q/k/v.
         # (A stock DotProductAttention -- the benches' `convert_attention=False` -- has no
         # sites here, which is why binding one layer that way worked.)
         region = set(QKV_SITES) | set(ATTENTION_INTERNAL_SITES) if self._attention_region else set()
@@ -179,7 +179,7 @@ class LayerRecompute(LayerBinder):
             elif name == RECOMPUTE:
                 codec = codecs[site] if site in MASK_SITES else SiteRecompute(self, site)
             elif name == KEEP:
-                codec = _Visible() if site in needed else None
+                codec = VisibleKeep() if site in needed else None
             else:
                 codec = codecs[site]
             module.set_act_codec(site, codec)
@@ -289,7 +289,7 @@ class LayerRecompute(LayerBinder):
         return self.layer.training and torch.is_grad_enabled() and not is_recomputing()
 
     def _open(self, module, args) -> None:
-        self.frame = _Frame(self) if self._active() else None
+        self.frame = LayerFrame(self) if self._active() else None
 
     def _close(self, module, args, output) -> None:
         self.frame = None
@@ -303,14 +303,14 @@ class LayerRecompute(LayerBinder):
         if codec is None or record.enc.codec != codec.name:
             return  # not a value record (e.g. a ReLU's 1-bit mask)
         ref = weakref.ref(record)
-        frame.values[site] = lambda: codec.decode(_alive(ref, self.index, site).enc)
+        frame.values[site] = lambda: codec.decode(alive_object(ref, self.index, site).enc)
 
     def _capture_proj_rng(self, module, args) -> None:
         if self.frame is not None:
             self.frame.rng[LN2_INPUT] = capture_rng()
 
     # ---- rebuilding ---------------------------------------------------------------------------
-    def rebuild(self, frame: _Frame, site: str) -> torch.Tensor:
+    def rebuild(self, frame: LayerFrame, site: str) -> torch.Tensor:
         """The value `site` had in the forward of `frame`, recomputed (no graph): by the
         schema's `made_by` submodule where it names one, else by the producer written here."""
         layer = self.layer
@@ -328,7 +328,7 @@ class LayerRecompute(LayerBinder):
             if site == ATTN_OUT:
                 if frame.attention is None:
                     raise RuntimeError(f"layer {self.index}: the core-attention region was not recorded")
-                box, call = _alive(frame.attention[0], self.index, ATTN_OUT), frame.attention[1]
+                box, call = alive_object(frame.attention[0], self.index, ATTN_OUT), frame.attention[1]
                 qkv = [box.value(i) for i in range(3)]
                 with replay_rng(box.rng):
                     return call(*qkv)
@@ -349,12 +349,12 @@ class LayerRecompute(LayerBinder):
                 with recomputing():
                     return core(q, k, v, *args, **kwargs)
 
-            box = _Box(list(owner._qkv_codecs), owner.index, list(QKV_SITES))
-            out = _Region.apply(run, lambda q, k, v: (call(q, k, v),), box, query, key, value)
+            box = RegionBox(list(owner._qkv_codecs), owner.index, list(QKV_SITES))
+            out = RegionFunction.apply(run, lambda q, k, v: (call(q, k, v),), box, query, key, value)
             if owner.frame is not None:
                 ref = weakref.ref(box)
                 owner.frame.attention = (ref, call)
-                owner.frame.values.update({s: (lambda i=i, s=s: _alive(ref, owner.index, s).value(i))
+                owner.frame.values.update({s: (lambda i=i, s=s: alive_object(ref, owner.index, s).value(i))
                                            for i, s in enumerate(QKV_SITES)})
             return out
 
@@ -388,8 +388,8 @@ class LayerRecompute(LayerBinder):
                 with recomputing():
                     return (layer(h, *rest, **kwargs)[0],)
 
-            box = _Box([owner._checkpoint_codec], owner.index, [CHECKPOINT_SITE])
-            out = _Region.apply(run, rerun, box, hidden)
+            box = RegionBox([owner._checkpoint_codec], owner.index, [CHECKPOINT_SITE])
+            out = RegionFunction.apply(run, rerun, box, hidden)
             if context and context[0] is not None:
                 raise NotImplementedError(f"full recompute of layer {owner.index}: cross-attention context")
             return out, None

@@ -3,7 +3,7 @@
 A consumer stores its tensors through a codec; recomputation fits that path with two
 pseudo-codecs instead of a second mechanism. `SiteRecompute` is the choice "recompute": its
 "encode" stores a ticket (0 bytes) on the layer's per-forward frame, its "decode" asks the
-frame for the rebuilt value. `_Visible` is "keep" for a site a rebuild reads: the record
+frame for the rebuilt value. `VisibleKeep` is "keep" for a site a rebuild reads: the record
 holds x itself (the bytes stock keeps), where the plain "keep" (no codec: the stock path)
 makes no record for the frame to read.
 """
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from llm_act.patches.megatron.recompute import LayerRecompute
 
 
-class _Visible(Codec):
+class VisibleKeep(Codec):
     """"keep" through a compressed module: the record holds x itself (same bytes as stock),
     so a recomputation downstream can read it."""
 

@@ -19,7 +19,7 @@ parallelism): they are recomputed only with the whole block.
 
 The table is the schema's (`llm_act.sites.Site.recomputed_from`). It is re-exported here,
 apart from the binder (`recompute.LayerRecompute`) because both the binder
-(validation) and the per-forward frame (`recompute_region._Frame`, which walks it) read it.
+(validation) and the per-forward frame (`recompute_region.LayerFrame`, which walks it) read it.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Where a layer's recomputation keeps its state between forward and backward.
 
-`_Region` is megatron's CheckpointFunction with its inputs kept or encoded (`_Box` holds
+`RegionFunction` is megatron's CheckpointFunction with its inputs kept or encoded (`RegionBox` holds
 them, readable from outside the autograd context so a rebuild can read them too): stock
 modules whose internals are sites -- the core attention, the whole block -- run in one.
-`_Frame` is one forward of one layer: the values a rebuild reads, the RNG states it
+`LayerFrame` is one forward of one layer: the values a rebuild reads, the RNG states it
 replays and the cache of a group of consecutive recomputed sites, rebuilt once and held
 until their own consumers take them (the transient of one group).
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 # ---- regions: megatron's CheckpointFunction with kept or encoded inputs --------------------------
 
 
-class _Box:
+class RegionBox:
     """What a region stored, readable from outside its autograd context (for rebuilds)."""
 
     def __init__(self, codecs: list, layer: Optional[int], sites: list):
@@ -58,7 +58,7 @@ class _Box:
         return item if kind == "raw" else kind.decode(item)
 
 
-class _Region(torch.autograd.Function):
+class RegionFunction(torch.autograd.Function):
     """out = run(*xs) under no_grad; xs stored by `box`; backward re-runs `rerun` with grad
     on the stored (decoded) copies under the recorded RNG states and backpropagates."""
 
@@ -88,7 +88,7 @@ class _Region(torch.autograd.Function):
 # ---- one layer's forward state ------------------------------------------------------------------
 
 
-class _Frame:
+class LayerFrame:
     """One forward of one layer: stored values, RNG states and the rebuild cache.
 
     It refers to the records and the attention box only weakly: their owners are the autograd
@@ -146,7 +146,7 @@ class _Frame:
             self.attention = None
 
 
-def _alive(ref: "weakref.ref", layer: int, site: str):
+def alive_object(ref: "weakref.ref", layer: int, site: str):
     """The object behind `ref`; its autograd context keeps it until its own backward, which
     comes after every rebuild that reads it."""
     obj = ref()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from llm_act.codecs.base import Codec, Encoded
-from llm_act.patches.megatron.functions import _megatron_linear_helpers, linear_param_grads, save_linear_ctx
+from llm_act.patches.megatron.functions import linear_param_grads, megatron_linear_helpers, save_linear_ctx
 
 
 def _gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -100,7 +100,7 @@ class EncodedSPLinear(torch.autograd.Function):
     def backward(ctx, grad_output):
         from megatron.core.tensor_parallel import layers
 
-        L, prepare = _megatron_linear_helpers()
+        L, prepare = megatron_linear_helpers()
         (weight,) = ctx.saved_tensors
         if ctx.gradient_accumulation_fusion:
             weight.main_grad = ctx.main_grad

@@ -493,8 +493,8 @@ def test_sequence_parallel_linear_compresses_the_local_shard():
     x = torch.randn(S, B, H)
     ref = grads(lin, x)
     lin.sequence_parallel = True
-    from llm_act.patches.megatron.recompute_codec import _Visible
+    from llm_act.patches.megatron.recompute_codec import VisibleKeep
 
-    lin.set_act_codec("attn.qkv_input", _Visible())
+    lin.set_act_codec("attn.qkv_input", VisibleKeep())
     got = grads(lin, x)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))

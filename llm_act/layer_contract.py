@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from llm_act.codecs.base import Codec
+    from llm_act.planner.model_shape import ModelShape
 
 
 @runtime_checkable
@@ -58,6 +59,14 @@ class LayerBinder(Protocol):
         """The function that makes `mlp.fc2_input` from `mlp.act_input`, as the layer computes
         it (None where unknown). Measurement re-runs it on the captured input to time
         recomputing `mlp.fc2_input`."""
+        ...
+
+    def model_shape(self, *, count: int, seq_length: int, micro_batch: int, dtype: str,
+                    position_embedding: str, attention: str) -> Optional[ModelShape]:
+        """The planner's analytic `ModelShape` of `count` layers like this one at the observed
+        input (`seq_length` as this rank sees it, `micro_batch`, the activations' dtype name),
+        for the first step's budget check; None where the binder has no analytic model (a
+        generic block). Raises ValueError for a feature the analytic model lacks."""
         ...
 
 

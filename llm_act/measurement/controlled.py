@@ -6,10 +6,11 @@ never a controller. The planner in turn reads only profiles.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 from llm_act.codecs.base import Codec
 from llm_act.config import ActConfig
+from llm_act.layer_contract import LayerBinder
 
 
 class ControlledModel(Protocol):
@@ -28,6 +29,10 @@ class ControlledModel(Protocol):
 
     def module(self, layer: int, site: str) -> Any:
         """The compressed module that stores `site` of `layer`."""
+
+    def binder(self, layer: int) -> Optional[LayerBinder]:
+        """The binder of `layer` (`llm_act.layer_contract`: all measurement may ask of the
+        layer itself), None where none owns its modules."""
 
     def all_modules(self) -> list[Any]:
         """Every compressed module (each once)."""

@@ -49,7 +49,6 @@ from llm_act import sites as schema  # BLOCK and its tables, as `declare` leaves
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.fewbit import derivative
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, make_codec
-from llm_act.layer_contract import LayerBinder, binder_of
 from llm_act.ledger import SavedTensorLedger
 from llm_act.measurement import probing
 from llm_act.measurement.controlled import ControlledModel
@@ -471,12 +470,6 @@ def _sync(module: torch.nn.Module) -> None:
         torch.cuda.synchronize(p.device)
 
 
-def _binder(controller: ControlledModel, layer: int) -> Optional[LayerBinder]:
-    """The binder of `layer` (`layer_contract`: what measurement may ask of the layer), or None."""
-    sites = controller.sites(layer)
-    return binder_of(controller.module(layer, sites[0])) if sites else None
-
-
 def _rebuilt_from(sites) -> tuple[str, ...]:
     """Sites of `RECOMPUTABLE` whose rebuild reads one of `sites`."""
     return tuple(s.name for s in schema.BLOCK
@@ -489,7 +482,7 @@ def _no_recompute(controller: ControlledModel, layer: int) -> tuple[str, ...]:
     (`mlp.fc2_input`) when the MLP keeps only a mask of it (ReLU); those whose rebuild
     replays a dropout mask (`ln2.input`) when megatron's fused bias-dropout-add would need
     the hidden-dropout mask kept."""
-    owner, tl = _binder(controller, layer), _layer_of(controller, layer)
+    owner, tl = controller.binder(layer), _layer_of(controller, layer)
     if owner is None or tl is None:
         return tuple(sorted(schema.RECOMPUTABLE))
     out = []
@@ -543,7 +536,7 @@ def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: d
         producer, x = submodule(tl, spec.made_by), x_of(spec.recomputed_from[0])
         return None if producer is None or x is None else t(lambda: producer(x))
     if site == MLP_FC2_INPUT and x_of(MLP_ACT_INPUT) is not None:
-        owner = _binder(controller, layer)
+        owner = controller.binder(layer)
         fn = owner.mlp_activation() if owner is not None else None
         return None if fn is None else t(lambda: fn(x_of(MLP_ACT_INPUT)))
     if site == LN2_INPUT and x_of(ATTN_OUT) is not None and x_of(CHECKPOINT_SITE) is not None:

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from llm_act.codecs.fewbit import ACTIVATIONS
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 from llm_act.ledger import current_ledger, SavedTensorLedger
 from llm_act.measurement.measure import measure_profile
@@ -344,32 +343,23 @@ class FirstForward:
                      "step%s", why, budget, need, need / 1e9,
                      " -- more than the budget" if need > budget else "")
 
-    def model_shape(self, tconfig: Any, count: int):
-        """The analytic `ModelShape` of layers built from `tconfig` at the observed input."""
-        s_local, b, h = self.shape
-        tp = int(getattr(tconfig, "tensor_model_parallel_size", 1) or 1)
-        sp = bool(getattr(tconfig, "sequence_parallel", False))
-        heads = int(tconfig.num_attention_heads)
-        kv = getattr(tconfig, "kv_channels", None)
-        if kv is not None and int(kv) * heads != int(tconfig.hidden_size):
-            raise ValueError(f"kv_channels={kv} is not hidden_size / num_attention_heads")
-        act = getattr(getattr(tconfig, "activation_func", None), "__name__", "gelu")
-        if act not in ACTIVATIONS:
-            raise ValueError(f"activation {act!r} has no analytic model")
+    def model_shape(self, layer: int, count: int) -> ModelShape:
+        """The analytic `ModelShape` of `count` layers like `layer` at the observed input, from
+        the layer's binder (`LayerBinder.model_shape`: the megatron integration reads its
+        TransformerConfig); ValueError where the layer has no analytic model."""
+        s_local, b, _ = self.shape
         dtype = next((k for k, v in DTYPES.items() if v == self.dtype), None)
         if dtype is None:
             raise ValueError(f"activations in {self.dtype}")
         rope = any(getattr(m, "position_embedding_type", None) == "rope"
                    for root in self.roots for m in root.modules())
-        return ModelShape(
-            count, int(tconfig.hidden_size), heads, s_local * tp if sp else s_local, b,
-            ffn_hidden_size=tconfig.ffn_hidden_size, num_query_groups=tconfig.num_query_groups,
-            gated_linear_unit=bool(tconfig.gated_linear_unit), activation=act, dtype=dtype, tp=tp,
-            sequence_parallel=sp, qk_layernorm=bool(getattr(tconfig, "qk_layernorm", False)),
-            dropout=float(max(tconfig.hidden_dropout or 0.0, tconfig.attention_dropout or 0.0)),
-            bias=bool(tconfig.add_bias_linear), normalization=str(tconfig.normalization),
-            position_embedding="rope" if rope else "learned_absolute",
-            attention=self.controller.config.attention)
+        binder = self.controller.binder(layer)
+        shape = None if binder is None else binder.model_shape(
+            count=count, seq_length=s_local, micro_batch=b, dtype=dtype,
+            position_embedding="rope" if rope else "learned_absolute", attention=self.controller.config.attention)
+        if shape is None:
+            raise ValueError(f"layer {layer} has no analytic model")
+        return shape
 
     def min_budget(self, static: int, inflight: int) -> tuple[Optional[int], str]:
         """(the smallest budget any plan fits, static included; or None, why not)."""
@@ -380,21 +370,21 @@ class FirstForward:
         device = DeviceModel() if torch.cuda.is_available() else DeviceModel.cpu()
         pins = self.adapter.pins()
         controlled = set(self.controller.layers)
-        counts: dict[int, list] = {}
+        counts: dict[int, list] = {}  # layers built from one config: [one of their indices, count]
         for layer in self.layers:
-            if int(layer.layer_number) - 1 in controlled:
-                counts.setdefault(id(layer.config), [layer.config, 0])[1] += 1
+            index = int(layer.layer_number) - 1
+            if index in controlled:
+                counts.setdefault(id(layer.config), [index, 0])[1] += 1
         blocks, pinned = [], 0
         try:
             min_bits = self.controller.config.min_bits  # what plan "auto" may choose
-            profiles = [block_profile(self.model_shape(tconfig, count), device, count=count,
+            profiles = [block_profile(self.model_shape(index, count), device, count=count,
                                       inflight=inflight).with_min_bits(min_bits)
-                        for tconfig, count in counts.values()]
+                        for index, count in counts.values()]
             # the final norm's input, when this stage drives it (a site of the last layer's plan)
             last = max(controlled)
             if any(site in MODEL_SITES for site in self.controller.sites(last)):
-                tconfig = next(layer.config for layer in self.layers if int(layer.layer_number) - 1 == last)
-                outer = outer_profile(self.model_shape(tconfig, 1), device, inflight=inflight)  # (on
+                outer = outer_profile(self.model_shape(last, 1), device, inflight=inflight)  # (on
                 # the last stage: one micro-batch in flight)
                 if outer is not None:
                     profiles.append(outer.with_min_bits(min_bits))

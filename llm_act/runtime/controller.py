@@ -40,7 +40,7 @@ import torch
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, MLP_FEWBIT, MLP_VALUE, RECOMPUTE, accepts, make_codec, refusal
 from llm_act.config import ActConfig
-from llm_act.layer_contract import binder_of
+from llm_act.layer_contract import LayerBinder, binder_of
 from llm_act.measurement.probing import params_of
 from llm_act.plan import (LayerPlans, PlanLike, describe as describe_plan, is_keep, keep_layer, plan_from, resolve,
                           spans)
@@ -435,7 +435,7 @@ class Controller:
         layer's plan)."""
         for layer, stored in self._modules.items():
             choice = plan.get(layer, {})
-            owner = self._binder(layer)
+            owner = self.binder(layer)
             if owner is not None:
                 owner.bind(choice, {site: self._get_codec(layer, site, name)
                                     for site, name in owner.codec_names(choice).items()})
@@ -484,7 +484,7 @@ class Controller:
         sp = _sequence_parallel(self._modules.get(layer, {}).values())
         return codec_seed(self.config.seed, layer, site, sequence_parallel=sp)
 
-    def _binder(self, layer: int) -> Any:
+    def binder(self, layer: int) -> Optional[LayerBinder]:
         """The binder of `layer` (`layer_contract.binder_of` its modules), None where none owns
         them (their sites are bound one by one)."""
         return next((b for b in map(binder_of, self._modules.get(layer, {}).values()) if b is not None), None)
@@ -493,7 +493,7 @@ class Controller:
         """What `layer`'s MLP activation lets backward keep (`LayerBinder.mlp_kind`: "fewbit",
         "mask", "value", or None where unknown). Modules no binder owns say it through
         `act_activation` (a fitted activation's name, or None: a value codec only)."""
-        owner = self._binder(layer)
+        owner = self.binder(layer)
         if owner is not None:
             return owner.mlp_kind()
         module = self._modules.get(layer, {}).get(MLP_ACT_INPUT)
@@ -518,7 +518,7 @@ class Controller:
                 why = refusal(site, name, kind) if site in stored else None
                 if why is not None:
                     raise ValueError(f"plan for layer {layer}: {why}")
-            owner = self._binder(layer)
+            owner = self.binder(layer)
             if owner is not None:
                 owner.codec_names(choice)
 

@@ -24,7 +24,7 @@ from llm_act.layer_contract import LayerBinder, binder_of
 
 ROOT = Path(__file__).resolve().parents[2]
 #: what the runtime and measurement may call on a binder: exactly the protocol's members
-MEMBERS = ("codec_names", "bind", "mlp_kind", "mlp_activation")
+MEMBERS = ("codec_names", "bind", "mlp_kind", "mlp_activation", "model_shape")
 
 
 #: every class that implements the contract: (module, class)
@@ -86,6 +86,12 @@ def test_megatron_binders_are_layer_binders():
     assert isinstance(adopted, LayerBinder) and binder_of(controller.module(0, "ln1.input")) is adopted
     controller.reinstall()  # binds through the contract, the adopted class included
 
+    # the analytic model of the layer, from its TransformerConfig (the budget check asks this)
+    shape = binders[0].model_shape(count=2, seq_length=16, micro_batch=3, dtype="fp32",
+                                   position_embedding="rope", attention="stock")
+    assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads) == (2, 32, 2)
+    assert (shape.seq_length, shape.micro_batch_size, shape.activation) == (16, 3, "gelu")
+
     controller, binders = _gpt_binders(activation_func=F.relu)
     for layer, binder in binders.items():
         assert binder.mlp_kind() == "mask"
@@ -107,6 +113,8 @@ def test_generic_block_binders_are_layer_binders():
         assert type(binder) is generic.BlockRecompute and binder is binder_of(sites)
         assert isinstance(binder, LayerBinder)
         assert binder.mlp_kind() is None and binder.mlp_activation() is None
+        assert binder.model_shape(count=1, seq_length=8, micro_batch=2, dtype="fp32",
+                                  position_embedding="rope", attention="stock") is None
         # no megatron layer: measurement offers no single-site recompute there
         assert set(_no_recompute(ctl, layer)) == RECOMPUTABLE
     ctl.reinstall()
@@ -160,6 +168,19 @@ def test_no_private_reach_into_the_layers(folder):
             if name in PRIVATE:
                 found.append(f"{path}:{node.lineno}: {name}")
     assert not found, "reach the layer through llm_act.layer_contract:\n" + "\n".join(found)
+
+
+#: fields of megatron-core's TransformerConfig: the runtime and measurement read none (a layer's
+#: analytic model comes from its binder, `LayerBinder.model_shape`)
+CONFIG_FIELDS = {"num_attention_heads", "ffn_hidden_size", "num_query_groups", "gated_linear_unit",
+                 "kv_channels", "add_bias_linear", "hidden_dropout", "attention_dropout"}
+
+
+@pytest.mark.parametrize("folder", ["llm_act/runtime", "llm_act/measurement"])
+def test_no_transformer_config_is_read_below_the_integration(folder):
+    found = [f"{path}:{node.lineno}: .{node.attr}" for path, tree in _trees(folder) for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr in CONFIG_FIELDS]
+    assert not found, "ask the layer's binder (LayerBinder.model_shape):\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("folder", sorted(ABOVE))

@@ -188,6 +188,10 @@ class BlockRecompute(LayerBinder):
         """None: the block's activation is its own code, not known here."""
         return None
 
+    def model_shape(self, **observed) -> None:
+        """None: a generic block has no analytic model (its budget is checked by measurement)."""
+        return None
+
     def _checked(self, choice: dict[str, str]) -> dict[str, str]:
         stored = {s: choice.get(s, KEEP) for s in self.sites.codecs}
         where = f"generic block {self.sites.act_layer}"

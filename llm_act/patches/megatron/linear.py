@@ -102,3 +102,11 @@ class ActRowParallelLinear(_ActLinear, RowParallelLinear):
     def __init__(self, *args: Any, act_site: Optional[str] = None, **kwargs: Any):
         RowParallelLinear.__init__(self, *args, **kwargs)
         self._act_init(site=act_site)
+
+
+#: `Site.holder` kind -> (our class, the stock class it converts): the one table the layer
+#: swap (`swap.convert_layer`) and the layer spec (`spec.layer_spec`) both read
+LINEAR_HOLDERS = {
+    "column": (ActColumnParallelLinear, ColumnParallelLinear),
+    "row": (ActRowParallelLinear, RowParallelLinear),
+}

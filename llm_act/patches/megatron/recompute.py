@@ -54,6 +54,8 @@ from llm_act.sites import (
     Site,
 )
 from llm_act.patches.megatron.mlp import activation_of
+from llm_act.patches.megatron.model_shape import shape_of_config
+from llm_act.planner.model_shape import ModelShape
 
 #: sites a layer may lack (no qk-layernorm; a dense MLP or an MoE layer, not both)
 OPTIONAL_SITES = frozenset(QK_NORM_SITES) | frozenset(DENSE_MLP_SITES) | frozenset(MOE_SITES)
@@ -241,6 +243,12 @@ class LayerRecompute(LayerBinder):
     def mlp_activation(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The activation the compressed MLP computes (`mlp.activation_of` the layer's config)."""
         return activation_of(self.layer.config)[1]
+
+    def model_shape(self, *, count: int, seq_length: int, micro_batch: int, dtype: str,
+                    position_embedding: str, attention: str) -> ModelShape:
+        """The layer's TransformerConfig as the analytic model (`model_shape.shape_of_config`)."""
+        return shape_of_config(self.layer.config, count=count, seq_length=seq_length, micro_batch=micro_batch,
+                               dtype=dtype, position_embedding=position_embedding, attention=attention)
 
     def _bind_full(self, choice: Mapping[str, str], codecs: Mapping[str, Codec]) -> None:
         for site, module in self.sites.items():

@@ -25,7 +25,7 @@ from llm_act.patches.megatron import compat, unsupported
 from llm_act.patches.megatron.apply import as_config
 from llm_act.patches.megatron.attention import ActCoreAttention
 from llm_act.patches.megatron.dropout import ActBiasDropoutAdd
-from llm_act.patches.megatron.linear import ActColumnParallelLinear, ActRowParallelLinear
+from llm_act.patches.megatron.linear import LINEAR_HOLDERS
 from llm_act.patches.megatron.moe import ActSequentialMLP, ActTopKRouter
 from llm_act.patches.megatron.norm import act_norm
 from llm_act.sites import BLOCK, Site
@@ -88,7 +88,7 @@ def layer_spec(
     # the schema's sites (`slot`, `holder`) say which slot gets which class; the core
     # attention converts as a whole (its sites lie inside it)
     slots: dict[str, Any] = {"self_attention.core_attention": ActCoreAttention}
-    holder_classes = {"norm": ActNorm, "column": ActColumnParallelLinear, "row": ActRowParallelLinear}
+    holder_classes = {"norm": ActNorm, **{holder: ours for holder, (ours, _) in LINEAR_HOLDERS.items()}}
     for site in BLOCK:
         if site.scope != "layer" or ("dense" if moe else "moe") in site.needs:
             continue  # a slot of the block (the final norm: `block_spec`), or the other MLP family's site

@@ -18,13 +18,12 @@ import torch
 from llm_act._imports import require
 from llm_act.patches.megatron.act_module import ActModule
 from llm_act.patches.megatron.dropout import ActBiasDropoutAdd
-from llm_act.patches.megatron.linear import ActColumnParallelLinear, ActRowParallelLinear
+from llm_act.patches.megatron.linear import LINEAR_HOLDERS
 from llm_act.patches.megatron.mlp import ActMLP
 from llm_act.patches.megatron.norm import ActLayerNorm, ActRMSNorm
 from llm_act.patches.megatron.recompute import LayerRecompute
 
 require("megatron.core", "llm_act.patches.megatron.swap")
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp  # noqa: E402
 from megatron.core.transformer.mlp import MLP  # noqa: E402
 from llm_act.sites import ATTN_OUT, ATTN_Q, BLOCK, Site  # noqa: E402
@@ -34,14 +33,9 @@ _LAYER_BLOCK = tuple(site for site in BLOCK if site.scope == "layer")
 from llm_act.patches.megatron.moe import convert_moe, is_moe
 from llm_act.patches.megatron.attention import ATTENTION_SITES, ActCoreAttention
 
-#: holder kind -> (our class, the stock class it converts) for the parallel linears
-_LINEARS = {
-    "column": (ActColumnParallelLinear, ColumnParallelLinear),
-    "row": (ActRowParallelLinear, RowParallelLinear),
-}
 #: the holder kinds converted one slot at a time (the MLP, the MoE layer and the core
 #: attention convert as a whole; the bias-dropout-adds are replaced, not converted)
-_MODULE_HOLDERS = ("norm", *_LINEARS)
+_MODULE_HOLDERS = ("norm", *LINEAR_HOLDERS)
 #: Within one module's tensor-parallel region the column-parallel linear runs first (it
 #: opens the region), the row-parallel one last (it closes it), what lies between (the
 #: qk-norms) in between: the order `convert_layer` returns the sites in (`_forward_order`).
@@ -62,7 +56,7 @@ def _norm(module: torch.nn.Module, site: str):
 
 
 def _linear(module: torch.nn.Module, site: str, holder: str):
-    cls, stock = _LINEARS[holder]
+    cls, stock = LINEAR_HOLDERS[holder]
     if isinstance(module, cls):
         module._act_init(site=site)
         return module

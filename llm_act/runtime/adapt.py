@@ -319,18 +319,18 @@ class Adapter:
         budget = int(agreement.reduce_dict({"b": self._budget(profile, stock)}, "min",
                                            stage_group)["b"])
         decision = solving.decide(self, profile, blocks, static, budget, reasons, g)
-        if decision.get("refused") is not None:
-            raise BudgetTooSmall(*decision["refused"])
-        if decision.get("failure") is not None:
+        if decision.refused is not None:
+            raise BudgetTooSmall(*decision.refused)
+        if decision.failure is not None:
             self.solver_failures += 1
             self._warn_once("failure", "llm_act: iteration %d: the planner failed (%s); the plan in force "
                             "stays (said once; every failure is counted in the run's summary)",
-                            it, decision["failure"])
+                            it, decision.failure)
         self._phase("solve", clock)
-        reset = bool(decision["reasons"])
+        reset = bool(decision.reasons)
         if g is not None:  # every stage keeps the same schedule (they track together)
             reset = bool(agreement.reduce_dict({"r": float(reset)}, "max", g.world)["r"])
-        if decision["plan"] is not None:  # a plan the layers cannot bind skips the point here
+        if decision.plan is not None:  # a plan the layers cannot bind skips the point here
             c.check_accepted(self._next_plan(profile, decision))
         # every rank measured and decided: the schedule first, then what this rank switches
         self.round.commit()
@@ -338,10 +338,10 @@ class Adapter:
         self.track_count += 1
         self._run_tracks += 1
         self._schedule(it, reset=reset)
-        self.budget = decision["budget"]
+        self.budget = decision.budget
         self.profile = profile
-        self.output_decision = decision.get("output")
-        if decision["plan"] is not None:
+        self.output_decision = decision.output
+        if decision.plan is not None:
             self._switch(it, profile, decision)
         in_force = c.pending_plan or c.plan
         if self.sensitivity and self.sampling_noise is not None:
@@ -349,17 +349,17 @@ class Adapter:
             self.noise_ratio = check_noise(profile.noise(in_force, self.sensitivity, self.coherence),
                                            self.sampling_noise,
                                            where=f" (iteration {it})")
-        if decision["reasons"]:
-            self.resets.append((it, list(decision["reasons"])))
+        if decision.reasons:
+            self.resets.append((it, list(decision.reasons)))
             log.info("llm_act: iteration %d: statistics shifted (%s); tracking interval back to 1",
-                     it, "; ".join(decision["reasons"]))
+                     it, "; ".join(decision.reasons))
 
-    def _switch(self, it: int, profile: Any, decision: dict[str, Any]) -> None:
+    def _switch(self, it: int, profile: Any, decision: solving.Decision) -> None:
         """Set the decided plan and output loss; a change is logged and kept in `history`."""
         c = self.controller
         old = c.plan
         new = self._next_plan(profile, decision)
-        output_moved = c.set_output_loss(decision.get("output_loss"))
+        output_moved = c.set_output_loss(decision.output_loss)
         if new == old and not output_moved:
             return
         if new != old:
@@ -368,16 +368,16 @@ class Adapter:
             "iteration": it,
             "changes": "; ".join(([describe_changes(old, new)] if new != old else [])
                                  + ([output_moved] if output_moved else [])),
-            "predicted_bytes": decision["predicted_bytes"],
-            "activation_bytes": decision["activation_bytes"],
-            "overhead_ms": decision["overhead_ms"],
-            "reason": "; ".join(decision["reasons"]) or ("first plan" if not self.history else "re-plan"),
+            "predicted_bytes": decision.predicted_bytes,
+            "activation_bytes": decision.activation_bytes,
+            "overhead_ms": decision.overhead_ms,
+            "reason": "; ".join(decision.reasons) or ("first plan" if not self.history else "re-plan"),
         }
         self.history.append(entry)
-        entry["noise"] = decision.get("noise")
-        entry["output_loss"] = decision.get("output_loss")
-        vb = decision.get("noise_budget")
-        out = decision.get("output")
+        entry["noise"] = decision.noise
+        entry["output_loss"] = decision.output_loss
+        vb = decision.noise_budget
+        out = decision.output
         say = log.info if speaks_for_stage() else log.debug  # one line per stage
         say("llm_act: iteration %d: plan changed: %s | predicted memory %.3f MiB of the "
             "%.3f MiB budget (activations %.3f MiB), predicted noise %s (noise budget %s), "
@@ -389,12 +389,12 @@ class Adapter:
             "" if out is None else " | " + output_choice.OutputChoice(**out).describe(),
             entry["reason"], c.describe(new))
 
-    def _next_plan(self, profile: Any, decision: dict[str, Any]) -> dict[int, dict[str, str]]:
+    def _next_plan(self, profile: Any, decision: solving.Decision) -> dict[int, dict[str, str]]:
         """The plan `decision` puts in force: each decided layer's choice over the plan in force,
         its unmeasured sites kept, the user's pins on top."""
         old = self.controller.plan
         return {layer: {**old.get(layer, {}), **self.unmeasured(profile, layer), **choice, **self.pins(layer)}
-                for layer, choice in decision["plan"].items()}
+                for layer, choice in decision.plan.items()}
 
     def _phase(self, name: str, since: float) -> float:
         """Book the seconds since `since` to phase `name` of this tracking point; now."""

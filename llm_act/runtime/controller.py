@@ -45,6 +45,7 @@ from llm_act.measurement.probing import params_of
 from llm_act.plan import (LayerPlans, PlanLike, describe as describe_plan, is_keep, keep_layer, plan_from, resolve,
                           spans)
 from llm_act.runtime import agreement, controller_state
+from llm_act.runtime.controller_state import ControllerSnapshot
 from llm_act.runtime.adapt import Adapter
 from llm_act.runtime.logs import default_handler, speaks_for_stage
 from llm_act.runtime.seeds import codec_seed
@@ -534,6 +535,39 @@ class Controller:
         return name if isinstance(name, str) else "gelu"
 
     # ---- checkpoints (`llm_act.runtime.controller_state`) --------------------------------
+    @property
+    def in_step(self) -> bool:
+        """Whether `step()` is running (a checkpoint is neither taken nor restored then)."""
+        return self._in_step
+
+    def snapshot(self) -> ControllerSnapshot:
+        """What a checkpoint keeps of this controller, as plain data (`state_dict` saves it)."""
+        return ControllerSnapshot(
+            iteration=self.iteration, config=self.config, plan=self._plan, pending_plan=self._pending,
+            adapt=self.adapter.state_dict(), output_loss=self.output_loss,
+            pending_output_loss=self._pending_output,
+            codecs={key: codec.state_dict() for key, codec in self._codecs.items()})
+
+    def restore_codec(self, layer: int, site: str, name: str, state: Mapping[str, Any]) -> Optional[bool]:
+        """Give codec `name` at (layer, site) its saved random stream `state`: True when
+        restored, False when the stream was seeded for another run or rank (this controller's
+        fresh one stays), None when the layer is not on this pipeline stage."""
+        if site not in self._modules.get(layer, {}):
+            return None
+        if state.get("seed") != self._codec_seed(layer, site):
+            return False
+        self._get_codec(layer, site, name).load_state_dict(state)
+        return True
+
+    def restore_plans(self, plan: Mapping[int, Mapping[str, str]], pending: Optional[Mapping[int, Mapping[str, str]]],
+                      output_loss: Optional[str], pending_output_loss: Optional[str]) -> None:
+        """Put a checkpoint's plan in force, its pending plan and its output loss back."""
+        self._apply(plan_from(dict(plan), self.num_layers, self._modules))
+        self._pending = None if pending is None else plan_from(dict(pending), self.num_layers, self._modules)
+        if self.output is not None and output_loss in ("stock", "chunked"):
+            self.output.set(output_loss)
+            self._pending_output = pending_output_loss
+
     def state_dict(self) -> dict[str, Any]:
         """Iteration, the `ActConfig` it ran under, plan (in force and pending), the adaptive
         planner's state and every codec's generator state."""

@@ -4,44 +4,78 @@
 One job: a resumed run gets its iteration, plan (in force and pending), adaptive-planner state,
 output loss and every codec's random stream back, or is told which of them the flags given now
 replace, and why. Apart from the controller so that the rules of a resume (which settings win,
-which streams are this run's) read in one place. The functions take the `Controller` and read
-and set its state; its `state_dict` and `load_state_dict` are thin methods over them.
+which streams are this run's) read in one place. The functions reach the controller only
+through its public checkpoint surface (`Checkpointed`: `snapshot()`, `restore_codec`,
+`restore_plans`); its `state_dict` and `load_state_dict` are thin methods over them.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Optional, Protocol
 
 from llm_act.config import ActConfig
-from llm_act.plan import LayerPlans, plan_from
-
-if TYPE_CHECKING:
-    from llm_act.runtime.controller import Controller  # whose state this is
+from llm_act.plan import LayerPlans
 
 log = logging.getLogger("llm_act.runtime.controller")  # the checkpoint speaks as its controller
 
 
-def state_dict(controller: "Controller") -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class ControllerSnapshot:
+    """What a checkpoint keeps of a `Controller`, read through its public `snapshot()`."""
+
+    iteration: int
+    config: ActConfig
+    plan: LayerPlans
+    pending_plan: Optional[LayerPlans]
+    adapt: Optional[dict[str, Any]]
+    output_loss: Optional[str]
+    pending_output_loss: Optional[str]
+    #: {(layer, site, codec name): the codec's state_dict()}
+    codecs: dict[tuple[int, str, str], dict[str, Any]]
+
+
+class Checkpointed(Protocol):
+    """The checkpoint surface of a `Controller` (`llm_act.runtime.controller`): all that
+    `state_dict` and `load_state_dict` here use of it."""
+
+    iteration: int
+    config: ActConfig
+    adapter: Any
+
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def in_step(self) -> bool: ...
+
+    def snapshot(self) -> ControllerSnapshot: ...
+
+    def restore_codec(self, layer: int, site: str, name: str, state: Mapping[str, Any]) -> Optional[bool]: ...
+
+    def restore_plans(self, plan: Mapping[int, Mapping[str, str]], pending: Optional[Mapping[int, Mapping[str, str]]],
+                      output_loss: Optional[str], pending_output_loss: Optional[str]) -> None: ...
+
+
+def state_dict(controller: Checkpointed) -> dict[str, Any]:
     """`Controller.state_dict()` of `controller` (see there)."""
+    snap = controller.snapshot()
     return {
         "version": 1,
-        "iteration": controller.iteration,
-        "config": controller.config.to_dict(),
-        "plan": _plan_to_state(controller._plan),
-        "pending": None if controller._pending is None else _plan_to_state(controller._pending),
-        "adapt": controller.adapter.state_dict(),
-        "output_loss": controller.output_loss,
-        "pending_output_loss": controller._pending_output,
-        "codecs": {
-            f"{layer}/{site}/{name}": codec.state_dict()
-            for (layer, site, name), codec in controller._codecs.items()
-        },
+        "iteration": snap.iteration,
+        "config": snap.config.to_dict(),
+        "plan": _plan_to_state(snap.plan),
+        "pending": None if snap.pending_plan is None else _plan_to_state(snap.pending_plan),
+        "adapt": snap.adapt,
+        "output_loss": snap.output_loss,
+        "pending_output_loss": snap.pending_output_loss,
+        "codecs": {f"{layer}/{site}/{name}": state for (layer, site, name), state in snap.codecs.items()},
     }
 
 
-def load_state_dict(controller: "Controller", state: Mapping[str, Any]) -> list[str]:
+def load_state_dict(controller: Checkpointed, state: Mapping[str, Any]) -> list[str]:
     """`Controller.load_state_dict(state)` of `controller` (see there)."""
-    if controller._in_step:
+    if controller.in_step:
         raise RuntimeError("load_state_dict: not allowed inside controller.step()")
     if not isinstance(state, Mapping) or state.get("version") != 1:
         raise ValueError("state: expected a Controller.state_dict() (version 1)")
@@ -55,18 +89,15 @@ def load_state_dict(controller: "Controller", state: Mapping[str, Any]) -> list[
     return notes
 
 
-def _load_codecs(controller: "Controller", saved: Mapping[str, Any]) -> str:
+def _load_codecs(controller: Checkpointed, saved: Mapping[str, Any]) -> str:
     """Restore the saved codec generators whose seed is this run's (see load_state_dict)."""
     restored, foreign = 0, 0
     for key, codec_state in saved.items():
         layer, site, name = key.split("/")
-        if site not in controller._modules.get(int(layer), {}):
+        done = controller.restore_codec(int(layer), site, name, codec_state)
+        if done is None:
             continue  # another pipeline stage's layer
-        if codec_state.get("seed") != controller._codec_seed(int(layer), site):
-            foreign += 1
-            continue
-        controller._get_codec(int(layer), site, name).load_state_dict(codec_state)
-        restored += 1
+        restored, foreign = restored + done, foreign + (not done)
     note = f"act codecs: restored the random streams of {restored} codecs"
     if foreign:
         note += (f"; {foreign} replaced by fresh streams (seeded for another seed or data-parallel "
@@ -74,7 +105,7 @@ def _load_codecs(controller: "Controller", saved: Mapping[str, Any]) -> str:
     return note
 
 
-def _load_plan(controller: "Controller", state: Mapping[str, Any]) -> str:
+def _load_plan(controller: Checkpointed, state: Mapping[str, Any]) -> str:
     """Restore the saved plans and planner state if the config is unchanged (see
     load_state_dict); the line saying which plan is in force."""
     saved = state.get("config")
@@ -88,15 +119,9 @@ def _load_plan(controller: "Controller", state: Mapping[str, Any]) -> str:
                 "checkpoint's plan and adaptive-planner state are not restored")
     if state.get("adapt") is not None:
         controller.adapter.load_state_dict(state["adapt"])
-    controller._apply(plan_from(_plan_from_state(state["plan"]), controller.num_layers, controller._modules))
     pending = state.get("pending")
-    controller._pending = (
-        None if pending is None
-        else plan_from(_plan_from_state(pending), controller.num_layers, controller._modules)
-    )
-    if controller.output is not None and state.get("output_loss") in ("stock", "chunked"):
-        controller.output.set(state["output_loss"])
-        controller._pending_output = state.get("pending_output_loss")
+    controller.restore_plans(_plan_from_state(state["plan"]), None if pending is None else _plan_from_state(pending),
+                             state.get("output_loss"), state.get("pending_output_loss"))
     return (f"act plan: restored the checkpoint's plan in force (act config unchanged, plan "
             f"{controller.config.plan!r}, {len(controller.adapter.history)} adaptive changes so far)")
 

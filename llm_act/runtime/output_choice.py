@@ -25,8 +25,8 @@ other times), times the number of chunks. Where the weight is not whole on this 
 ZeRO-3 partition) it is **estimated** instead: 2 x tokens x vocab_local x hidden flops at the
 `DeviceModel`'s matmul rate (`estimate_gemm_ms`, also what `llm-act plan` uses).
 
-The decision travels in the dict the adapter broadcasts from its source rank
-(`decision["output_loss"]`), so every TP/DP rank of the stage switches alike; only the last
+The decision travels in the `solving.Decision` the adapter broadcasts from its source rank
+(`Decision.output_loss`), so every TP/DP rank of the stage switches alike; only the last
 stage holds an output layer, the others decide nothing (None). Transients are not counted:
 the chunked op's (one chunk's logits, an fp32 weight-gradient accumulator under bf16) are
 smaller than stock's backward transient (the [tokens, vocab/tp] logits gradient).

@@ -38,6 +38,33 @@ log = logging.getLogger("llm_act.runtime.controller")
 GPU_MARGIN = 0.05
 
 
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One tracking point's decision, the same on every rank (the source rank's, broadcast):
+    a plan, or none and why. Plain data, so the broadcast pickles it as it is."""
+
+    #: the memory budget it was decided under (bytes)
+    budget: int
+    #: the statistics shifts this point found (they reset the tracking interval)
+    reasons: tuple[str, ...]
+    #: {layer: {site: choice}} of the decided layers; None where no plan was decided
+    plan: Optional[dict[int, dict[str, str]]] = None
+    predicted_bytes: int = 0
+    activation_bytes: int = 0
+    overhead_ms: float = 0.0
+    #: the plan's predicted noise, and the noise budget it was held to (None: not measured)
+    noise: Optional[float] = None
+    noise_budget: Optional[float] = None
+    #: (budget, static, smallest budget) of a user budget no plan fits, refused on every rank
+    refused: Optional[tuple[int, int, int]] = None
+    #: why the solver broke ("Type: message"); the plan in force then stays
+    failure: Optional[str] = None
+    #: the output loss chosen with the plan ("stock", "chunked"; None: unchanged), and the
+    #: output choice's figures (`output_choice.OutputChoice.to_dict()`)
+    output_loss: Optional[str] = None
+    output: Optional[dict[str, Any]] = None
+
+
 def offers_biased(a: "Adapter") -> bool:
     """Whether the planner may choose a biased codec: not under a noise budget with
     `biased_codecs="exclude"`."""
@@ -104,7 +131,7 @@ def default_budget(a: "Adapter", profile: Any, static: int) -> int:
 
 
 def decide(a: "Adapter", profile: Any, blocks: list, static: int, budget: int, reasons: list[str],
-           g: Any) -> dict[str, Any]:
+           g: Any) -> Decision:
     """The decision of this tracking point, the same on every rank: the source rank chooses
     the output loss (`output_choice.decide`, "auto") and the plan (`solve`), and broadcasts."""
     decision = None
@@ -112,8 +139,9 @@ def decide(a: "Adapter", profile: Any, blocks: list, static: int, budget: int, r
         # output_loss "auto": stock or chunked output loss, with the plan (`output_choice`)
         out = output_choice.decide(a.controller, blocks, static, budget, noise_budget(a), memory.inflight())
         decision = solve(a, profile, blocks, static if out is None else out.static_bytes, budget, reasons)
-        decision["output_loss"] = None if out is None or decision["plan"] is None else out.choice
-        decision["output"] = None if out is None else out.to_dict()
+        decision = dataclasses.replace(
+            decision, output_loss=None if out is None or decision.plan is None else out.choice,
+            output=None if out is None else out.to_dict())
     return agreement.broadcast(decision, g)
 
 
@@ -151,13 +179,11 @@ def in_force_if_as_good(a: "Adapter", profile: Any, blocks: list, static: int, b
 
 
 def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
-          reasons: list[str]) -> dict[str, Any]:
-    """The decision of the source rank, as plain data for the broadcast: a plan, or
-    None with why (`refused`: a user budget too small at the first tracking; `failure`:
-    the solver broke). Never raises: every rank must learn the outcome."""
-    out: dict[str, Any] = {"plan": None, "budget": budget, "reasons": reasons,
-                           "predicted_bytes": 0, "activation_bytes": 0, "overhead_ms": 0.0,
-                           "refused": None, "failure": None}
+          reasons: list[str]) -> Decision:
+    """The decision of the source rank: a plan, or None with why (`refused`: a user budget
+    too small at the first tracking; `failure`: the solver broke). Never raises: every rank
+    must learn the outcome."""
+    out = Decision(budget=budget, reasons=tuple(reasons))
     it = a.controller.iteration
 
     noise = noise_budget(a)
@@ -189,19 +215,18 @@ def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
             # counts): it gets the tightest plan and one warning
             accepted = a.first.result is not None and a.first.result.get("min") is not None
             if a.config.budget is not None and not a._run_tracks and not accepted:
-                out["refused"] = (int(err.budget_bytes), int(err.static_bytes), int(err.min_budget_bytes))
-                return out
+                return dataclasses.replace(out, refused=(int(err.budget_bytes), int(err.static_bytes),
+                                                         int(err.min_budget_bytes)))
             a._warn_once("tightest", "llm_act: iteration %d: no plan fits the %s budget of %d bytes "
                          "(%.3f GiB); using the tightest plan, %d bytes (%.3f GiB) (said once)", it,
                          "given" if a.config.budget is not None else "derived", budget,
                          budget / 2**30, err.min_budget_bytes, err.min_budget_bytes / 2**30)
             sol = solve_at(err.min_budget_bytes)
     except Exception as err:  # a re-planning step must never end the run
-        out["failure"] = f"{type(err).__name__}: {err}"
-        return out
+        return dataclasses.replace(out, failure=f"{type(err).__name__}: {err}")
     sol = in_force_if_as_good(a, profile, blocks, static, budget, noise, sol) or sol
     a.solution = sol
-    out.update(plan=profile.plan_from(sol, exclude=a.pins()), predicted_bytes=sol.activation_bytes + static,
-               noise=float(sol.variance) if a.sensitivity else None, noise_budget=noise,
-               activation_bytes=sol.activation_bytes, overhead_ms=sol.overhead_ms)
-    return out
+    return dataclasses.replace(
+        out, plan=profile.plan_from(sol, exclude=a.pins()), predicted_bytes=sol.activation_bytes + static,
+        noise=float(sol.variance) if a.sensitivity else None, noise_budget=noise,
+        activation_bytes=sol.activation_bytes, overhead_ms=sol.overhead_ms)

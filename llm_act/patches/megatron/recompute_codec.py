@@ -9,15 +9,28 @@ makes no record for the frame to read.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
 
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.registry import KEEP, RECOMPUTE
 
-if TYPE_CHECKING:
-    from llm_act.patches.megatron.recompute import LayerRecompute
+
+class RecomputeOwner(Protocol):
+    """What the recompute codecs and the per-forward frame (`recompute_region`) read of the
+    layer's binder (`recompute.LayerRecompute`), declared here so that neither imports it."""
+
+    #: the layer's index, for messages
+    index: int
+    #: the layer's {site: choice} in force
+    choice: Mapping[str, str]
+    #: the open per-forward frame (`recompute_region.LayerFrame`), None outside a forward
+    frame: Optional[Any]
+
+    def rebuild(self, frame: Any, site: str) -> torch.Tensor:
+        """Recompute `site` (and the group of recomputed sites it belongs to) in `frame`."""
+        ...
 
 
 class VisibleKeep(Codec):
@@ -43,7 +56,7 @@ class SiteRecompute(Codec):
     name = RECOMPUTE
     lossless = True
 
-    def __init__(self, owner: "LayerRecompute", site: str):
+    def __init__(self, owner: RecomputeOwner, site: str):
         super().__init__(0)
         self.owner, self.site = owner, site
 

@@ -13,19 +13,16 @@ object (`owner.rebuild`, `owner.index`).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from llm_act.codecs.registry import RECOMPUTE
 from llm_act.patches.megatron.act_module import report_to_ledger
+from llm_act.patches.megatron.recompute_codec import RecomputeOwner
 from llm_act.patches.megatron.recompute_producers import PRODUCER_INPUTS
 from llm_act.patches.megatron.rng_replay import capture_rng, recomputing, replay_rng
 from llm_act.sites import ATTN_OUT, QKV_SITES
-
-if TYPE_CHECKING:
-    from llm_act.patches.megatron.recompute import LayerRecompute
-
 
 # ---- regions: megatron's CheckpointFunction with kept or encoded inputs --------------------------
 
@@ -97,7 +94,7 @@ class LayerFrame:
     cannot see, so a step that fails before its backward (an out-of-memory, say) would keep
     the whole graph alive for good -- 102 GiB on an H200 after one out-of-memory probe."""
 
-    def __init__(self, owner: "LayerRecompute"):
+    def __init__(self, owner: RecomputeOwner):
         self.owner = owner
         self.choice = dict(owner.choice)
         self.values: dict[str, Callable[[], torch.Tensor]] = {}

@@ -18,7 +18,7 @@ BRIEF_FIELDS = {
     "variance_budget": None,
     "seed": 1234,
     "noise_fraction": 0.25,
-    "biased_codecs": "charge",
+    "biased_codecs": "exclude",
     "min_bits": 4,
     "fidelity_every": 250,
     "output_loss": "stock",

@@ -109,15 +109,15 @@ def test_a_given_variance_budget_wins_and_none_turns_the_fraction_off():
 
 def test_biased_codecs_are_charged_their_measured_coherence_or_excluded():
     """Issue 28 item 3: under a noise budget a nearest-rounding codec's error, the same on
-    every token, is charged at its measured coherence (default), or such codecs are left
-    out ("exclude"). With "charge" a site whose coherence is not measured yet charges its
+    every token, is charged at its measured coherence ("charge"), or such codecs are left
+    out ("exclude", the default since issue 42's second part). With "charge" a site whose coherence is not measured yet charges its
     biased codecs `STANDIN_KAPPA`; the rounds measure the linears' inputs' in one pass,
     then the probed sites'."""
     from llm_act.codecs.registry import KEEP, RECOMPUTE, UNBIASED_CODECS
     from llm_act.runtime.measuring import STANDIN_KAPPA, planner_coherence
 
     budget = _tight()
-    model, controller, opt, gen = _setup(budget=budget)
+    model, controller, opt, gen = _setup(budget=budget, biased_codecs="charge")
     _train(model, controller, opt, gen, 1)
     a = controller.adapter
     assert a.config.biased_codecs == "charge"
@@ -142,7 +142,8 @@ def test_biased_codecs_are_charged_their_measured_coherence_or_excluded():
     assert got == pytest.approx(raw)  # unbiased: not charged
     assert controller.state_dict()["adapt"]["coherence"] == a.coherence
 
-    model, controller, opt, gen = _setup(budget=budget, biased_codecs="exclude")
+    model, controller, opt, gen = _setup(budget=budget)  # the default: "exclude"
+    assert controller.config.biased_codecs == "exclude"
     _train(model, controller, opt, gen, 2)
     chosen = {n for choice in controller.plan.values() for n in choice.values()} - {KEEP, RECOMPUTE}
     assert controller.history and chosen <= UNBIASED_CODECS, chosen

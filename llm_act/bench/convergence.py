@@ -363,15 +363,18 @@ def _flags(plan: str, budget: Optional[int], model: Model, folder: str,
         return ()
     if plan == DEFAULT:  # one flag, nothing else: what a user gets
         return ("--act-compress",)
-    if plan == DEFAULT_UNBIASED:  # the default plan choosing among unbiased codecs only
-        return ("--act-compress", "--act-compress-biased-codecs", "exclude")
+    if plan in (DEFAULT_UNBIASED, DEFAULT_CHARGED):  # the default plan, biased codecs said explicitly
+        biased = "exclude" if plan == DEFAULT_UNBIASED else "charge"
+        return ("--act-compress", "--act-compress-biased-codecs", biased)
     fraction = noise_fraction_of(plan)
     if fraction is not None:  # the default plan at another noise budget (its calibration)
         return ("--act-compress", "--act-compress-noise-fraction", fraction)
     if plan.startswith("auto"):
-        unbiased = ("--act-compress-biased-codecs", "exclude") if plan.endswith(" unbiased") else ()
+        # "auto X" charges biased codecs (what it did when its records were made), "auto X
+        # unbiased" excludes them: both said explicitly, whatever the default
+        biased = "exclude" if plan.endswith(" unbiased") else "charge"
         return ("--act-compress", "--act-compress-plan", "auto", "--act-compress-budget", str(budget),
-                *unbiased)
+                "--act-compress-biased-codecs", biased)
     fixed = FIXED_PLANS.get(plan) if choice is None else choice
     if fixed is not None:
         path = os.path.join(folder, "fixed_plan.json")
@@ -767,9 +770,12 @@ def sentences(result: dict) -> list[str]:
 #: the default plan at noise fraction X: "default, noise X" (`noise_fraction_of`)
 DEFAULT_AT_NOISE = DEFAULT + ", noise "
 
-#: the default plan with biased codecs excluded (`biased_codecs="exclude"`): issue 42's test of
-#: whether the deterministic and fp8 codecs the default plan mixes in cost the loss
+#: the default plan with biased codecs excluded (`biased_codecs="exclude"`, the default since
+#: issue 42's second part; before it, its test of whether the deterministic and fp8 codecs the
+#: default plan mixed in cost the loss), and with them charged their measured coherence
+#: (`biased_codecs="charge"`, the default before)
 DEFAULT_UNBIASED = DEFAULT + ", unbiased"
+DEFAULT_CHARGED = DEFAULT + ", charged"
 
 
 def noise_fraction_of(plan: str) -> Optional[str]:
@@ -788,7 +794,8 @@ def noise_fraction_of(plan: str) -> Optional[str]:
 
 def _adaptive(plan: str) -> bool:
     """Whether `plan` re-plans during the run (plan "auto": the default plan and "auto X")."""
-    return plan in (DEFAULT, DEFAULT_UNBIASED) or plan.startswith("auto") or plan.startswith(DEFAULT_AT_NOISE)
+    return (plan in (DEFAULT, DEFAULT_UNBIASED, DEFAULT_CHARGED) or plan.startswith("auto")
+            or plan.startswith(DEFAULT_AT_NOISE))
 
 
 def _which_better(stats: dict) -> str:

@@ -38,17 +38,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", choices=tuple(models), default=tuple(models))
     def plan(text: str) -> str:
         try:
-            if text in (*setting.plans, C.DEFAULT_UNBIASED) or C.noise_fraction_of(text) is not None:
+            if text in (*setting.plans, C.DEFAULT_UNBIASED, C.DEFAULT_CHARGED) or C.noise_fraction_of(text) is not None:
                 return text
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(repr, setting.plans))}, "
-                                         f"{C.DEFAULT_UNBIASED!r} or '{C.DEFAULT_AT_NOISE}X', got {text!r}")
+                                         f"{C.DEFAULT_UNBIASED!r}, {C.DEFAULT_CHARGED!r} or "
+                                         f"'{C.DEFAULT_AT_NOISE}X', got {text!r}")
 
     p.add_argument("--plans", nargs="+", type=plan, default=setting.plans, metavar="PLAN",
                    help="besides stock, which every seed runs first: the setting's plans, or "
                         f"'{C.DEFAULT_AT_NOISE}X' (the default plan at noise fraction X), or "
-                        f"{C.DEFAULT_UNBIASED!r} (the default plan with biased codecs excluded)")
+                        f"{C.DEFAULT_UNBIASED!r} / {C.DEFAULT_CHARGED!r} (the default plan with biased codecs "
+                        "excluded / charged, said explicitly)")
     p.add_argument("--seeds", type=_seeds, default=setting.seeds, metavar="A-B",
                    help="a range A-B or a comma list (default: the setting's 10)")
     p.add_argument("--steps", type=int, default=setting.steps)

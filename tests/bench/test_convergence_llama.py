@@ -216,16 +216,23 @@ def test_the_default_plan_at_another_noise_fraction_is_one_more_flag():
         pilot_parser().parse_args(["--plans", C.DEFAULT_AT_NOISE + "abc", "--save-json", "x"])
 
 
-def test_the_default_plan_without_biased_codecs_is_one_more_flag():
-    """Issue 42's test of the biased codecs: "default, unbiased" is the default plan with
-    --act-compress-biased-codecs exclude, adaptive like it, and the pilot takes it."""
+def test_the_default_plan_with_biased_codecs_said_explicitly():
+    """Issue 42's test of the biased codecs: "default, unbiased" and "default, charged" are the
+    default plan with --act-compress-biased-codecs exclude / charge, adaptive like it, and the
+    pilot takes them; "default" itself excludes them (the default since issue 42's second
+    part), and "auto X" keeps charging them as when its records were made."""
     from llm_act.config import ActConfig
 
-    flags = C._flags(C.DEFAULT_UNBIASED, None, C.LLAMA_MODEL, "/nonexistent")
-    assert flags == ("--act-compress", "--act-compress-biased-codecs", "exclude")
-    assert C._adaptive(C.DEFAULT_UNBIASED)
-    args = C.train_args(300, 1234, False, extra=flags, model=C.LLAMA_MODEL, setting=C.LOW_FLOOR)
-    assert args.act_config == ActConfig(biased_codecs="exclude")
-    assert pilot_parser().parse_args(["--plans", C.DEFAULT_UNBIASED, "--save-json", "x"]).plans == [C.DEFAULT_UNBIASED]
+    assert ActConfig().biased_codecs == "exclude"
+    for plan, mode in ((C.DEFAULT_UNBIASED, "exclude"), (C.DEFAULT_CHARGED, "charge")):
+        flags = C._flags(plan, None, C.LLAMA_MODEL, "/nonexistent")
+        assert flags == ("--act-compress", "--act-compress-biased-codecs", mode)
+        assert C._adaptive(plan)
+        args = C.train_args(300, 1234, False, extra=flags, model=C.LLAMA_MODEL, setting=C.LOW_FLOOR)
+        assert args.act_config == ActConfig(biased_codecs=mode)
+        assert pilot_parser().parse_args(["--plans", plan, "--save-json", "x"]).plans == [plan]
+    assert C._flags(C.AUTO_TARGET, 1000, C.LLAMA_MODEL, "/nonexistent")[-2:] == ("--act-compress-biased-codecs",
+                                                                                 "charge")
+    assert C._flags(C.AUTO_TARGET + " unbiased", 1000, C.LLAMA_MODEL, "/nonexistent")[-1] == "exclude"
     with pytest.raises(SystemExit):
         pilot_parser().parse_args(["--plans", "default, biased", "--save-json", "x"])

@@ -2,7 +2,9 @@
 (issue 41: a coherence round offered `fewbit3` to a SwiGLU MLP and ended the run).
 
 Tracking runs at every iteration (`adapt_interval_max=1`) with a gradient-fidelity report at
-every iteration, at a loose budget (sites kept: the rounds fall back to each site's default
+every iteration, with biased codecs charged their coherence (`biased_codecs="charge"`: the mode
+whose coherence rounds crashed; the default, "exclude", runs none, and a test below drives it
+too), at a loose budget (sites kept: the rounds fall back to each site's default
 codec, which is where the crash came from) and at the default budget, until every sensitive
 site's c and a biased codec's coherence are measured. Then, for each family:
 
@@ -41,6 +43,8 @@ from tests.test_budget_doors import _engine, pp2_run
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 LOOSE = 10**9
+#: the mode that measures coherences (the default, "exclude", runs no coherence round)
+CHARGE = dict(biased_codecs="charge")
 #: iterations of the rotation before the rounds still missing are forced (it reaches every
 #: site in about 2 x the sensitive site types where the plan settles; under the default budget
 #: a plan that moves re-measures coherences first, and a fixed count would be flaky)
@@ -64,17 +68,18 @@ def _sensitive(sites) -> set[str]:
     return {site for site in sites if site not in MASK_SITES}
 
 
-def missing(state: dict, sensitive: set[str]) -> list[str]:
+def missing(state: dict, sensitive: set[str], coherence: bool = True) -> list[str]:
     """What the run has not measured yet (empty: every round type reached every site)."""
     a = state["adapt"]
     c_measured = {site for m in a["c_recent"] for site in m}
     out = [f"c of {s}" for s in sorted(sensitive - c_measured)]
-    out += [f"coherence of {s}" for s in sorted(sensitive - set(a["coherence_codecs"]))]
+    if coherence:
+        out += [f"coherence of {s}" for s in sorted(sensitive - set(a["coherence_codecs"]))]
     out += ["a fidelity report"] if not a["fidelity"] else []
     return out
 
 
-def check_state(state: dict, kind: str, sensitive: set[str]) -> None:
+def check_state(state: dict, kind: str, sensitive: set[str], coherence: bool = True) -> None:
     """Everything "auto" measured, offered and chose is what a layer of MLP kind `kind`
     accepts, and no measurement was skipped."""
     a = state["adapt"]
@@ -90,7 +95,7 @@ def check_state(state: dict, kind: str, sensitive: set[str]) -> None:
         for layer, choice in plan.items():
             for site, name in choice.items():
                 assert (layer, site) not in held or accepts(site, name, kind), (layer, site, name)
-    assert not missing(state, sensitive), missing(state, sensitive)
+    assert not missing(state, sensitive, coherence), missing(state, sensitive, coherence)
 
 
 def _train(model, controller, steps_done: int, opt, engine=None) -> None:
@@ -176,16 +181,39 @@ def test_auto_measures_every_site_of_every_family_and_offers_only_what_the_layer
 
     build, kind = FAMILIES[family]
     model = build()
-    controller = apply(model, ActConfig(plan="auto", budget=budget, adapt_interval_max=1, fidelity_every=1))
+    controller = apply(model, ActConfig(plan="auto", budget=budget, adapt_interval_max=1, fidelity_every=1,
+                                        **CHARGE))
     _drive(model, controller, kind)
     if budget is None:
         _rule_matches_the_layers(model, apply(build(), ActConfig(plan="keep")), kind)
 
 
 @pytest.mark.usefixtures("megatron_one_rank")
+def test_the_default_auto_on_swiglu_measures_every_site_and_runs_no_coherence_round():
+    """`--act-compress` alone (biased codecs excluded): every sensitive site's c is measured,
+    no coherence round runs, and everything offered and chosen is what the gated MLP takes."""
+    from llm_act.measurement.sensitivity import sensitive_sites
+    from llm_act.patches.megatron import apply
+
+    build, kind = FAMILIES["swiglu-gqa-rmsnorm"]
+    model = build()
+    controller = apply(model, ActConfig(plan="auto", adapt_interval_max=1, fidelity_every=1))
+    assert controller.config.biased_codecs == "exclude"
+    sensitive = set(sensitive_sites(controller))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(1, NATURAL_STEPS + 1):
+        _train(model, controller, step, opt)
+        if not missing(controller.state_dict(), sensitive, coherence=False):
+            break
+    state = controller.state_dict()
+    assert state["adapt"]["coherence_codecs"] == {}
+    check_state(state, kind, sensitive, coherence=False)
+
+
+@pytest.mark.usefixtures("megatron_one_rank")
 def test_the_deepspeed_doors_megatron_gpt_measures_every_site():
     engine = _engine(R.build(dropout=0.0, spec=T.local_layer_spec(normalization="RMSNorm"), **LLAMA),
-                     {"plan": "auto", "budget": LOOSE, "adapt_interval_max": 1, "fidelity_every": 1})
+                     {"plan": "auto", "budget": LOOSE, "adapt_interval_max": 1, "fidelity_every": 1, **CHARGE})
     _drive(engine.module, engine.act_controller, "value", engine=engine)
 
 
@@ -202,7 +230,8 @@ def test_two_rank_swiglu_runs_measure_every_site_to_their_end(tmp_path, parallel
                               "--normalization", "RMSNorm", "--disable-bias-linear", "--group-query-attention",
                               "--num-query-groups", "2", "--hidden-dropout", "0", "--attention-dropout", "0",
                               "--act-compress-budget", str(LOOSE), "--act-compress-adapt-interval-max", "1",
-                              "--act-compress-fidelity-every", "1", "--save", str(tmp_path / "ckpt")],
+                              "--act-compress-fidelity-every", "1", "--act-compress-biased-codecs", "charge",
+                              "--save", str(tmp_path / "ckpt")],
                    timeout=400, env={"LLM_ACT_COLLECTIVE_TIMEOUT": "120"}, parallel=parallel)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"re-planning: {steps} tracking points" in proc.stdout, proc.stdout[-3000:]

@@ -106,7 +106,7 @@ def test_the_round_goes_first_where_the_plan_depends_on_a_stand_in():
     linears' coherences (all in one pass), a probed site's coherence (lossy ones first),
     the other unmeasured types, then the stalest; plain and signed rounds take turns; where
     a coherence is not measured a biased codec is charged the stand-in."""
-    model, controller, opt, gen = _setup(budget=10**9)
+    model, controller, opt, gen = _setup(budget=10**9, biased_codecs="charge")  # the rounds of coherence too
     a = controller.adapter
     tapped, probed = measuring.split_sites(a)
     assert "ln2.input" in probed and "ln1.input" in probed
@@ -167,7 +167,7 @@ def test_a_replayed_point_measures_on_the_first_rows_with_no_profile_pass():
     for the two passes of a signed round, 2 for the first point's exact pass), and a later
     point's profile comes from the training step's own samples: every forward the point
     runs is a round's."""
-    model, controller, opt, gen = _setup(budget=10**9)
+    model, controller, opt, gen = _setup(budget=10**9, biased_codecs="charge")  # the rounds of coherence too
     rows_seen: list = []
     tracking = [False]
 

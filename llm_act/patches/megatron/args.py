@@ -101,8 +101,8 @@ _FLAGS: dict[str, tuple[Optional[Callable[[str], Any]], str]] = {
     "variance_budget": (_float, "upper bound on the summed gradient noise"),
     "noise_fraction": (_optional_float, "auto's noise budget as a fraction of the measured "
                                         "mini-batch sampling noise ('none': no noise budget)"),
-    "biased_codecs": (str, "under a noise budget, auto 'charge's biased codecs (nearest rounding, fp8, "
-                           "few-bit) their measured coherent error, or 'exclude's them"),
+    "biased_codecs": (str, "under a noise budget, auto 'exclude's biased codecs (nearest rounding, fp8, "
+                           "few-bit; the default) or 'charge's them their measured coherent error"),
     "min_bits": (_int, "the fewest bits per value a codec auto chooses may store (1: every codec; "
                        "default 4)"),
     "fidelity_every": (_int, "report the gradient fidelity every N iterations (0: on request only)"),

@@ -7,7 +7,8 @@ megatron-core TransformerLayer, recomputation included), its subclass
 `deepspeed.checkpointing`) and `deepspeed.generic.BlockRecompute` (a block of any torch model).
 The runtime and measurement sit below the patches (docs/architecture.md: imports point down),
 so they import none of those classes: they find a layer's binder with `binder_of` on any module
-that stores one of its sites, and call only what `LayerBinder` declares.
+that stores one of its sites, and call only what `LayerBinder` declares; of the modules
+themselves they use only what `SiteModule` declares.
 
 This module imports nothing of llm_act at run time, so every package may import it.
 """
@@ -67,6 +68,31 @@ class LayerBinder(Protocol):
         input (`seq_length` as this rank sees it, `micro_batch`, the activations' dtype name),
         for the first step's budget check; None where the binder has no analytic model (a
         generic block). Raises ValueError for a feature the analytic model lacks."""
+        ...
+
+
+@runtime_checkable
+class SiteModule(Protocol):
+    """A module that stores sites of a layer: `patches.megatron.act_module.ActModule` and its
+    subclasses (norms, linears, the MLP, the MoE experts, the core attention, the
+    bias-dropout-adds) and the generic path's `patches.deepspeed.generic.BlockSites`. All the
+    runtime and measurement read or call on one; they reach it through
+    `ControlledModel.module(layer, site)` and never by reflection."""
+
+    #: the MLP activation whose input the module stores, by name, where a few-bit codec can
+    #: tabulate its derivative ("gelu", "relu", ...); None elsewhere (every other module, a
+    #: gated unit, a generic block: a value codec only)
+    act_activation: Optional[str]
+    #: the core attention's mode ("stock", "unfused", "sdpa", "chunked", "auto"); None where
+    #: the module holds no core attention of ours (what it stores is stock's)
+    act_attention: Optional[str]
+
+    def set_act_codec(self, site: str, codec: Optional[Codec]) -> None:
+        """Store `site` through `codec` from the next forward on (None: as stock does)."""
+        ...
+
+    def set_attention_mode(self, mode: str) -> None:
+        """Put the module's core attention in `mode`; nothing where it holds none."""
         ...
 
 

@@ -10,7 +10,7 @@ from typing import Any, Optional, Protocol
 
 from llm_act.codecs.base import Codec
 from llm_act.config import ActConfig
-from llm_act.layer_contract import LayerBinder
+from llm_act.layer_contract import LayerBinder, SiteModule
 
 
 class ControlledModel(Protocol):
@@ -27,8 +27,8 @@ class ControlledModel(Protocol):
     def sites(self, layer: int) -> tuple[str, ...]:
         """The sites `layer` stores."""
 
-    def module(self, layer: int, site: str) -> Any:
-        """The compressed module that stores `site` of `layer`."""
+    def module(self, layer: int, site: str) -> SiteModule:
+        """The compressed module that stores `site` of `layer` (`layer_contract.SiteModule`)."""
 
     def binder(self, layer: int) -> Optional[LayerBinder]:
         """The binder of `layer` (`llm_act.layer_contract`: all measurement may ask of the

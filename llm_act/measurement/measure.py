@@ -117,7 +117,7 @@ def site_codec_names(controller: ControlledModel, layer: int, site: str, x: torc
 
 def _activation_name(controller: ControlledModel, layer: int) -> str:
     try:
-        name = getattr(controller.module(layer, MLP_ACT_INPUT), "act_activation", None)
+        name = controller.module(layer, MLP_ACT_INPUT).act_activation
     except KeyError:
         name = None
     return name if isinstance(name, str) else "gelu"

@@ -166,7 +166,7 @@ class _Recording(Codec):
 
 def _probe(controller: ControlledModel, layer: int, site: str, seed: int, record: list) -> Codec:
     if site == MLP_ACT_INPUT and controller.accepts(layer, site, DEFAULT_CODECS[MLP_ACT_INPUT]):
-        act = getattr(controller.module(layer, site), "act_activation", None)
+        act = controller.module(layer, site).act_activation
         if isinstance(act, str) and act != "relu":
             return _DerivativeProbe(seed, act, record)
     return _ValueProbe(seed, record)
@@ -180,10 +180,10 @@ def sensitive_sites(controller: ControlledModel) -> list[str]:
         for site in controller.sites(layer):
             if site in MASK_SITES or site in out:
                 continue
-            if site == MLP_ACT_INPUT and getattr(controller.module(layer, site), "act_activation", None) == "relu":
+            if site == MLP_ACT_INPUT and controller.module(layer, site).act_activation == "relu":
                 continue
-            if site == ATTN_SOFTMAX and getattr(controller.module(layer, site), "act_attention",
-                                                  "stock") not in ("stock", "unfused"):
+            if site == ATTN_SOFTMAX and (controller.module(layer, site).act_attention or "stock") not in (
+                    "stock", "unfused"):
                 continue  # the memory-efficient attention stores no probabilities
             out.append(site)
     return out
@@ -354,7 +354,7 @@ def _coherence(controller: ControlledModel, forward: Callable[[], Any], passes: 
         for layer in controller.layers:
             if site not in controller.sites(layer) or not controller.accepts(layer, site, name):
                 continue  # (`measuring.coherence_codecs` names only codecs every layer takes)
-            act = getattr(controller.module(layer, site), "act_activation", None) if site == MLP_ACT_INPUT else None
+            act = controller.module(layer, site).act_activation if site == MLP_ACT_INPUT else None
             act = act if isinstance(act, str) and name in FEWBIT_CODECS else None
             inner = make_codec(name, seed=seed + 7919 * layer, activation=act or "gelu")
             codecs[(layer, site)] = _Recording(inner, act, record)

@@ -462,7 +462,7 @@ class Controller:
         """Put every controlled core attention in `mode` (until the next plan is applied)."""
         for stored in self._modules.values():
             core = stored.get(ATTN_Q)
-            if core is not None and hasattr(core, "set_attention_mode"):
+            if core is not None:
                 core.set_attention_mode(mode)
 
     def _get_codec(self, layer: int, site: str, name: str) -> Codec:
@@ -498,7 +498,7 @@ class Controller:
         if owner is not None:
             return owner.mlp_kind()
         module = self._modules.get(layer, {}).get(MLP_ACT_INPUT)
-        if module is None or not hasattr(module, "act_activation"):
+        if module is None:
             return None
         return MLP_FEWBIT if isinstance(module.act_activation, str) else MLP_VALUE
 
@@ -531,7 +531,7 @@ class Controller:
 
     def _activation(self, layer: int, site: str) -> str:
         """The activation whose derivative a few-bit codec at `site` tabulates."""
-        name = getattr(self._modules[layer][site], "act_activation", None)
+        name = self._modules[layer][site].act_activation
         return name if isinstance(name, str) else "gelu"
 
     # ---- checkpoints (`llm_act.runtime.controller_state`) --------------------------------

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llm_act.layer_contract import LayerBinder, binder_of
+from llm_act.layer_contract import LayerBinder, SiteModule, binder_of
 
 ROOT = Path(__file__).resolve().parents[2]
 #: what the runtime and measurement may call on a binder: exactly the protocol's members
@@ -92,6 +92,14 @@ def test_megatron_binders_are_layer_binders():
     assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads) == (2, 32, 2)
     assert (shape.seq_length, shape.micro_batch_size, shape.activation) == (16, 3, "gelu")
 
+    # every module the controller holds is a SiteModule: what the runtime reads of it is declared
+    modules = {id(controller.module(layer, site)): controller.module(layer, site)
+               for layer in controller.layers for site in controller.sites(layer)}
+    assert all(isinstance(m, SiteModule) for m in modules.values()), [type(m) for m in modules.values()]
+    assert controller.module(0, "mlp.act_input").act_activation == "gelu"
+    assert controller.module(0, "attn.q").act_attention is not None
+    assert controller.module(0, "ln1.input").act_attention is None
+
     controller, binders = _gpt_binders(activation_func=F.relu)
     for layer, binder in binders.items():
         assert binder.mlp_kind() == "mask"
@@ -115,6 +123,8 @@ def test_generic_block_binders_are_layer_binders():
         assert binder.mlp_kind() is None and binder.mlp_activation() is None
         assert binder.model_shape(count=1, seq_length=8, micro_batch=2, dtype="fp32",
                                   position_embedding="rope", attention="stock") is None
+        module = ctl.module(layer, ctl.sites(layer)[0])
+        assert isinstance(module, SiteModule) and module.act_activation is None and module.act_attention is None
         # no megatron layer: measurement offers no single-site recompute there
         assert set(_no_recompute(ctl, layer)) == RECOMPUTABLE
     ctl.reinstall()
@@ -168,6 +178,18 @@ def test_no_private_reach_into_the_layers(folder):
             if name in PRIVATE:
                 found.append(f"{path}:{node.lineno}: {name}")
     assert not found, "reach the layer through llm_act.layer_contract:\n" + "\n".join(found)
+
+
+#: what a layer's modules declare (`SiteModule`): the runtime and measurement read it as
+#: attributes, never by name through getattr / hasattr
+DECLARED = {"act_activation", "act_attention", "set_attention_mode"}
+
+
+@pytest.mark.parametrize("folder", ["llm_act/runtime", "llm_act/measurement"])
+def test_no_reflection_on_what_site_modules_declare(folder):
+    found = [f"{path}:{node.lineno}: {node.value!r}" for path, tree in _trees(folder) for node in ast.walk(tree)
+             if isinstance(node, ast.Constant) and node.value in DECLARED]
+    assert not found, "read it as declared by llm_act.layer_contract.SiteModule:\n" + "\n".join(found)
 
 
 #: fields of megatron-core's TransformerConfig: the runtime and measurement read none (a layer's

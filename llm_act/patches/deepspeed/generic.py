@@ -130,6 +130,11 @@ class BlockSites:
 
     #: no few-bit codec at mlp.act_input: the generic path stores the activation's input
     act_activation = None
+    #: the block's attention is its own code: what it stores is stock's
+    act_attention = None
+
+    def set_attention_mode(self, mode: str) -> None:
+        """Nothing: a generic block's attention is its own code (`layer_contract.SiteModule`)."""
 
     def __init__(self, layer: int, sites: tuple[str, ...]):
         self.act_layer = layer

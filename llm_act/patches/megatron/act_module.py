@@ -24,6 +24,13 @@ class ActModule:
 
     #: the sites this module stores (an instance may narrow it, e.g. one linear = one site)
     ACT_SITES: tuple[str, ...] = ()
+    #: `layer_contract.SiteModule`: no MLP activation (ActMLP says its own) and no core
+    #: attention (ActCoreAttention has its mode) unless a subclass holds one
+    act_activation: str | None = None
+    act_attention: str | None = None
+
+    def set_attention_mode(self, mode: str) -> None:
+        """Nothing: this module holds no core attention (`ActCoreAttention` overrides it)."""
 
     # ---- conversion --------------------------------------------------------------------
     @classmethod

@@ -22,7 +22,7 @@ def test_ranks_average_ties_and_spearman_matches_hand_values():
         P.spearman([1, 2, 3], [1, 2])
 
 
-def _run(final, train_level, noise=None, fidelity=None, changes=None, valid_mid=None):
+def _saved_run(final, train_level, noise=None, fidelity=None, changes=None, valid_mid=None):
     run = {"valid_full": final, "train": [train_level] * 300,
            "valid": [5.0, 4.0, valid_mid if valid_mid is not None else final, 3.0, final]}
     if noise is not None:
@@ -30,21 +30,21 @@ def _run(final, train_level, noise=None, fidelity=None, changes=None, valid_mid=
     return run
 
 
-def _result(gaps: dict[str, list[float]]) -> dict:
+def _saved_result(gaps: dict[str, list[float]]) -> dict:
     """Two seeds; each plan ends `gap` above stock's 2.0 and trains `gap` above it too."""
     runs = {}
     for seed in (1, 2):
-        runs[f"stock seed {seed}"] = _run(2.0, 3.0, valid_mid=2.5)
-        runs[f"stock, 1 ulp seed {seed}"] = _run(2.0, 3.0, valid_mid=2.5)
+        runs[f"stock seed {seed}"] = _saved_run(2.0, 3.0, valid_mid=2.5)
+        runs[f"stock, 1 ulp seed {seed}"] = _saved_run(2.0, 3.0, valid_mid=2.5)
         for plan, per_seed in gaps.items():
             g = per_seed[seed - 1]
-            runs[f"{plan} seed {seed}"] = _run(2.0 * (1 + g), 3.0 * (1 + g / 2), noise=g * 10, fidelity=g,
+            runs[f"{plan} seed {seed}"] = _saved_run(2.0 * (1 + g), 3.0 * (1 + g / 2), noise=g * 10, fidelity=g,
                                                changes=3 if plan == "auto" else None, valid_mid=2.5 * (1 + g))
     return {"models": {"m": {"runs": runs}}}
 
 
 def test_points_read_the_gap_and_every_candidate_a_run_has():
-    pts = {(p["plan"], p["seed"]): p for p in P.points(_result({"auto": [0.01, 0.03], "fixed": [0.02, 0.0]}))}
+    pts = {(p["plan"], p["seed"]): p for p in P.points(_saved_result({"auto": [0.01, 0.03], "fixed": [0.02, 0.0]}))}
     assert set(pts) == {("auto", 1), ("auto", 2), ("fixed", 1), ("fixed", 2)}  # stock and controls are not runs
     p = pts[("auto", 2)]
     assert p["gap"] == pytest.approx(0.03)
@@ -54,7 +54,7 @@ def test_points_read_the_gap_and_every_candidate_a_run_has():
 
 
 def test_a_candidate_that_orders_the_runs_has_rho_one_and_the_table_ranks_by_the_fit_set(tmp_path, capsys):
-    result = _result({"a": [0.01, 0.04], "b": [0.02, 0.05], "c": [0.03, 0.06]})
+    result = _saved_result({"a": [0.01, 0.04], "b": [0.02, 0.05], "c": [0.03, 0.06]})
     rho = P.correlations(P.points(result))
     assert rho["noise ratio"] == (pytest.approx(1.0), 6) and rho["mid valid gap"][0] == pytest.approx(1.0)
     fit, report = tmp_path / "fit.json", tmp_path / "report.json"

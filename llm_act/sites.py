@@ -16,7 +16,7 @@ too (`Site.scope` "model", `MODEL_SITES`): the last layer's plan carries its cho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Literal, NamedTuple, Optional, get_args
 
 # ---- the names (spelled here only) --------------------------------------------------------
 LN1_INPUT = "ln1.input"
@@ -70,6 +70,24 @@ class BlockDims(NamedTuple):
     moe_f2: int = 0
 
 
+#: the schema's closed vocabularies: a `Site` or `Tag` outside them is refused when it is
+#: declared (`Site.__post_init__`), and type checkers see every comparison against them
+Holder = Literal["norm", "column", "row", "bda", "mlp", "core_attention", "moe", "attention"]
+Layout = Literal["replicated", "heads", "hidden", "ffn", "experts"]
+SiteDtype = Literal["activation", "mask", "float32"]
+Stage = Literal["mlp", "attention", "final"]
+Family = Literal["qkv", "attention_internal", "qk_norm", "dense_mlp", "moe", "mask", "outer", "block"]
+Need = Literal["dropout", "unfused_attention", "qk_layernorm", "dense", "moe", "last"]
+Scope = Literal["layer", "model"]
+TagHow = Literal["input", "output", "owns", "after"]
+
+
+def _check_word(value: str, vocabulary, field: str, name: str) -> None:
+    allowed = get_args(vocabulary)
+    if value not in allowed:
+        raise ValueError(f"site {name!r}: {field} {value!r} is not one of {', '.join(allowed)}")
+
+
 @dataclass(frozen=True)
 class Tag:
     """How the ledger recognises a site's tensors in the slot that stores it.
@@ -80,7 +98,7 @@ class Tag:
     - "after": saved in the layer itself (the bias-dropout-add) once the slot has run.
     """
 
-    how: str
+    how: TagHow
     slot: str
     arg: int = 0
 
@@ -92,19 +110,19 @@ class Site:
     name: str
     slot: str
     """the layer submodule (path relative to the TransformerLayer) that stores the site"""
-    holder: str
+    holder: Holder
     """the kind of module the layer swap puts in `slot`: "norm", "column" / "row" (the
     parallel linears), "bda" (bias-dropout-add), "mlp", "core_attention", "moe", or
     "attention" (SelfAttention itself, for the qk-norms' own slots)"""
-    layout: str
+    layout: Layout
     """how a tensor-parallel rank holds it (`TP_LAYOUT`)"""
-    dtype: str
+    dtype: SiteDtype
     """"activation" (the model's dtype), "mask" (bool on CUDA's RNG, else the model's dtype)
     or "float32\""""
     dims: Callable[[BlockDims], tuple[int, ...]]
     codec: str
     """the "compress" plan's codec (Adacc sec. 3.2)"""
-    stage: str
+    stage: Stage
     """the backward stage that consumes it: "mlp" runs first, then "attention"; "final" for the
     final norm's input, consumed before any block backpropagates"""
     tags: tuple[Tag, ...]
@@ -124,9 +142,10 @@ class Site:
     with the whole block), `attn.out`, `attn.softmax`, `attn.dropout_mask` (the core
     attention is recomputed as one region: plan "recompute" or a JSON plan asks for it),
     and the hidden dropout masks ("recompute" there is the `regen` codec, which is offered)"""
-    family: str = "block"
-    """"qkv", "attention_internal", "qk_norm", "dense_mlp", "moe", "mask" or "block\""""
-    needs: tuple[str, ...] = ()
+    family: Family = "block"
+    """"qkv", "attention_internal", "qk_norm", "dense_mlp", "moe", "mask", "outer" (saved once
+    per model, after the blocks) or "block\""""
+    needs: tuple[Need, ...] = ()
     """what a block needs to have the site: "dropout", "unfused_attention",
     "qk_layernorm", "dense", "moe", "last" (the model's last layer) (all of them)"""
     decode_group: Optional[str] = None
@@ -139,13 +158,22 @@ class Site:
     biases the gradient, stochastic rounding too (issue 42: SR INT2 at q/k/v alone cost the
     Llama-style bench model +3%), so plan "auto" charges it as it charges nearest rounding
     (`codecs.registry.unbiased_at`)"""
-    scope: str = "layer"
+    scope: Scope = "layer"
     """where `slot` (and the ledger's tag slots) are found: "layer", relative to the
     TransformerLayer; "model", relative to the TransformerBlock that holds the layers -- a
     tensor saved once per model after its last layer (the final norm's input). A "model"
     site is planned as a site of the last layer (its plan carries the choice; `needs`
     "last"), priced as a block of its own (whole-block recompute never covers it) and never
     recomputed"""
+
+    def __post_init__(self) -> None:
+        for field, vocabulary in (("holder", Holder), ("layout", Layout), ("dtype", SiteDtype),
+                                  ("stage", Stage), ("family", Family), ("scope", Scope)):
+            _check_word(getattr(self, field), vocabulary, field, self.name)
+        for need in self.needs:
+            _check_word(need, Need, "need", self.name)
+        for tag in self.tags:
+            _check_word(tag.how, TagHow, "tag", self.name)
 
 
 def _hid(x: BlockDims) -> tuple[int, ...]:

@@ -51,6 +51,20 @@ def test_the_counter_sees_literals_and_f_strings(tmp_path):
     assert spelled_site_names(probe) == 2
 
 
+def test_a_site_outside_the_schemas_vocabulary_is_refused_where_it_is_declared():
+    import dataclasses
+    from typing import get_args
+
+    site = S.SITE_OF["ln1.input"]
+    assert site.holder in get_args(S.Holder) and site.stage in get_args(S.Stage)
+    for field, wrong in (("holder", "layernorm"), ("layout", "rows"), ("stage", "forward"), ("scope", "block"),
+                         ("family", "norm"), ("needs", ("dropout", "qk_norm")), ("dtype", "bf16")):
+        with pytest.raises(ValueError, match=f"site 'ln1.input': .*'{wrong if field != 'needs' else 'qk_norm'}' is not"):
+            dataclasses.replace(site, **{field: wrong})
+    with pytest.raises(ValueError, match="tag 'before' is not"):
+        dataclasses.replace(site, tags=(S.Tag("before", "input_layernorm"),))
+
+
 def test_the_schema_is_well_formed():
     dims = S.BlockDims(s=8, sl=4, b=2, h=16, a=4, g=2, d=4, f1=64, f2=32, rows=12, moe_f1=8, moe_f2=4)
     holders = {"norm", "column", "row", "bda", "mlp", "core_attention", "moe", "attention"}

@@ -75,7 +75,7 @@ def points(result: dict) -> list[dict]:
         for key, run in runs.items():
             plan, _, seed = key.rpartition(" seed ")
             stock = runs.get(f"stock seed {seed}")
-            if plan == "stock" or stock is None or plan.startswith("stock"):
+            if stock is None or plan.startswith("stock"):  # stock itself and its 1-ulp control
                 continue
             point = {"model": model, "plan": plan, "seed": int(seed), "gap": final(run) / final(stock) - 1}
             for name, read in CANDIDATES.items():

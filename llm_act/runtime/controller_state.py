@@ -97,7 +97,10 @@ def _load_codecs(controller: Checkpointed, saved: Mapping[str, Any]) -> str:
         done = controller.restore_codec(int(layer), site, name, codec_state)
         if done is None:
             continue  # another pipeline stage's layer
-        restored, foreign = restored + done, foreign + (not done)
+        if done:
+            restored += 1
+        else:
+            foreign += 1
     note = f"act codecs: restored the random streams of {restored} codecs"
     if foreign:
         note += (f"; {foreign} replaced by fresh streams (seeded for another seed or data-parallel "

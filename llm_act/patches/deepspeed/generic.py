@@ -133,12 +133,12 @@ class BlockSites:
     #: the block's attention is its own code: what it stores is stock's
     act_attention = None
 
-    def set_attention_mode(self, mode: str) -> None:
-        """Nothing: a generic block's attention is its own code (`layer_contract.SiteModule`)."""
-
     def __init__(self, layer: int, sites: tuple[str, ...]):
         self.act_layer = layer
         self.codecs: dict[str, Optional[Codec]] = dict.fromkeys(sites)
+
+    def set_attention_mode(self, mode: str) -> None:
+        """Nothing: a generic block's attention is its own code (`layer_contract.SiteModule`)."""
 
     def set_act_codec(self, site: str, codec: Optional[Codec]) -> None:
         if site not in self.codecs:

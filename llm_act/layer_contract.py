@@ -56,10 +56,14 @@ class LayerBinder(Protocol):
         sites the layer can recompute alone."""
         ...
 
-    def mlp_activation(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-        """The function that makes `mlp.fc2_input` from `mlp.act_input`, as the layer computes
-        it (None where unknown). Measurement re-runs it on the captured input to time
-        recomputing `mlp.fc2_input`."""
+    def producer(self, site: str) -> Optional[Callable[..., torch.Tensor]]:
+        """The function that makes `site` from the tensors it is recomputed from
+        (`llm_act.sites.PRODUCER_INPUTS[site]`, in that order), as the layer's own forward
+        makes it (`mlp.fc2_input` from `mlp.act_input`: the MLP's activation; `ln2.input`
+        from `attn.out` and the block input: the output projection and the bias-dropout-add);
+        None where the binder does not know it (a generic block, a site the layer lacks). The
+        layer's producers are written once, in the layer: measurement re-runs this one on the
+        captured inputs to time recomputing `site` instead of restating the layer's forward."""
         ...
 
     def model_shape(self, *, count: int, seq_length: int, micro_batch: int, dtype: str,

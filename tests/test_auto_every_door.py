@@ -72,7 +72,7 @@ def _memory(controller, plan=None) -> int:
     from llm_act.plan import plan_from
     from llm_act.planner import evaluate_plan
 
-    profile = controller.adapter.profile
+    profile = controller.adapter.measured.profile
     if plan is None:
         plan = controller.plan
     elif plan == "compress":

@@ -40,3 +40,12 @@ def test_the_counts_of_a_small_tree(tmp_path):
     assert (c["test_helper_names_copied"], c["test_helper_copies"]) == (1, 1)
     assert c["top_level_modules"] == 3 and c["suite_seconds"] == 12.5
     assert "| import circles, type-only imports included | 1 (2 modules) |" in house_counts.table(c)
+
+
+def test_the_package_has_no_import_circle_and_restates_no_producer():
+    """Issue 44: no import circle in the package, `if TYPE_CHECKING:` imports included (the
+    adapter's jobs see the controller as a `PlanOwner` and the adapter as their own Protocol),
+    and no module outside the layers calls a layer's producers (`LayerBinder.producer`)."""
+    c = house_counts.counts(Path(__file__).resolve().parents[1])
+    assert c["import_circles_with_type_only"] == [] and c["import_circles"] == []
+    assert c["producer_restatements"] == 0

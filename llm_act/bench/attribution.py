@@ -169,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = C.run(steps=steps, seeds=args.seeds, plans=plans, models=(C.LLAMA_MODEL,),
                    log=lambda m: print(m, flush=True), previous=previous, save=save,
                    setting=C.LOW_FLOOR, choices=table)
-    from llm_act.bench.report import now_utc, versions
+    from llm_act.bench.record import now_utc, versions
 
     result["complete"] = True
     result["when"], result["versions"] = now_utc(), versions()

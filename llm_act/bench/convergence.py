@@ -519,9 +519,9 @@ def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Opti
     out["static_bytes"] = static_bytes(trainer)
     c = trainer.controller
     out["measuring"] = None if c is None else c.adapter.measure_seconds / out["wall_s"]
-    if c is not None and c.adapter.fidelity:
-        out["fidelity"] = c.adapter.fidelity[-1].total
-        out["noise_ratio"] = c.adapter.fidelity[-1].noise_ratio
+    if c is not None and c.adapter.measured.fidelity:
+        out["fidelity"] = c.adapter.measured.fidelity[-1].total
+        out["noise_ratio"] = c.adapter.measured.fidelity[-1].noise_ratio
     if c is not None:  # every run with the controller: its plan changes (none for a fixed plan)
         out["plan_changes"] = [int(h["iteration"]) for h in c.history]
         out["churn"] = churn(out["plan_changes"], steps)
@@ -532,7 +532,7 @@ def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Opti
         out["history"] = [{"iteration": int(h["iteration"]), "changes": h["changes"], "reason": h["reason"]}
                           for h in c.history]
         out["tracked"] = [int(t) for t in c.adapter.tracked]
-        out["coherence"] = dict(c.adapter.coherence)
+        out["coherence"] = dict(c.adapter.measured.coherence)
     return out
 
 

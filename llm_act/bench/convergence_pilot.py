@@ -90,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = C.run(steps=args.steps, seeds=args.seeds, plans=tuple(args.plans),
                    models=tuple(models[n] for n in args.models), log=lambda m: print(m, flush=True),
                    previous=previous, save=save, setting=C.LOW_FLOOR)
-    from llm_act.bench.report import now_utc, versions
+    from llm_act.bench.record import now_utc, versions
 
     result["complete"] = True
     result["when"], result["versions"] = now_utc(), versions()

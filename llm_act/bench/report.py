@@ -2,15 +2,14 @@
 made it, tables from the suites and plots beside them (matplotlib, Agg)."""
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 from typing import Optional
 
 import torch
 
-from llm_act.bench import convergence as C, gpu as G, kernels, memory as M, overhead as O, planner as P
-from llm_act.bench.timing import machine_line
+from llm_act.bench import convergence as C, doc_tables, gpu as G, kernels, memory as M, overhead as O, \
+    peak as PK, planner as P
+from llm_act.bench.record import now_utc, provenance_line, run_record, write_json
 
 GPU_PENDING = ("pending: no GPU in this run. One run fills this section in (about 9 minutes at "
                "most, every step under its own `timeout`): `bash tools/fetch_gpu_wheels.sh` (cp312 "
@@ -27,31 +26,11 @@ GPU_PENDING = ("pending: no GPU in this run. One run fills this section in (abou
 GPU_TIME_BUDGET_S = 210.0
 
 
-def versions() -> str:
-    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
-    for mod in ("megatron.core", "pulp", "triton", "deepspeed"):
-        try:
-            m = __import__(mod, fromlist=["__version__"])
-            parts.append(f"{mod.split('.')[0] if mod != 'megatron.core' else 'megatron-core'} "
-                         f"{getattr(m, '__version__', '?')}")
-        except Exception:
-            parts.append(f"{mod}: absent")
-    return ", ".join(parts)
-
-
-def now_utc() -> str:
-    return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-
-
 def provenance(command: str, wall_s: Optional[float] = None, device: Optional[torch.device] = None,
                when: Optional[str] = None, reused_by: Optional[str] = None) -> str:
     """The machine, versions, command, wall time and date of a section (`when`/`reused_by`:
     a result made earlier by `command` and read back by `reused_by`)."""
-    dev = device or torch.device("cpu")
-    took = "" if wall_s is None else f"; took {wall_s:.0f} s"
-    again = "" if not reused_by or reused_by == command else f" (read back by `{reused_by}`)"
-    return (f"*Machine: {machine_line(dev)}. Versions: {versions()}. Command: `{command}`"
-            f"{took}; {when or now_utc()}{again}.*")
+    return provenance_line(run_record(command, wall_s, device, when), reused_by)
 
 
 def memory_plot(rows: list[dict], path: str) -> str:
@@ -327,11 +306,35 @@ def run_planner(quick: bool, command: str, memory_rows: Optional[list[dict]] = N
     comp = P.compare(shape, memory_rows, names=names, log=log)
 
     over = O.run(steps=8 if quick else 300, quick=quick)  # quick: tracking at 1, 2, 4, 8
-    text = planner_section(solve, comp, command, time.perf_counter() - t0, M.describe(shape), distinct, over,
-                           jittered, repeat)
+    wall = time.perf_counter() - t0
+    text = planner_section(solve, comp, command, wall, M.describe(shape), distinct, over, jittered, repeat)
     log(text)
-    return {"solve": solve, "distinct": distinct, "compare": comp, "shape": shape, "overhead": over,
-            "jittered": jittered, "repeat": repeat}, text
+    return {**run_record(command, wall), "solve": solve, "distinct": distinct, "jittered": jittered,
+            "repeat": repeat, "compare": comp, "compare_shape": M.describe(shape), "overhead": over}, text
+
+
+def run_peak(command: str, log=print) -> tuple[dict, str]:
+    """`llm-act bench peak`: the planner's peak of a step against the measured one
+    (`llm_act.bench.peak`), with its run's record."""
+    import time
+
+    t0 = time.perf_counter()
+    result = PK.run(log)
+    result = {**run_record(command, time.perf_counter() - t0), **result}
+    text = "\n".join([provenance_line(result), "", result["model"], "", PK.table(result)])
+    log(text)
+    return result, text
+
+
+def saved(result: dict, path: str, output_dir: str, log=print) -> None:
+    """`--save-json`: write `result` to `path`, then render again the tables of
+    `output_dir`/benchmarks.md marked as rendered from that file."""
+    log(f"wrote {write_json(path, result)}")
+    page = os.path.join(output_dir, "benchmarks.md")
+    if os.path.exists(page):
+        kinds = doc_tables.refresh(page, source=path)
+        if kinds:
+            log(f"rendered {', '.join(kinds)} in {page} from {path}")
 
 
 def run_gpu(command: str, log=print, output_dir: Optional[str] = None) -> tuple[Optional[dict], str]:
@@ -386,7 +389,13 @@ def main(args, argv=None) -> int:
         if replace_section(page, text):  # section 2 of an existing page, re-rendered in place
             say(f"wrote section 2 of {page}")
     elif args.suite == "planner":
-        run_planner(args.quick, command, None, say)
+        result, _ = run_planner(args.quick, command, None, say)
+        if args.save_json:
+            saved(result, args.save_json, args.output_dir, say)
+    elif args.suite == "peak":
+        result, _ = run_peak(command, say)
+        if args.save_json:
+            saved(result, args.save_json, args.output_dir, say)
     elif args.suite == "gpu":
         run_gpu(command, say, args.output_dir)
     elif args.suite == "overhead":

@@ -6,7 +6,9 @@
   llm-act bench overhead  what plan "auto"'s measuring costs in a training run (1,000 steps)
   llm-act bench memory|convergence|planner|gpu|all [--quick]
                           the benchmark suite; `all` regenerates docs/benchmarks.md
-  llm-act plan            plan a preset model per pipeline stage from its shape (no GPU)
+  llm-act bench peak      the planner's peak of a training step against the measured one
+  llm-act plan            plan a preset model (--model) or a Hugging Face config.json
+                          (--hf-config) per pipeline stage from its shape (no GPU)
   llm-act train           train a small GPT on CPU, stock and compressed side by side
                           (saved-activation bytes per layer, losses, tokens/s; a plot)
 """
@@ -76,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="reuse convergence results saved by `bench convergence "
                                 "--save-json` instead of training again (several: merged per "
                                 "setting, e.g. seeds run by two processes)")
+        if suite == "planner":
+            _save_json_option(sp)
         if suite == "convergence":
             sp.add_argument("--save-json", default=None,
                             help="save the result as JSON after every run; if the file holds an "
@@ -88,10 +92,24 @@ def _parser() -> argparse.ArgumentParser:
                             help="run only these seeds of the setting (a range A-B or a comma list), "
                                  "e.g. to split the bench over two processes with their own --save-json")
 
+    pk = bsub.add_parser("peak", help="the planner's peak of a step against the measured one (CPU)",
+                         allow_abbrev=False)
+    pk.add_argument("--output-dir", default="docs",
+                    help="benchmarks.md here: its tables rendered from the saved JSON are rendered again")
+    _save_json_option(pk)
+    pk.set_defaults(cmd_parser=pk)
+
     add_plan_parser(sub)
 
     add_train_parser(sub)
     return p
+
+
+def _save_json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--save-json", default=None, metavar="JSON",
+                        help="also save the figures, with the command, machine and versions, as JSON; "
+                             "the tables of <output-dir>/benchmarks.md marked as rendered from this "
+                             "file are rendered again from it")
 
 
 def _budget_fraction(text: str):
@@ -149,7 +167,8 @@ def _check_user_input(parser: argparse.ArgumentParser, args: argparse.Namespace)
         if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             fail(parser, f"--{flag.replace('_', '-')} {path}: its folder does not exist; create it first")
     reads = [("convergence_json", p) for p in getattr(args, "convergence_json", None) or []]
-    reads += [("save_json", getattr(args, "save_json", None))]
+    if getattr(args, "suite", None) == "convergence":  # it resumes from its --save-json
+        reads += [("save_json", getattr(args, "save_json", None))]
     for flag, path in reads:  # read back: an existing one must be ours
         if path is None or (flag == "save_json" and not os.path.exists(path)):
             continue

@@ -1,6 +1,8 @@
 """`llm-act plan`: size a training job on paper. Plans every pipeline stage of a preset
-model from the analytic profile (no GPU) and prints, per stage, which sites are kept,
-compressed or recomputed, the predicted memory and the added time.
+model (--model) or of a Hugging Face config.json (--hf-config: gpt2, llama, mistral, qwen2 or
+qwen3, read without transformers or a download; a key the planner cannot plan is refused) from
+the analytic profile (no GPU) and prints, per stage, which sites are kept, compressed or
+recomputed, the predicted memory and the added time.
 
 The budget is the whole device: static memory (weights, gradients, optimizer state) and
 the activations outside the blocks (embedding mask, output layer input, the loss) are
@@ -22,11 +24,12 @@ import math
 import sys
 from typing import Optional, Union
 
-from llm_act.cli.parsing import POSITIVE_INT
+from llm_act.cli.parsing import POSITIVE_INT, fail
 from llm_act.config import parse_bytes
 from llm_act.config import ATTENTION_MODES
 from llm_act.planner.analytic import layer_forward_ms
 from llm_act.planner.budget import OUTPUT_LOSS_CHOICES, StageResult, plan_stages
+from llm_act.planner.hf_config import FAMILIES, HFConfigError, load_hf_config, shape_from_hf_config
 from llm_act.planner.model_shape import DeviceModel, ModelShape
 from llm_act.planner.presets import MODELS, model_shape
 
@@ -78,10 +81,15 @@ def _variance(text: str) -> Union[str, float]:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """The `plan` subcommand on the `llm-act` subparsers."""
-    p = sub.add_parser("plan", help="plan a preset model per pipeline stage (analytic, no GPU)",
+    p = sub.add_parser("plan", help="plan a preset model or a Hugging Face config.json per pipeline "
+                                    "stage (analytic, no GPU)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                        allow_abbrev=False)
-    p.add_argument("--model", required=True, choices=list(MODELS))
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", choices=list(MODELS), help="a preset model")
+    model.add_argument("--hf-config", metavar="PATH", default=None,
+                       help=f"a model's Hugging Face config.json (model_type {', '.join(FAMILIES)}); "
+                            f"read as JSON, nothing downloaded")
     p.add_argument("--seq-length", type=POSITIVE_INT, default=None,
                    help="tokens per sequence (default: the model's context length)")
     p.add_argument("--micro-batch-size", type=POSITIVE_INT, default=1)
@@ -130,10 +138,17 @@ def _gb_up(n: int) -> str:
     return f"{math.ceil(n / 1e6) / 1e3:.3f}GB"
 
 
+def _named(name: str, hf_config: Optional[str]) -> dict:
+    """The model's name in the header and the JSON report: the preset, or the config's
+    model_type followed by the config's path."""
+    return {"model": name} if hf_config is None else {"model": name, "hf_config": hf_config}
+
+
 def header(shape: ModelShape, name: str, args_budget: int, zero_stage: int, dp: int,
-           device: DeviceModel, variance: Union[str, float, None], output_loss: str = "stock") -> str:
+           device: DeviceModel, variance: Union[str, float, None], output_loss: str = "stock",
+           hf_config: Optional[str] = None) -> str:
     fields = {
-        "model": name, "num_layers": shape.num_layers, "hidden_size": shape.hidden_size,
+        **_named(name, hf_config), "num_layers": shape.num_layers, "hidden_size": shape.hidden_size,
         "num_attention_heads": shape.num_attention_heads, "num_query_groups": shape.num_query_groups,
         "ffn_hidden_size": shape.ffn_hidden_size, "gated_linear_unit": shape.gated_linear_unit,
         "activation": shape.activation, "vocab_size": shape.vocab_size,
@@ -227,7 +242,7 @@ def _priced(site, name: str) -> tuple[int, float]:
     return opt.nbytes, opt.cost_ms
 
 
-def _report(shape, name, budget, zero_stage, dp, device, variance, results) -> dict:
+def _report(shape, name, budget, zero_stage, dp, device, variance, results, hf_config=None) -> dict:
     stages = []
     runs: list[dict] = []
     for res in results:
@@ -254,7 +269,7 @@ def _report(shape, name, budget, zero_stage, dp, device, variance, results) -> d
         stages.append(entry)
     feasible = all(r.plan is not None for r in results)
     return {
-        "model": name, "shape": {k: getattr(shape, k) for k in shape.__dataclass_fields__},
+        **_named(name, hf_config), "shape": {k: getattr(shape, k) for k in shape.__dataclass_fields__},
         "budget_bytes": budget, "zero_stage": zero_stage, "dp": dp, "device": device.describe(),
         "variance_budget": variance, "feasible": feasible, "stages": stages,
         "plan": {"version": 1, "blocks": runs} if feasible else None,
@@ -274,19 +289,29 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
         changes["dropout"] = args.dropout
     parser = getattr(args, "plan_parser", parser)
     output_loss = getattr(args, "output_loss", "auto")
+    hf_config = getattr(args, "hf_config", None)
+    name, source = args.model, f"model {args.model}" if hf_config is None else f"--hf-config {hf_config}"
     try:
-        shape = model_shape(args.model, **changes)
+        if hf_config is None:
+            shape = model_shape(args.model, **changes)
+        else:
+            config = load_hf_config(hf_config)
+            shape = shape_from_hf_config(config, **changes)
+            name = config["model_type"]
+    except HFConfigError as err:  # the config itself: one line naming the key
+        fail(parser, f"argument --hf-config {hf_config}: {err}")
     except ValueError as err:  # e.g. a --tp that does not divide the heads: name the flag
         text = str(err)
         field = next((f for f in changes if text.startswith(f)), None)
         where = f"argument --{field.replace('_', '-')}: " if field else ""
-        parser.error(f"{where}{text} (model {args.model})")
+        parser.error(f"{where}{text} ({source})")
     if args.dp % shape.ep:
         parser.error(f"argument --dp: {args.dp} is not a multiple of --ep {shape.ep}: megatron-core takes "
                      f"the expert-parallel ranks from the data-parallel ones (ranks = tp x pp x dp)")
     device = DEVICES[args.device]()
     variance = args.variance_budget
-    print(header(shape, args.model, args.budget, args.zero_stage, args.dp, device, variance, output_loss))
+    print(header(shape, name, args.budget, args.zero_stage, args.dp, device, variance, output_loss,
+                 hf_config))
     results = plan_stages(shape, args.budget, zero_stage=args.zero_stage, dp=args.dp,
                           device=device, variance_budget=variance, output_loss=output_loss)
     if args.budget > device.memory_bytes:
@@ -308,8 +333,8 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
     print()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(_report(shape, args.model, args.budget, args.zero_stage, args.dp, device,
-                              variance, results), f, indent=2)
+            json.dump(_report(shape, name, args.budget, args.zero_stage, args.dp, device,
+                              variance, results, hf_config), f, indent=2)
     if failed:
         need = max(r.min_budget_bytes for r in failed)  # the stages that fit need less
         print(f"infeasible: --budget {args.budget / 1e9:.3f} GB is too small; the smallest budget "

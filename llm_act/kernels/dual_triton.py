@@ -35,7 +35,8 @@ from llm_act.kernels import EXACT_LAUNCH
 from llm_act.kernels.dual_ref import (chunk_blocks, decode_max, num_chunks, num_pool_blocks,
                                       pool_pow2, row_bytes)
 from llm_act.kernels.fp8_triton import bf16_bits, bf16_rne, bf16_value
-from llm_act.kernels.int_quant_triton import ENCODE_WARPS, _noise_args, rounding_noise
+from llm_act.kernels.int_quant_ref import noise_args
+from llm_act.kernels.int_quant_triton import ENCODE_WARPS, rounding_noise
 from llm_act.kernels.nonfinite_triton import keep_nonfinite
 from llm_act.kernels.nonfinite_ref import nonfinite_args
 
@@ -211,7 +212,7 @@ def dual_encode(x2, pool, bits, noise=None, seed=None, state=None, nf_index=None
     step = torch.empty(K, C, dtype=torch.bfloat16, device=dev)
     if s * C == 0:
         return lfc, codes, zero, step
-    mode, noise_t, seed_i = _noise_args(x2, noise, seed)
+    mode, noise_t, seed_i = noise_args(x2, noise, seed)
     side, *side_t = nonfinite_args(x2, state, nf_index, nf_value, nf_count)
     blocks, pool_p, block_c = _tile(s, C, pool)
     _dual_encode_kernel[(K, triton.cdiv(C, block_c))](

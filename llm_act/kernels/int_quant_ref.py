@@ -267,3 +267,13 @@ def int_quant_axis_decode_ref(
     chunk = torch.arange(rows, device=packed.device) // AXIS_CHUNK
     z = zero[chunk] if zero.numel() else zero
     return dequantize(codes.to(torch.int64), scale[chunk], z, bits, symmetric).reshape(-1).to(dtype)
+
+
+def noise_args(x, noise, seed):
+    """(NOISE mode, noise tensor, seed int) a Triton launcher passes its kernel: the noise given,
+    Philox from `seed`, or round-to-nearest. Shared by every launcher that rounds stochastically."""
+    if noise is not None:
+        return 1, noise.reshape(-1).contiguous(), 0
+    if seed is not None:
+        return 2, x, int(seed)
+    return 0, x, 0

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from llm_act.kernels import EXACT_LAUNCH
 from llm_act.kernels.int_quant_ref import (AXIS_CHUNK, axis_chunks, axis_row_bytes, check_bits,
-                                           num_groups)
+                                           noise_args, num_groups)
 from llm_act.kernels.nonfinite_ref import nonfinite_args
 from llm_act.kernels.nonfinite_triton import keep_nonfinite, stream_seed
 from llm_act.kernels.packing_ref import packed_numel
@@ -277,15 +277,6 @@ def _decode_axis_kernel(packed_ptr, scale_ptr, zero_ptr, out_ptr, rows, C, RB,
 
 
 # ---- launchers (signatures of the reference functions) -----------------------------------
-def _noise_args(x, noise, seed):
-    """(NOISE mode, noise tensor, seed int): the passed noise, Philox from `seed`, or nearest."""
-    if noise is not None:
-        return 1, noise.reshape(-1).contiguous(), 0
-    if seed is not None:
-        return 2, x, int(seed)
-    return 0, x, 0
-
-
 def _check_group(bits, group_size):
     per = 8 // bits
     if group_size <= 0 or group_size % per:
@@ -308,7 +299,7 @@ def int_quant_encode(x, bits, group_size, symmetric, noise=None, seed=None, stat
     zero = torch.empty(0 if symmetric else G, dtype=torch.float32, device=x.device)
     if n == 0:
         return out, scale, zero
-    mode, noise_t, seed_i = _noise_args(x, noise, seed)
+    mode, noise_t, seed_i = noise_args(x, noise, seed)
     side, *side_t = nonfinite_args(x, state, nf_index, nf_value, nf_count)
     block_g = triton.next_power_of_2(group_size)
     gpp = max(1, _TILE // block_g)
@@ -376,7 +367,7 @@ def int_quant_axis_encode(x, bits, symmetric, noise=None, seed=None, state=None,
     zero = torch.empty(0 if symmetric else K, C, dtype=torch.float32, device=dev)
     if x.numel() == 0:
         return out, scale, zero
-    mode, noise_t, seed_i = _noise_args(x, noise, seed)
+    mode, noise_t, seed_i = noise_args(x, noise, seed)
     side, *side_t = nonfinite_args(x, state, nf_index, nf_value, nf_count)
     block_r, block_c = _axis_tile(rows, C, bits)
     _encode_axis_kernel[(K, triton.cdiv(C, block_c))](

@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from llm_act.kernels import EXACT_LAUNCH
-from llm_act.kernels.int_quant_triton import (ENCODE_WARPS, _noise_args, dequant_values, quant_codes,
-                                              rounding_noise, stored_params)
+from llm_act.kernels.int_quant_ref import noise_args
+from llm_act.kernels.int_quant_triton import (ENCODE_WARPS, dequant_values, quant_codes, rounding_noise,
+                                              stored_params)
 from llm_act.kernels.nonfinite_ref import nonfinite_args
 from llm_act.kernels.nonfinite_triton import keep_nonfinite
 from llm_act.kernels.outlier_ref import index_dtype, record_layout
@@ -171,7 +172,7 @@ def outlier_encode(x2, group_size, z_threshold, slots, noise=None, seed=None, st
     index = torch.empty(lay["chunks"], S, dtype=index_dtype(C), device=dev)
     if rows * C == 0:
         return packed, scale, zero, values, index
-    mode, noise_t, seed_i = _noise_args(x2, noise, seed)
+    mode, noise_t, seed_i = noise_args(x2, noise, seed)
     side, *side_t = nonfinite_args(x2, state, nf_index, nf_value, nf_count)
     _encode_kernel[(lay["chunks"], lay["tiles"])](
         x2, noise_t, seed_i, packed, scale, zero, values.view(_bits_dtype(x2.dtype)), index,

@@ -15,8 +15,9 @@ streams, gradients and the real codecs untouched):
    tensor's shape, `nbytes_for`: every codec's size depends on the shape alone), its error model (`expected_error`, relative to the tensor's
    power: S of GACT sec. 4, in the units of the analytic prior) -- errors and outlier
    channels on a sample of the tensor's token rows (`token_sample`, sparse sampling keeps
-   a tracking point cheap) -- its encode and decode times; and each site's producer op
-   re-run on its captured input (the cost of recomputing it).
+   a tracking point cheap) -- its encode and decode times; and the time of each site's
+   producer op (the cost of recomputing it), from the capture forward or by re-running the
+   layer's own producer (`LayerBinder.producer`) on its captured inputs.
 
 Times: CUDA events on a GPU, wall clock on CPU, medians of a few runs; only their ratios
 within one run mean anything. They are taken on the first layer of each group of
@@ -58,10 +59,7 @@ from llm_act.sites import (
     ATTN_OUT,
     ATTN_Q,
     ATTN_QKV_INPUT,
-    CHECKPOINT_SITE,
-    LN2_INPUT,
     MLP_ACT_INPUT,
-    MLP_FC2_INPUT,
 )
 
 _MEASURE_SEED = 20240611
@@ -212,7 +210,6 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
     if not controller.layers:
         raise ValueError("controller: it drives no layer; nothing to measure")
     captured: dict[tuple[int, str], torch.Tensor] = {}
-    attn_call: dict[int, tuple] = {}
     groups_first = set()
     block_ms: dict[int, float] = {}
     module_ms: dict[tuple[int, str], float] = {}
@@ -235,8 +232,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
                   for layer in controller.layers for site in controller.sites(layer)
                   if not _qkv_by_hook(controller, layer, site)}
         probing.install(controller, probes)
-        handles = _attention_hooks(controller, attn_call) if times_from is None else []
-        handles += _block_timer(controller, block_ms) if times_from is None else []
+        handles = _block_timer(controller, block_ms) if times_from is None else []
         handles += _producer_timer(controller, module_ms) if times_from is None else []
         handles += _qkv_hooks(controller, captured)
         try:
@@ -300,7 +296,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
                 if name == "outlier_int4" and x.shape:
                     st.outlier_rate = codec.count_outliers(x) / max(1, x.shape[-1])
             if timed:
-                st.forward_ms = _producer_ms(controller, layer, site, captured, attn_call, repeats, module_ms)
+                st.forward_ms = _producer_ms(controller, layer, site, captured, repeats, module_ms)
         if times_from is not None:
             _copy_times(profile, times_from)
     snap.restore()
@@ -424,13 +420,22 @@ def _block_timer(controller: ControlledModel, sink: dict[int, float]) -> list:
     return _module_timer(dict(controller.layer_modules), sink)
 
 
-#: the layer submodules a producer's time is read from (`_producer_ms`): the schema's
-#: `made_by`, and the pieces of the special producers (the QKV projection, the core
-#: attention and the output projection)
+def _made_of(site: str) -> tuple[str, ...]:
+    """The layer submodules whose forward times, summed, are the time of `site`'s producer
+    (`_producer_ms`): the schema's `made_by`; for `attn.out` the QKV projection and the core
+    attention (what its recomputation re-runs to the planner: `Site.rebuild_reads`); none
+    for a producer that is no module call (an activation, a bias-dropout-add)."""
+    spec = schema.SITE_OF.get(site)
+    if spec is not None and spec.made_by:
+        return (spec.made_by,)
+    if site == ATTN_OUT:
+        return schema.SITE_OF[ATTN_QKV_INPUT].slot, schema.SITE_OF[ATTN_Q].slot
+    return ()
+
+
 def _timed_paths() -> tuple[str, ...]:
-    paths = [s.made_by for s in schema.BLOCK if s.made_by]
-    paths += [schema.SITE_OF[ATTN_QKV_INPUT].slot, schema.SITE_OF[ATTN_Q].slot, schema.SITE_OF[ATTN_OUT].slot]
-    return tuple(dict.fromkeys(paths))
+    """The layer submodules the capture forward times (`_producer_timer`): every `_made_of`."""
+    return tuple(dict.fromkeys(path for site in schema.SITES for path in _made_of(site)))
 
 
 def _producer_timer(controller: ControlledModel, sink: dict) -> list:
@@ -496,71 +501,23 @@ def _no_recompute(controller: ControlledModel, layer: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _attention_hooks(controller: ControlledModel, sink: dict[int, tuple]) -> list:
-    """Forward pre-hooks that record each layer's core-attention call (the slot holding q)."""
-    handles = []
-    for layer, tl in controller.layer_modules.items():
-        core = submodule(tl, schema.SITE_OF[ATTN_Q].slot)
-        if core is None:
-            continue
-
-        def pre(module, args, kwargs, layer=layer):
-            sink.setdefault(layer, (module, args, kwargs))
-
-        handles.append(core.register_forward_pre_hook(pre, with_kwargs=True))
-    return handles
-
-
-def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: dict, attn_call: dict,
-                 repeats: int, module_ms: Optional[dict] = None) -> Optional[float]:
-    """Forward time of the op that produces `site`: the schema's `made_by` submodule where it
-    names one, else the special producers below; a module's time is its call in the capture
-    forward (`module_ms`, `_producer_timer`) where that was timed, else a re-run on its
-    captured input, as the elementwise pieces are (an activation, a dropout)."""
-    tl = _layer_of(controller, layer)
-    x_of = lambda s: captured.get((layer, s))  # noqa: E731
+def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: dict, repeats: int,
+                 module_ms: Optional[dict] = None) -> Optional[float]:
+    """Forward time of the op that produces `site` (the cost of recomputing it): its modules'
+    times in the capture forward (`_made_of`, `_producer_timer`) where that timed them all,
+    else the layer's own producer (`LayerBinder.producer`) re-run on the captured tensors it
+    is made from, as the producers that are no module are (an activation, a bias-dropout-add);
+    a dropout mask's is a fresh draw. None where the layer's binder knows no producer."""
     dev = probing.device_of(controller)
-    t = lambda fn: probing.time_ms(fn, dev, repeats)  # noqa: E731
-    timed = (module_ms or {}).get
-    if site == CHECKPOINT_SITE:
-        return None
     if site in schema.MASK_SITES:
-        m = x_of(site)
-        return t(lambda: torch.rand(m.shape, device=m.device) >= 0.5)
-    if tl is None:
+        m = captured.get((layer, site))
+        return probing.time_ms(lambda: torch.rand(m.shape, device=m.device) >= 0.5, dev, repeats)
+    times = [(module_ms or {}).get((layer, path)) for path in _made_of(site)]
+    if times and None not in times:
+        return sum(times)
+    owner = controller.binder(layer)
+    make = owner.producer(site) if owner is not None else None
+    inputs = [captured.get((layer, s)) for s in schema.PRODUCER_INPUTS.get(site, ())]
+    if make is None or not inputs or any(x is None for x in inputs):
         return None
-    spec = schema.SITE_OF.get(site)
-    if spec is not None and spec.made_by:
-        if timed((layer, spec.made_by)) is not None:
-            return timed((layer, spec.made_by))
-        producer, x = submodule(tl, spec.made_by), x_of(spec.recomputed_from[0])
-        return None if producer is None or x is None else t(lambda: producer(x))
-    if site == MLP_FC2_INPUT and x_of(MLP_ACT_INPUT) is not None:
-        owner = controller.binder(layer)
-        fn = owner.mlp_activation() if owner is not None else None
-        return None if fn is None else t(lambda: fn(x_of(MLP_ACT_INPUT)))
-    if site == LN2_INPUT and x_of(ATTN_OUT) is not None and x_of(CHECKPOINT_SITE) is not None:
-        p = float(getattr(tl, "hidden_dropout", 0.0) or 0.0)
-        res = x_of(CHECKPOINT_SITE)
-        path = schema.SITE_OF[ATTN_OUT].slot  # linear_proj, which attn.out enters
-        proj = submodule(tl, path)
-        if timed((layer, path)) is not None:
-            return timed((layer, path)) + t(lambda: torch.nn.functional.dropout(res, p, True) + res)
-
-        def run():
-            y, _ = proj(x_of(ATTN_OUT))
-            return torch.nn.functional.dropout(y, p, True) + res
-
-        return t(run)
-    if site == ATTN_OUT and x_of(ATTN_QKV_INPUT) is not None:
-        call = attn_call.get(layer)
-        qkv_path, core_path = schema.SITE_OF[ATTN_QKV_INPUT].slot, schema.SITE_OF[ATTN_Q].slot
-        if timed((layer, qkv_path)) is not None and (call is None or timed((layer, core_path)) is not None):
-            return timed((layer, qkv_path)) + (timed((layer, core_path)) if call is not None else 0.0)
-        linear_qkv = submodule(tl, qkv_path)
-        qkv = t(lambda: linear_qkv(x_of(ATTN_QKV_INPUT)))
-        if call is None:
-            return qkv
-        module, args, kwargs = call
-        return qkv + t(lambda: module(*args, **kwargs))
-    return None
+    return probing.time_ms(lambda: make(*inputs), dev, repeats)

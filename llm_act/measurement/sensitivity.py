@@ -353,7 +353,7 @@ def _coherence(controller: ControlledModel, forward: Callable[[], Any], passes: 
         codecs = {}
         for layer in controller.layers:
             if site not in controller.sites(layer) or not controller.accepts(layer, site, name):
-                continue  # (`measuring.coherence_codecs` names only codecs every layer takes)
+                continue  # (`Measurements.charged_codecs` names only codecs every layer takes)
             act = controller.module(layer, site).act_activation if site == MLP_ACT_INPUT else None
             act = act if isinstance(act, str) and name in FEWBIT_CODECS else None
             inner = make_codec(name, seed=seed + 7919 * layer, activation=act or "gelu")

@@ -586,8 +586,9 @@ def stage_bytes(shape: ModelShape, device: Optional[DeviceModel] = None) -> tupl
 
     Not counted: the embedding's dropout mask, live through every block's backward on the
     first stage (`loss_bytes` counts it at the loss), and on other pipeline stages the stage's
-    output and its gradient in place of the losses. Measured against
-    `tests/peak_memory.py` (the test suite's oracle) on CPU by tests/planner/test_peak_vs_measured.py."""
+    output and its gradient in place of the losses. Measured against the live-storage oracle
+    (`llm_act/bench/live_storage.py`) on CPU by `llm-act bench peak` and
+    tests/planner/test_peak_vs_measured.py."""
     device = device or DeviceModel()
     s, b, h, e = shape.seq_length, shape.micro_batch_size, shape.hidden_size, shape.elem_bytes
     t, d = shape.tp, shape.head_dim

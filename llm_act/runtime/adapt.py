@@ -40,29 +40,26 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from llm_act.codecs.registry import KEEP
 from llm_act.measurement import fidelity
-from llm_act.measurement.fidelity import FidelityReport
-from llm_act.measurement.measured_profile import MeasuredProfile
 from llm_act.measurement.replay import StepReplay
 from llm_act.measurement.sensitivity import check_noise
 from llm_act.measurement.step_tap import StepTap
-from llm_act.runtime import agreement, measuring, memory, output_choice, schedule, solving
-from llm_act.runtime.round_guard import RoundGuard
+from llm_act.runtime import agreement, memory, output_choice, schedule, solving
 from llm_act.runtime.budget_check import BudgetTooSmall, check_user_budget, FirstForward
 from llm_act.runtime.logs import speaks_for_stage
+from llm_act.runtime.measuring import Measurements, round_label
+from llm_act.runtime.plan_owner import PlanOwner
+from llm_act.runtime.round_guard import RoundGuard
 
 # Re-exported: the errors a run raises (`BudgetTooSmall`, `PlanOverBudget`) and the check the
 # patches name (`FirstForward`) lived here before this module was split by job (issue 29);
 # users and the patches' docs refer to them as `llm_act.runtime.adapt.<name>`.
 from llm_act.runtime.budget_check import PlanOverBudget  # noqa: F401  (re-export)
-
-if TYPE_CHECKING:
-    from llm_act.runtime.controller import Controller  # it owns this Adapter
 
 log = logging.getLogger("llm_act.runtime.controller")
 
@@ -86,7 +83,7 @@ def describe_changes(old: dict, new: dict) -> str:
 class Adapter:
     """Tracking schedule, measurements and plan decisions of one Controller."""
 
-    def __init__(self, controller: "Controller"):
+    def __init__(self, controller: PlanOwner):
         self.controller = controller
         self.stage = 0
         """backoff stage: the next interval is min(2**stage, adapt_interval_max)"""
@@ -97,26 +94,15 @@ class Adapter:
         """(iteration, reasons) of every reset of the tracking interval"""
         self.history: list[dict[str, Any]] = []
         self.last: dict[str, dict[str, float]] = {}
-        self.sensitivity: dict[str, float] = {}
-        """c_i the planner uses: the median of the last `measuring.SENS_WINDOW` measurements"""
-        self.c_recent: list[dict[str, float]] = []
-        self.coherence: dict[str, float] = {}
-        """site type -> kappa a biased codec's noise is charged at (`biased_codecs="charge"`):
-        the median of the last SENS_WINDOW measurements"""
-        self.coherence_recent: list[dict[str, float]] = []
-        self.coherence_codecs: dict[str, str] = {}
-        """site type -> the biased codec its last coherence was measured with"""
-        self.sampling_noise: Optional[float] = None
+        """the statistics of the last tracking point (`schedule.shifts` compares the next)"""
         self.budget: Optional[int] = None
-        self.times: Optional[dict] = None
-        self.profile = None  # the last MeasuredProfile (checkpointed as plain data)
         self.solution = None  # the last planner answer (not checkpointed)
         self.noise_ratio: Optional[float] = None
         self.solver_failures = 0
+        """tracking points whose solve failed (the plan in force was kept)"""
         #: non-finite values past the codecs' side lists, as last read (`check_overflow`)
         self.overflow_seen = 0
         self._overflow_since = 0
-        """tracking points whose solve failed (the plan in force was kept)"""
         self.output_decision: Optional[dict[str, Any]] = None
         """the last output-loss decision (`output_choice.OutputChoice.to_dict()`; None where the
         planner does not choose it)"""
@@ -126,11 +112,12 @@ class Adapter:
         self._started = False
         """the checks of the first iteration of this run are done"""
         self._run_start: Optional[float] = None
-        self._run_tracks = 0
+        self.run_tracks = 0
         """tracking points of this run (a resumed run refuses a new budget as a fresh one does)"""
-        self.first = FirstForward(self)
+        self.first = FirstForward(controller, self.pins, self.static_bytes, self.warn_once)
         """the first forward's measurement, from hooks on the model (no probe needed)"""
-        self.replay = StepReplay(lambda: self.measure_due() or self.fidelity_due(), on_record=self._tap_step)
+        self.replay = StepReplay(lambda: self.measure_due() or self.measured.fidelity_due(),
+                                 on_record=self._tap_step)
         """the training step recorded for measuring where no probe is given"""
         self.measure_seconds = 0.0
         """wall time spent measuring and planning at tracking points (this run)"""
@@ -141,27 +128,13 @@ class Adapter:
         words (`measuring.round_label`; empty where the point ran none)"""
         self.report_costs: list[dict[str, float]] = []
         """per gradient-fidelity report of this run: its iteration and seconds ("total")"""
-        self.sampling_recent: list[float] = []
-        """the last SENS_WINDOW measurements of the mini-batch sampling noise"""
-        self.sampling_groups_recent: list[dict[str, float]] = []
-        """the same per parameter group"""
-        self.last_round: Optional[dict[str, Any]] = None
-        """what the last tracking point's round of measuring passes measured
-        (`measuring.next_round`: kind, sites, biased codecs, rows)"""
-        self.rows_refused = False
-        """the recorded step could not be replayed on its first rows: measure on the whole batch"""
-        self.step_tap: Optional[StepTap] = None
-        """the tracking iteration's own training step, measured (`StepTap`): installed on its
-        first recorded forward, removed at the step boundary"""
-        self.fidelity: list[Any] = []
-        """the last `fidelity.HISTORY` gradient-fidelity reports (`FidelityReport`)"""
-        self.fidelity_requested = False
-        self.fidelity_next = 0
-        """where the rotation of the sites a fidelity report measures alone continues"""
         self.round = RoundGuard(fatal=(BudgetTooSmall, PlanOverBudget, agreement.Disagreement,
                                        agreement.CollectiveError))
         """runs each tracking point and report so that a failure skips it on every rank and
         training goes on (`round_guard`); its `skipped` list and count reach `summary()`"""
+        self.measured = Measurements(controller, self.replay, self.round, self.warn_once)
+        """what is measured: the profile, the sensitivities, the sampling noise, the fidelity
+        reports and their windows (`llm_act.runtime.measuring`)"""
 
     @property
     def config(self):
@@ -169,55 +142,40 @@ class Adapter:
 
     @property
     def active(self) -> bool:
-        return self.controller.enabled and self.config.plan == "auto"
-
-    @property
-    def replayed(self) -> bool:
-        """Whether this iteration is measured from the recorded training step (the loop gave
-        no probe: `controller.step(probe=...)`, `set_probe`)."""
-        c = self.controller
-        return c._probe is None and c._step_probe is None
-
-    @property
-    def measurable(self) -> bool:
-        """Whether the controlled sites can be measured: megatron-core layers (modules that
-        store each site). The generic path's blocks (`BlockSites`) are not measured."""
-        return any(isinstance(m, torch.nn.Module) for m in self.controller.all_modules())
+        """Whether plan "auto" is in charge."""
+        return self.measured.active
 
     # ---- the schedule --------------------------------------------------------------------
     def measure_due(self) -> bool:
         """Whether the iteration running now (not yet counted) is a tracking iteration
         that must record its training step (`llm_act.measurement.replay`): no probe given."""
-        c = self.controller
-        return (self.active and self.measurable and c.iteration + 1 >= self.next_track
-                and (self.track_count == 0 or self.config.adapt) and self.replayed)
-
-    def fidelity_due(self, iteration: Optional[int] = None) -> bool:
-        """Whether `iteration` (default: the one running now, not yet counted) ends with a
-        gradient-fidelity report (`ActConfig.fidelity_every`, or `Controller.request_fidelity()`)."""
-        c = self.controller
-        it = c.iteration + 1 if iteration is None else iteration
-        every = self.config.fidelity_every
-        return (c.enabled and self.measurable
-                and (self.fidelity_requested or (every > 0 and it % every == 0)))
+        m = self.measured
+        return (m.active and m.measurable and self.controller.iteration + 1 >= self.next_track
+                and (self.track_count == 0 or self.config.adapt) and m.replayed)
 
     def after_iteration(self, probe: Optional[Callable[[], Any]]) -> None:
         """Called after every iteration; reports the gradient fidelity and tracks when due
         (with `probe`, else with the training step the hooks recorded)."""
+        m = self.measured
         try:
-            reported = self.fidelity_due(self.controller.iteration)
+            reported = m.fidelity_due(self.controller.iteration)
             if reported:
                 self.round.run("the gradient-fidelity report", self.controller.iteration,
-                               lambda: measuring.report_fidelity(self, probe))
+                               lambda: m.report_fidelity(probe, self._book_report))
             points = self.track_count
             self._after_iteration(probe)
             if reported or self.track_count != points:  # a point that syncs anyway
                 self.check_overflow()
         finally:
             self.replay.clear()
-            if self.step_tap is not None:
-                self.step_tap.remove()
-                self.step_tap = None
+            if m.step_tap is not None:
+                m.step_tap.remove()
+                m.step_tap = None
+
+    def _book_report(self, seconds: float) -> None:
+        """Count a gradient-fidelity report's time as measuring (`measuring_fraction`)."""
+        self.measure_seconds += seconds
+        self.report_costs.append({"iteration": float(self.controller.iteration), "total": seconds})
 
     def check_overflow(self) -> int:
         """Read the codecs' non-finite overflow (`Controller.nonfinite_overflow`, one transfer)
@@ -236,16 +194,17 @@ class Adapter:
     def _tap_step(self) -> None:
         """The recorded step's first forward of a tracking iteration: measure the training
         step itself (`StepTap`: the sites' samples, the linears' c) until the boundary."""
-        if self.step_tap is not None or not self.measure_due():
+        m = self.measured
+        if m.step_tap is not None or not self.measure_due():
             return
         try:  # inside the training step's forward: a failure here must not stop it
-            named = measuring.named_params(self)
-            tapped, _ = measuring.split_sites(self)
-            self.step_tap = StepTap(self.controller, tapped, [p for _, p in named],
-                                    [fidelity.group_name(n) for n, _ in named]).install()
+            named = m.named_params()
+            tapped, _ = m.split_sites()
+            m.step_tap = StepTap(self.controller, tapped, [p for _, p in named],
+                                 [fidelity.group_name(n) for n, _ in named]).install()
         except Exception as err:  # noqa: BLE001 -- the point then measures with passes of its own
-            self.step_tap = None
-            self._warn_once("tap", "llm_act: iteration %d: the training step could not be tapped for "
+            m.step_tap = None
+            self.warn_once("tap", "llm_act: iteration %d: the training step could not be tapped for "
                             "measuring (%s: %s); tracking points measure with passes of their own",
                             self.controller.iteration + 1, type(err).__name__, err)
 
@@ -255,18 +214,18 @@ class Adapter:
             self._run_start = time.perf_counter()
         if not self._started:
             self._started = True
-            check_user_budget(self, probe)
+            check_user_budget(self.controller, self.first, probe, self.static_bytes, self.warn_once)
         if not self.active or it < self.next_track:
             return
         if self.track_count > 0 and not self.config.adapt:
             return
-        if not self.measurable:
-            self._warn_once("generic_auto", "llm_act: plan 'auto' measures and re-plans megatron-core "
+        if not self.measured.measurable:
+            self.warn_once("generic_auto", "llm_act: plan 'auto' measures and re-plans megatron-core "
                             "layers; these blocks are compressed through the generic saved-tensor hooks "
                             "(a Hugging Face-style model), where it keeps the 'compress' plan it starts "
                             "from (name a plan, or pin codecs with ActConfig.codecs, to choose another)")
             return
-        probe = measuring.probe_on_every_rank(self, probe, agreement.groups())
+        probe = self.measured.probe_on_every_rank(probe, agreement.groups())
         if probe is None:
             if not self._warned_no_probe:
                 log.warning("llm_act: plan 'auto' could not measure at iteration %d: no training forward "
@@ -279,9 +238,10 @@ class Adapter:
             return
         start = time.perf_counter()
         # what the training step paid for its tap (`StepTap`): this point's, though spent in the step
-        tapped = self.step_tap.seconds if self.step_tap is not None else 0.0
+        tap = self.measured.step_tap
+        tapped = tap.seconds if tap is not None else 0.0
         self._phases = {"iteration": float(it), "step tap": tapped}
-        before = self.last_round
+        before = self.measured.last_round
         done = False
         try:
             done = self.round.run("the tracking point", it, lambda: self.track(probe))
@@ -290,7 +250,8 @@ class Adapter:
         finally:
             spent = time.perf_counter() - start + tapped
             self.measure_seconds += spent
-            ran = measuring.round_label(self.last_round) if self.last_round is not before else ""
+            last = self.measured.last_round
+            ran = round_label(last) if last is not before else ""
             self.track_costs.append({**self._phases, "total": spent, "round": ran if done else "skipped"})
 
     def _schedule(self, it: int, reset: bool) -> None:
@@ -307,9 +268,10 @@ class Adapter:
         it = c.iteration
         g = agreement.groups()
         clock = time.perf_counter()
-        profile, stats = measuring.track_profile(self, probe, g)
+        m = self.measured
+        profile, stats = m.track_profile(probe, g, self.track_count)
         clock = self._phase("profile", clock)
-        measuring.track_sensitivity(self, probe, profile, stats, g)
+        m.track_sensitivity(probe, profile, stats, g, self.track_count)
         clock = self._phase("sensitivity", clock)
         reasons = schedule.shifts(self.last, stats)
         blocks, static = self.problem(profile)
@@ -323,7 +285,7 @@ class Adapter:
             raise BudgetTooSmall(*decision.refused)
         if decision.failure is not None:
             self.solver_failures += 1
-            self._warn_once("failure", "llm_act: iteration %d: the planner failed (%s); the plan in force "
+            self.warn_once("failure", "llm_act: iteration %d: the planner failed (%s); the plan in force "
                             "stays (said once; every failure is counted in the run's summary)",
                             it, decision.failure)
         self._phase("solve", clock)
@@ -336,19 +298,18 @@ class Adapter:
         self.round.commit()
         self.tracked.append(it)
         self.track_count += 1
-        self._run_tracks += 1
+        self.run_tracks += 1
         self._schedule(it, reset=reset)
         self.budget = decision.budget
-        self.profile = profile
+        m.profile = profile
         self.output_decision = decision.output
         if decision.plan is not None:
             self._switch(it, profile, decision)
         in_force = c.pending_plan or c.plan
-        if self.sensitivity and self.sampling_noise is not None:
+        if m.sensitivity and m.sampling_noise is not None:
             # measured figures only: a stand-in c (the largest measured) would warn of a guess
-            self.noise_ratio = check_noise(profile.noise(in_force, self.sensitivity, self.coherence),
-                                           self.sampling_noise,
-                                           where=f" (iteration {it})")
+            self.noise_ratio = check_noise(profile.noise(in_force, m.sensitivity, m.coherence),
+                                           m.sampling_noise, where=f" (iteration {it})")
         if decision.reasons:
             self.resets.append((it, list(decision.reasons)))
             log.info("llm_act: iteration %d: statistics shifted (%s); tracking interval back to 1",
@@ -405,7 +366,7 @@ class Adapter:
         return now
 
     # ---- what the planner is given (`solving`) --------------------------------------------
-    def _static_bytes(self) -> int:
+    def static_bytes(self) -> int:
         """Memory that is not activations (`memory.static_bytes`) of the watched model."""
         return memory.static_bytes(self.replay.roots or self.first.roots, self.controller.probe_params)
 
@@ -437,7 +398,8 @@ class Adapter:
         """The summed gradient noise a plan may add (`solving.noise_budget`)."""
         return solving.noise_budget(self)
 
-    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+    def warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        """Log warning `msg` the first time a warning of `kind` is given in this run."""
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning(msg, *args)
@@ -457,7 +419,7 @@ class Adapter:
         frac = self.measuring_fraction()
         spent = "" if frac is None or not self.track_count else (
             f"; measuring and planning took {self.measure_seconds:.2f} s, {100 * frac:.1f}% of the run's time")
-        last = self.fidelity[-1] if self.fidelity else None
+        last = self.measured.fidelity[-1] if self.measured.fidelity else None
         fid = "" if last is None else (
             f"; gradient fidelity at iteration {last.iteration}: relative error {last.total:.3g}"
             + ("" if last.noise_ratio is None else f", {last.format_noise()}"))
@@ -480,16 +442,9 @@ class Adapter:
             "tracked": list(self.tracked), "resets": [(i, list(r)) for i, r in self.resets],
             "history": [dict(h) for h in self.history],
             "last": {k: dict(v) for k, v in self.last.items()},
-            "sensitivity": dict(self.sensitivity), "c_recent": [dict(m) for m in self.c_recent],
-            "coherence": dict(self.coherence), "coherence_recent": [dict(m) for m in self.coherence_recent],
-            "coherence_codecs": dict(self.coherence_codecs),
-            "sampling_noise": self.sampling_noise,
-            "budget": self.budget, "times": self.times, "solver_failures": self.solver_failures,
-            "profile": None if self.profile is None else self.profile.to_dict(),
-            "sampling_recent": list(self.sampling_recent),
-            "sampling_groups_recent": [dict(m) for m in self.sampling_groups_recent],
-            "fidelity": [r.to_dict() for r in self.fidelity], "fidelity_next": self.fidelity_next,
+            "budget": self.budget, "solver_failures": self.solver_failures,
             "skipped": self.round.skipped_total,
+            **self.measured.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -500,18 +455,7 @@ class Adapter:
         self.resets = [(int(i), list(r)) for i, r in state.get("resets", [])]
         self.history = [dict(h) for h in state["history"]]
         self.last = {k: dict(v) for k, v in state["last"].items()}
-        self.sensitivity = dict(state["sensitivity"])
-        self.c_recent = [dict(m) for m in state.get("c_recent", [])]
-        self.coherence = dict(state.get("coherence", {}))
-        self.coherence_recent = [dict(m) for m in state.get("coherence_recent", [])]
-        self.coherence_codecs = dict(state.get("coherence_codecs", {}))
-        self.sampling_noise = state["sampling_noise"]
         self.budget = state["budget"]
-        self.times = state["times"]
-        self.profile = MeasuredProfile.from_dict(state["profile"]) if state.get("profile") else None
         self.solver_failures = int(state.get("solver_failures", 0))
-        self.sampling_recent = [float(v) for v in state.get("sampling_recent", [])]
-        self.sampling_groups_recent = [dict(m) for m in state.get("sampling_groups_recent", [])]
-        self.fidelity = [FidelityReport.from_dict(r) for r in state.get("fidelity", [])]
-        self.fidelity_next = int(state.get("fidelity_next", 0))
+        self.measured.load_state_dict(state)
         self.round.skipped_total = int(state.get("skipped", 0))

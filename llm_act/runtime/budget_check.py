@@ -16,7 +16,9 @@ re-plan it to fit). Checked once per run, after its first iteration:
   little higher).
 
 A budget above the GPU's total memory is warned about. The `Adapter`
-(`llm_act.runtime.adapt`) owns a `FirstForward` and calls `check_user_budget`.
+(`llm_act.runtime.adapt`) owns a `FirstForward` and calls `check_user_budget`; both take what
+they read as arguments (the controller as a `PlanOwner`, the static memory and the pins as
+callables, the adapter's once-per-run warning), so this module never imports the adapter.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import dataclasses
 import logging
 import math
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,10 +38,11 @@ from llm_act.planner.budget import min_budget
 from llm_act.planner.milp import InfeasibleBudget
 from llm_act.planner.model_shape import DeviceModel, DTYPES, ModelShape
 from llm_act.runtime import agreement, memory
+from llm_act.runtime.plan_owner import PlanOwner
 from llm_act.sites import MODEL_SITES
 
-if TYPE_CHECKING:
-    from llm_act.runtime.adapt import Adapter
+#: `warn_once(kind, msg, *args)`: log `msg` the first time a warning of `kind` is given in a run
+WarnOnce = Callable[..., None]
 
 log = logging.getLogger("llm_act.runtime.controller")  # the adapter speaks as its controller
 
@@ -75,45 +78,46 @@ class PlanOverBudget(ValueError):
 
 
 # ---- with a probe ---------------------------------------------------------------------------
-def check_user_budget(a: "Adapter", probe: Optional[Callable[[], Any]]) -> None:
+def check_user_budget(c: PlanOwner, first: "FirstForward", probe: Optional[Callable[[], Any]],
+                      static_bytes: Callable[[], int], warn_once: WarnOnce) -> None:
     """After the first iteration of a run, a user-given budget: a warning when it is more
-    than the GPU's total memory; without a probe the first step's check (`FirstForward`),
-    with one for a fixed plan `check_fixed_budget`."""
-    budget = a.config.budget
-    if not a.controller.enabled or budget is None:
+    than the GPU's total memory; without a probe the first step's check (`first`), with one
+    for a fixed plan `check_fixed_budget`."""
+    budget = c.config.budget
+    if not c.enabled or budget is None:
         return
     total = memory.device_memory_bytes()
     if total is not None and budget > total:
         log.warning("llm_act: the activation budget of %.3f GB (--act-compress-budget) is more than the "
                     "%.3f GB this GPU has; a plan made for it may run out of memory", budget / 1e9, total / 1e9)
     if probe is None:
-        a.first.check_at_boundary()
-    elif a.config.plan != "auto":
-        check_fixed_budget(a, probe)
+        first.check_at_boundary()
+    elif c.config.plan != "auto":
+        check_fixed_budget(c, probe, static_bytes, warn_once)
 
 
-def check_fixed_budget(a: "Adapter", probe: Optional[Callable[[], Any]]) -> None:
+def check_fixed_budget(c: PlanOwner, probe: Optional[Callable[[], Any]], static_bytes: Callable[[], int],
+                       warn_once: WarnOnce) -> None:
     """Once, after the first iteration of a run: a fixed plan with a user budget is
     measured on this batch (no codec timing) and refused with `PlanOverBudget` when its
     static memory + stored bytes + backward transient (the planner's peak for "auto":
     `MeasuredProfile.transient_bytes`) exceed the budget. The measurement runs the
     memory-efficient attention, so for a plan on stock attention it is a lower bound:
     what it refuses surely does not fit."""
-    c = a.controller
+    cfg = c.config
     if probe is None:
-        a._warn_once("no_probe_budget", "llm_act: the budget of plan %r is not checked without a "
-                     "probe (pass controller.step(probe=fn) or controller.set_probe(fn))",
-                     a.config.plan)
+        warn_once("no_probe_budget", "llm_act: the budget of plan %r is not checked without a "
+                  "probe (pass controller.step(probe=fn) or controller.set_probe(fn))", cfg.plan)
         return
     names = {n for choice in c.plan.values() for n in choice.values()} - {KEEP, RECOMPUTE}
     g = agreement.groups()
     profile = agreement.agree_profile(measure_profile(c, probe, times_from={}, codecs=sorted(names)), g)
     # stored (all micro-batches in flight) + the backward transient, as "auto" counts it
-    need = a._static_bytes() + profile.other_bytes + memory.inflight() * profile.predicted_bytes(
+    need = static_bytes() + profile.other_bytes + memory.inflight() * profile.predicted_bytes(
         c.plan, include_other=False) + profile.transient_bytes(c.plan)
     need = int(agreement.reduce_dict({"n": need}, "max", g.stage if g else None)["n"])
-    if need > a.config.budget:
-        raise PlanOverBudget(a.config.plan, int(a.config.budget), need)
+    if need > cfg.budget:
+        raise PlanOverBudget(cfg.plan, int(cfg.budget), need)
 
 
 # ---- without a probe: the first forward -----------------------------------------------------
@@ -171,8 +175,14 @@ class FirstForward:
     optimizer state yet): the refusal is then a lower bound.
     """
 
-    def __init__(self, adapter: "Adapter"):
-        self.adapter = adapter
+    def __init__(self, controller: PlanOwner, pins: Callable[[], dict[str, str]],
+                 static_bytes: Callable[[], int], warn_once: WarnOnce):
+        self.controller = controller
+        self.pins = pins
+        """the sites the user fixed (`ActConfig.codecs`): their bytes count as static"""
+        self.static_bytes = static_bytes
+        """memory that is not activations, now"""
+        self.warn_once = warn_once
         self.handles: list[Any] = []
         self.roots: list[Any] = []
         self.layers: list[Any] = []
@@ -187,10 +197,6 @@ class FirstForward:
         self.result: Optional[dict[str, Any]] = None
         """what the check found: need, static, min (for tests and logs)"""
         self._ledgers: dict[int, Any] = {}
-
-    @property
-    def controller(self):
-        return self.adapter.controller
 
     # ---- hooks ---------------------------------------------------------------------------
     def install(self, roots: list[Any], layers: Optional[list[Any]] = None) -> None:
@@ -215,7 +221,7 @@ class FirstForward:
         if key in self.measured_roots or key in self._ledgers or not torch.is_grad_enabled():
             return
         c = self.controller
-        if c.config.budget is None or c._step_probe is not None or c._probe is not None:
+        if c.config.budget is None or c.probe_given:
             self.remove()  # nothing to check here (no budget, or the probe path checks it)
             return
         outer = current_ledger()
@@ -268,19 +274,19 @@ class FirstForward:
         c = self.controller
         if self.checked:
             return  # the boundary check ran before this rank measured
-        if c._step_probe is not None or c._probe is not None:
+        if c.probe_given:
             return  # the probe path checks (check_user_budget)
-        if (c.boundary is not None or c._in_step) and not self.boundary_seen:
+        if (c.boundary is not None or c.in_step) and not self.boundary_seen:
             return  # checked at the step boundary, where the static memory is complete
         self.check(self._static_now())
 
     # ---- the check -----------------------------------------------------------------------
     def _static_now(self) -> int:
-        """Static memory (`Adapter._static_bytes`); on a GPU before the first forward where no
+        """Static memory (`static_bytes`); on a GPU before the first forward where no
         boundary was seen: what was allocated then (no optimizer state yet)."""
         if torch.cuda.is_available() and self.static_before is not None and not self.boundary_seen:
             return self.static_before
-        return self.adapter._static_bytes()
+        return self.static_bytes()
 
     def check_at_boundary(self) -> None:
         """The first step boundary without a probe (see the class docstring)."""
@@ -290,7 +296,7 @@ class FirstForward:
             self.check(self._static_now())
 
     def check(self, static: int) -> None:
-        a, c = self.adapter, self.controller
+        c = self.controller
         cfg = c.config
         self.checked = True
         self.remove()
@@ -316,9 +322,9 @@ class FirstForward:
         g = agreement.groups()
         r = agreement.reduce_dict(values, "max", None if self.boundary_seen or g is None else g.stage)
         if "need" not in r:
-            a._warn_once("first_unmeasured", "llm_act: the activation budget of %d bytes is not checked: "
-                         "the first step's forward was not measured (it ran under another ledger or "
-                         "saved-tensor hooks, or outside the model's own forward)", budget)
+            self.warn_once("first_unmeasured", "llm_act: the activation budget of %d bytes is not checked: "
+                           "the first step's forward was not measured (it ran under another ledger or "
+                           "saved-tensor hooks, or outside the model's own forward)", budget)
             return
         need, static_all = int(r["need"]), int(r["static"])
         minimum = int(r["min"]) if "min" in r else None
@@ -337,11 +343,11 @@ class FirstForward:
                          "bytes); the plan in force holds %d bytes (static memory included) and is "
                          "re-planned at the first tracking point", budget, minimum, need)
             return
-        a._warn_once("auto_unchecked", "llm_act: plan 'auto': the smallest activation budget any plan "
-                     "fits is not known here (%s), so the budget of %d bytes is not checked against it; "
-                     "the plan in force holds %d bytes (%.3f GB, static memory included) on the first "
-                     "step%s", why, budget, need, need / 1e9,
-                     " -- more than the budget" if need > budget else "")
+        self.warn_once("auto_unchecked", "llm_act: plan 'auto': the smallest activation budget any plan "
+                       "fits is not known here (%s), so the budget of %d bytes is not checked against it; "
+                       "the plan in force holds %d bytes (%.3f GB, static memory included) on the first "
+                       "step%s", why, budget, need, need / 1e9,
+                       " -- more than the budget" if need > budget else "")
 
     def model_shape(self, layer: int, count: int) -> ModelShape:
         """The analytic `ModelShape` of `count` layers like `layer` at the observed input, from
@@ -368,7 +374,7 @@ class FirstForward:
         if self.shape is None:
             return None, "the first layer's input was not seen"
         device = DeviceModel() if torch.cuda.is_available() else DeviceModel.cpu()
-        pins = self.adapter.pins()
+        pins = self.pins()
         controlled = set(self.controller.layers)
         counts: dict[int, list] = {}  # layers built from one config: [one of their indices, count]
         for layer in self.layers:

@@ -340,9 +340,15 @@ class Controller:
     def request_fidelity(self) -> None:
         """Report the gradient fidelity (`llm_act.measurement.fidelity`) at the end of the next
         iteration, besides the ones `ActConfig.fidelity_every` schedules; the report is
-        logged and appended to `adapter.fidelity`. Under distributed training call it on
+        logged and appended to `adapter.measured.fidelity`. Under distributed training call it on
         every rank (the report combines the ranks' sums in one collective)."""
-        self.adapter.fidelity_requested = True
+        self.adapter.measured.fidelity_requested = True
+
+    @property
+    def probe_given(self) -> bool:
+        """Whether the loop gave a probe (`step(probe=...)`, `set_probe`): tracking points then
+        measure with it instead of the training step the hooks recorded."""
+        return self._step_probe is not None or self._probe is not None
 
     def probe_params(self) -> list:
         if self._probe_params is not None:

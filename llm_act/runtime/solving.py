@@ -12,25 +12,26 @@ of the measured sampling noise.
 A budget no plan fits: a user-given budget is refused at the first tracking (the decision
 carries `refused`; the adapter raises `BudgetTooSmall` on every rank), unless the first
 step's check (`budget_check.FirstForward`) accepted it against the analytic minimum; a
-derived budget, or a user budget that stops fitting later, gets the tightest plan and one
-warning. Any other solver failure is returned as `failure`: a re-planning step never ends a
-run. The functions take the `Adapter` (`llm_act.runtime.adapt`) and read its state.
+GPU's derived budget, or a user budget that stops fitting later, gets the tightest plan and one
+warning; the CPU's reference budget gets the tightest plan and one info line
+(`budget_is_a_limit`). Any other solver failure is returned as `failure`: a re-planning step never ends a
+run. The functions take their asker as a `Planning` (the `Adapter` is one): what a decision
+reads of it, declared here so that this module never imports the adapter.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 from llm_act.plan import plan_from
 from llm_act.planner import evaluate_plan, InfeasibleVariance, solve_plan
 from llm_act.planner.milp import TIME_RESOLUTION, InfeasibleBudget
+from llm_act.config import ActConfig
 from llm_act.runtime import agreement, memory, output_choice
-from llm_act.runtime.measuring import noise_bounded, planner_c, planner_coherence, standin_sites
-
-if TYPE_CHECKING:
-    from llm_act.runtime.adapt import Adapter
+from llm_act.runtime.measuring import Measurements
+from llm_act.runtime.plan_owner import PlanOwner
 
 log = logging.getLogger("llm_act.runtime.controller")
 
@@ -65,40 +66,69 @@ class Decision:
     output: Optional[dict[str, Any]] = None
 
 
-def offers_biased(a: "Adapter") -> bool:
+class Planning(Protocol):
+    """What a decision reads of the adapter that asks for it (`llm_act.runtime.adapt.Adapter`)."""
+
+    controller: PlanOwner
+    measured: Measurements
+    #: the budget fixed at the first tracking point (None before it)
+    budget: Optional[int]
+    #: the last planner answer (set by `solve`)
+    solution: Any
+    #: tracking points of this run
+    run_tracks: int
+    #: the first forward's budget check (`budget_check.FirstForward`): its `result`
+    first: Any
+
+    @property
+    def config(self) -> ActConfig:
+        """The run's settings."""
+
+    def pins(self, layer: Optional[int] = None) -> dict[str, str]:
+        """The sites the user fixed (`ActConfig.codecs`)."""
+
+    def static_bytes(self) -> int:
+        """Memory that is not activations."""
+
+    def warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        """Log `msg` the first time a warning of `kind` is given in this run."""
+
+
+def offers_biased(a: Planning) -> bool:
     """Whether the planner may choose a biased codec: not under a noise budget with
     `biased_codecs="exclude"`."""
-    return not (noise_bounded(a) and a.config.biased_codecs == "exclude")
+    return not (a.measured.noise_bounded() and a.config.biased_codecs == "exclude")
 
 
-def noise_budget(a: "Adapter") -> Optional[float]:
+def noise_budget(a: Planning) -> Optional[float]:
     """The summed gradient noise a plan may add: `ActConfig.variance_budget`, else
     `noise_fraction` times the measured mini-batch sampling noise (median of the last
     measurements); None when neither applies or nothing is measured yet."""
     cfg = a.config
     if cfg.variance_budget is not None:
         return cfg.variance_budget
-    if cfg.noise_fraction is None or not a.sensitivity or not a.sampling_noise:
+    m = a.measured
+    if cfg.noise_fraction is None or not m.sensitivity or not m.sampling_noise:
         return None
-    if not math.isfinite(a.sampling_noise):
+    if not math.isfinite(m.sampling_noise):
         return None
-    return cfg.noise_fraction * a.sampling_noise
+    return cfg.noise_fraction * m.sampling_noise
 
 
-def problem(a: "Adapter", profile: Any) -> tuple[list, int]:
+def problem(a: Planning, profile: Any) -> tuple[list, int]:
     """(blocks, static bytes) of the MILP for `profile`: the pinned sites are left out of
     the blocks and their stored bytes (all micro-batches in flight) count as static,
     with what is not activations and what no planned site owns."""
     pins = a.pins()
     inflight = memory.inflight()
-    blocks = profile.blocks(planner_c(a) or None, inflight=inflight, recompute=True, exclude=pins,
-                            coherence=planner_coherence(a), unbiased_only=not offers_biased(a),
+    blocks = profile.blocks(a.measured.planner_c() or None, inflight=inflight, recompute=True, exclude=pins,
+                            coherence=a.measured.planner_coherence(), unbiased_only=not offers_biased(a),
                             min_bits=a.config.min_bits)
     pinned = sum(st.stored(pins[site]) for (_, site), st in profile.sites.items() if site in pins)
-    return blocks, a._static_bytes() + profile.other_bytes + inflight * pinned
+    return blocks, a.static_bytes() + profile.other_bytes + inflight * pinned
 
 
-def solve_alone(a: "Adapter", profile: Any, budget: int):
+def solve_alone(a: Planning, profile: Any, budget: int):
     """The plan this rank would choose from `profile` alone (no agreement): the planner's
     answer over `problem(profile)`, for diagnostics and tests."""
     blocks, static = problem(a, profile)
@@ -107,7 +137,16 @@ def solve_alone(a: "Adapter", profile: Any, budget: int):
     return profile.plan_from(sol, exclude=a.pins())
 
 
-def default_budget(a: "Adapter", profile: Any, static: int) -> int:
+def budget_is_a_limit(a: Planning) -> bool:
+    """Whether this point's budget is a memory limit (the user's, or a GPU's free memory) and
+    not the CPU's reference (`default_budget`: the "compress" plan's bytes). A reference that no
+    plan of the choices offered fits (with biased codecs excluded, "compress"'s outlier and
+    per-channel codes are not offered) is planned at the tightest plan without a warning: no
+    memory runs short."""
+    return a.config.budget is not None or agreement.device_free_bytes() is not None
+
+
+def default_budget(a: Planning, profile: Any, static: int) -> int:
     """The budget of this tracking point: the user's; else the one fixed at the first
     tracking: the free memory minus `GPU_MARGIN` on a GPU, `static` + the "compress" plan's
     bytes on CPU."""
@@ -130,7 +169,7 @@ def default_budget(a: "Adapter", profile: Any, static: int) -> int:
     return budget
 
 
-def decide(a: "Adapter", profile: Any, blocks: list, static: int, budget: int, reasons: list[str],
+def decide(a: Planning, profile: Any, blocks: list, static: int, budget: int, reasons: list[str],
            g: Any) -> Decision:
     """The decision of this tracking point, the same on every rank: the source rank chooses
     the output loss (`output_choice.decide`, "auto") and the plan (`solve`), and broadcasts."""
@@ -157,7 +196,7 @@ def feasible_without(blocks: list, budget: int, static: int, noise: Optional[flo
     return True
 
 
-def in_force_if_as_good(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
+def in_force_if_as_good(a: Planning, profile: Any, blocks: list, static: int, budget: int,
                         noise: Optional[float], sol: Any) -> Optional[Any]:
     """The plan in force, priced on this point's profile, where it still fits the budget and
     the noise budget and is slower than the solver's `sol` by no more than the time
@@ -178,7 +217,7 @@ def in_force_if_as_good(a: "Adapter", profile: Any, blocks: list, static: int, b
     return current
 
 
-def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
+def solve(a: Planning, profile: Any, blocks: list, static: int, budget: int,
           reasons: list[str]) -> Decision:
     """The decision of the source rank: a plan, or None with why (`refused`: a user budget
     too small at the first tracking; `failure`: the solver broke). Never raises: every rank
@@ -195,12 +234,12 @@ def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
         except InfeasibleVariance as err:
             # memory is the hard limit: the least noisy plan that fits it, said once -- unless
             # a stand-in c (a type not measured yet, charged the largest measured c) is why
-            standins = standin_sites(a)
+            standins = a.measured.standin_sites()
             if standins and feasible_without(blocks, b, static, noise, standins):
                 log.debug("llm_act: iteration %d: the noise budget is not met with stand-ins for %s; "
                           "the least noisy plan that fits until they are measured", it, ", ".join(standins))
             else:
-                a._warn_once("variance", "llm_act: iteration %d: no plan within the memory budget meets "
+                a.warn_once("variance", "llm_act: iteration %d: no plan within the memory budget meets "
                              "the noise budget (%s); using the least noisy plan that fits (said once). "
                              "Fix: a larger budget, or a larger noise_fraction / variance_budget", it, err)
             return solve_plan(blocks, b, static_bytes=static, objective="variance",
@@ -214,13 +253,19 @@ def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
             # again here (the measured minimum can be a little higher: the real outlier
             # counts): it gets the tightest plan and one warning
             accepted = a.first.result is not None and a.first.result.get("min") is not None
-            if a.config.budget is not None and not a._run_tracks and not accepted:
+            if a.config.budget is not None and not a.run_tracks and not accepted:
                 return dataclasses.replace(out, refused=(int(err.budget_bytes), int(err.static_bytes),
                                                          int(err.min_budget_bytes)))
-            a._warn_once("tightest", "llm_act: iteration %d: no plan fits the %s budget of %d bytes "
-                         "(%.3f GiB); using the tightest plan, %d bytes (%.3f GiB) (said once)", it,
-                         "given" if a.config.budget is not None else "derived", budget,
-                         budget / 2**30, err.min_budget_bytes, err.min_budget_bytes / 2**30)
+            if budget_is_a_limit(a):
+                a.warn_once("tightest", "llm_act: iteration %d: no plan fits the %s budget of %d bytes "
+                            "(%.3f GiB); using the tightest plan, %d bytes (%.3f GiB) (said once)", it,
+                            "given" if a.config.budget is not None else "derived", budget,
+                            budget / 2**30, err.min_budget_bytes, err.min_budget_bytes / 2**30)
+            elif not a.run_tracks:
+                log.info("llm_act: iteration %d: the CPU's reference budget (the 'compress' plan's %d bytes) is "
+                         "below the tightest plan of the choices offered, %d bytes%s; planning at the tightest",
+                         it, budget, err.min_budget_bytes, "" if offers_biased(a) else
+                         " (biased codecs are excluded: ActConfig.biased_codecs)")
             sol = solve_at(err.min_budget_bytes)
     except Exception as err:  # a re-planning step must never end the run
         return dataclasses.replace(out, failure=f"{type(err).__name__}: {err}")
@@ -228,5 +273,5 @@ def solve(a: "Adapter", profile: Any, blocks: list, static: int, budget: int,
     a.solution = sol
     return dataclasses.replace(
         out, plan=profile.plan_from(sol, exclude=a.pins()), predicted_bytes=sol.activation_bytes + static,
-        noise=float(sol.variance) if a.sensitivity else None, noise_budget=noise,
+        noise=float(sol.variance) if a.measured.sensitivity else None, noise_budget=noise,
         activation_bytes=sol.activation_bytes, overhead_ms=sol.overhead_ms)

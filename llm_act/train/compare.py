@@ -132,8 +132,8 @@ def _table(stock: _Run, comp: _Run, args: argparse.Namespace, sha256: str) -> st
         f"({_ratio(c_tot, s_tot)} of stock)",
     ]
     c = comp.trainer.controller
-    if c is not None and c.adapter.fidelity:
-        lines.append(c.adapter.fidelity[-1].format())
+    if c is not None and c.adapter.measured.fidelity:
+        lines.append(c.adapter.measured.fidelity[-1].format())
     return "\n".join(lines)
 
 

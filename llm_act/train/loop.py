@@ -188,11 +188,11 @@ def _train(args: argparse.Namespace, trainer: Trainer, data: data_lib.TokenData,
         if adapter is not None and adapter.active:
             say(f"summary: {adapter.summary()}")
         elif adapter is not None and trainer.controller.enabled:
-            fidelity = f"{adapter.fidelity[-1].format()}; " if adapter.fidelity else ""
+            fidelity = f"{adapter.measured.fidelity[-1].format()}; " if adapter.measured.fidelity else ""
             say(f"summary: {fidelity}{adapter.overflow_text()}")
-        if adapter is not None and adapter.fidelity:
-            summary["noise_ratio"] = adapter.fidelity[-1].noise_ratio
-            summary["fidelity"] = adapter.fidelity[-1].total
+        if adapter is not None and adapter.measured.fidelity:
+            summary["noise_ratio"] = adapter.measured.fidelity[-1].noise_ratio
+            summary["fidelity"] = adapter.measured.fidelity[-1].total
     return summary
 
 
@@ -203,7 +203,7 @@ def request_final_fidelity(trainer: Trainer, it: int, last: int) -> bool:
     anyway. Returns whether it asked."""
     c = trainer.controller
     ask = (it == last and c is not None and c.enabled and c.config.fidelity_every > 0
-           and c.adapter.measurable and not c.adapter.fidelity_due())
+           and c.adapter.measured.measurable and not c.adapter.measured.fidelity_due())
     if ask:
         c.request_fidelity()
     return ask

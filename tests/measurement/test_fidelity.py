@@ -56,7 +56,7 @@ def test_group_names_gather_the_layers():
 
 def test_keep_reports_exactly_zero():
     _, c = _trained("keep")
-    (report,) = c.adapter.fidelity
+    (report,) = c.adapter.measured.fidelity
     assert report.iteration == 2 and report.total == 0.0
     assert report.groups and all(v == 0.0 for v in report.groups.values())
     assert report.sites == {}  # nothing lossy to measure alone
@@ -64,13 +64,13 @@ def test_keep_reports_exactly_zero():
 
 def test_compress_is_close_and_a_broken_codec_is_not():
     _, c = _trained("compress")
-    (good,) = c.adapter.fidelity
+    (good,) = c.adapter.measured.fidelity
     assert 0 < good.total < 0.2, good.format()
     assert 0 < good.groups[FC2] < 0.3
     assert len(good.sites) == fidelity.SITES_PER_REPORT and all(0 < v < 0.2 for v in good.sites.values())
     with broken("mlp.fc2_input"):  # decodes to zeros: fc2's weight gradient is lost
         _, c = _trained("compress")
-    (bad,) = c.adapter.fidelity
+    (bad,) = c.adapter.measured.fidelity
     assert bad.groups[FC2] > 0.99 and bad.total > 2 * good.total, bad.format()
     # the gradient-noise ratio (compression's squared error over the sampling variance) sees
     # it too, in fc2's group and in total
@@ -83,7 +83,7 @@ def test_compress_is_close_and_a_broken_codec_is_not():
 def test_sites_measured_alone_rotate_and_name_the_broken_one():
     with broken("mlp.fc2_input"):
         model, c = _trained("compress", steps=1)
-        seen = dict(c.adapter.fidelity[-1].sites)
+        seen = dict(c.adapter.measured.fidelity[-1].sites)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         while len(seen) < len(lossy_sites(c.plan, c.sites)):
             c.request_fidelity()
@@ -91,8 +91,8 @@ def test_sites_measured_alone_rotate_and_name_the_broken_one():
             model(ids, pos, None, labels=labels).float().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            assert len(c.adapter.fidelity[-1].sites) == fidelity.SITES_PER_REPORT
-            seen.update(c.adapter.fidelity[-1].sites)
+            assert len(c.adapter.measured.fidelity[-1].sites) == fidelity.SITES_PER_REPORT
+            seen.update(c.adapter.measured.fidelity[-1].sites)
     assert set(seen) == set(lossy_sites(c.plan, c.sites))  # sites the layers have, every one
     assert "final_norm.input" not in lossy_sites({0: c.plan[0]}, c.sites)  # not layer 0's
     worst = max(seen, key=seen.get)
@@ -104,7 +104,7 @@ def test_scheduled_logged_checkpointed_and_the_run_untouched(caplog):
     plain_model, plain = _trained("compress", steps=4, request=False, fidelity_every=0)
     with caplog.at_level(logging.INFO, logger="llm_act"):
         model, c = _trained("compress", steps=4, request=False, fidelity_every=2)
-    assert [r.iteration for r in c.adapter.fidelity] == [2, 4]
+    assert [r.iteration for r in c.adapter.measured.fidelity] == [2, 4]
     # each report's wall time is booked (`llm-act bench overhead` prints it in steps)
     assert [p["iteration"] for p in c.adapter.report_costs] == [2.0, 4.0]
     assert all(p["total"] > 0 for p in c.adapter.report_costs)
@@ -117,8 +117,8 @@ def test_scheduled_logged_checkpointed_and_the_run_untouched(caplog):
 
     restored = apply(R.build(num_layers=2), ActConfig(plan="compress", fidelity_every=2))
     restored.load_state_dict(c.state_dict())
-    assert [r.to_dict() for r in restored.adapter.fidelity] == [r.to_dict() for r in c.adapter.fidelity]
-    assert restored.adapter.fidelity_next == c.adapter.fidelity_next
+    assert [r.to_dict() for r in restored.adapter.measured.fidelity] == [r.to_dict() for r in c.adapter.measured.fidelity]
+    assert restored.adapter.measured.fidelity_next == c.adapter.measured.fidelity_next
 
 
 def test_report_arithmetic():

@@ -8,26 +8,17 @@ import warnings
 
 import pytest
 
-from llm_act import ActConfig
 from llm_act.measurement import linear_tap
 from llm_act.measurement.sensitivity import measure_sensitivity, sensitive_sites
-from llm_act.patches.megatron import apply
 from llm_act.sites import ATTN_OUT, ATTN_QKV_INPUT, MLP_FC1_INPUT, MLP_FC2_INPUT
-from tests import gpt_runs as R
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
-pytestmark = pytest.mark.usefixtures("megatron_one_rank")
+# megatron-core on one gloo rank (tests/conftest.py); the GPT without dropout, 4 sequences
+# a batch (tests/measurement/conftest.py)
+pytestmark = [pytest.mark.usefixtures("megatron_one_rank"), pytest.mark.gpt(batch_size=4)]
 
 LINEAR_INPUTS = [ATTN_QKV_INPUT, ATTN_OUT, MLP_FC1_INPUT, MLP_FC2_INPUT]
-
-
-@pytest.fixture(scope="module")
-def gpt():
-    model = R.build(dropout=0.0, num_layers=2)
-    controller = apply(model, ActConfig(plan="compress"))
-    ids, pos, labels = R.batch(1, batch_size=4)
-    return model, controller, lambda: model(ids, pos, None, labels=labels)
 
 
 def test_every_linear_input_is_tapped_and_nothing_else(gpt):

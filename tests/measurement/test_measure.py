@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from llm_act import ActConfig
+from llm_act import sites as schema
 from llm_act.ledger import SavedTensorLedger
-from llm_act.measurement.measure import measure_profile
+from llm_act.measurement.measure import _producer_ms, measure_profile
 from llm_act.patches.megatron import apply
 from llm_act.planner import evaluate_plan, solve_plan
 from tests import gpt_runs as R
@@ -22,27 +23,21 @@ from tests import gpt_runs as R
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 
-# megatron-core on one gloo rank, one torch thread (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("megatron_one_rank")
+# megatron-core on one gloo rank, one torch thread (tests/conftest.py); the GPT with dropout
+# (tests/measurement/conftest.py). The profile describes the memory-efficient attention every
+# non-keep plan runs; attention "chunked" (what "auto" picks on CPU with dropout) keeps it
+# under plan "keep" too, where "auto" would switch to stock megatron-core attention and its
+# s x s tensors.
+pytestmark = [pytest.mark.usefixtures("megatron_one_rank"), pytest.mark.gpt(dropout=0.1, attention="chunked")]
 
 
 @pytest.fixture(scope="module")
-def gpt():
-    """A 2-layer GPT with dropout, converted, one batch, and its measured profile (taken
-    with the RNG streams at the state the ledger runs below start from). The profile
-    describes the memory-efficient attention every non-keep plan runs; attention "chunked"
-    (what "auto" picks on CPU with dropout) keeps it under plan "keep" too, where "auto"
-    would switch to stock megatron-core attention and its s x s tensors."""
-    model = R.build(dropout=0.1, num_layers=2)
-    controller = apply(model, ActConfig(plan="compress", attention="chunked"))
-    ids, pos, labels = R.batch(1)
-
-    def forward():
-        return model(ids, pos, None, labels=labels)
-
+def profile(gpt):
+    """`gpt`'s measured profile, taken with the RNG streams at the state the ledger runs below
+    start from."""
+    _, controller, forward = gpt
     R.seed_all(5)
-    profile = measure_profile(controller, forward)
-    return model, controller, forward, profile
+    return measure_profile(controller, forward)
 
 
 MIXED = {
@@ -56,8 +51,8 @@ MIXED = {
 
 
 @pytest.mark.parametrize("name", ["keep", "compress", "mixed"])
-def test_predicted_bytes_match_the_ledger(gpt, name):
-    model, controller, forward, profile = gpt
+def test_predicted_bytes_match_the_ledger(gpt, profile, name):
+    model, controller, forward = gpt
     controller.set_plan(MIXED if name == "mixed" else name)
     try:
         R.seed_all(5)
@@ -82,8 +77,8 @@ def test_predicted_bytes_match_the_ledger(gpt, name):
         controller.set_plan("compress")
 
 
-def test_profile_contents(gpt):
-    _, controller, _, profile = gpt
+def test_profile_contents(gpt, profile):
+    _, controller, _ = gpt
     assert profile.layers == (0, 1)
     st = profile.sites[(0, "mlp.fc2_input")]
     assert st.shape == (R.SEQ, R.BATCH, 256) and st.keep_bytes == R.SEQ * R.BATCH * 256 * 4
@@ -107,6 +102,62 @@ def test_profile_contents(gpt):
     assert all(c == "keep" for ch in loose.choice for c in ch.values()) and loose.overhead_ms == 0
 
 
+#: the sites a megatron-core layer's binder knows the producer of (`LayerBinder.producer`)
+PRODUCED = ("attn.qkv_input", "ln2.input", "mlp.fc1_input", "mlp.act_input", "mlp.fc2_input")
+
+
+def _forward_tensors(gpt, layer: int) -> tuple[dict, torch.Tensor]:
+    """({site: the tensor the forward made there}, the CPU RNG state `linear_proj` started
+    with: the hidden dropout's draw) of `layer`, read by hooks on its modules: the input of
+    each site's slot module, and `mlp.act_input` as the MLP sums fc1's output and bias."""
+    _, controller, forward = gpt
+    tl = controller.layer_modules[layer]
+    seen, rng = {}, []
+
+    def record(site, x) -> None:  # a hook returning nothing leaves the forward as it is
+        seen.setdefault(site, x.detach())
+
+    hooks = [tl.get_submodule(schema.SITE_OF[site].slot).register_forward_pre_hook(
+        lambda m, args, site=site: record(site, args[0]))
+        for site in set(PRODUCED + ("ln1.input", "attn.out")) - {"mlp.act_input"}]
+    hooks.append(tl.self_attention.linear_proj.register_forward_pre_hook(
+        lambda m, args: rng.append(torch.get_rng_state())))
+    hooks.append(tl.mlp.linear_fc1.register_forward_hook(
+        lambda m, args, out: record("mlp.act_input", out[0] + out[1])))
+    R.seed_all(5)
+    try:
+        forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, rng[0]
+
+
+def test_the_binders_producers_rebuild_the_layers_own_tensors(gpt, profile):
+    """A layer's binder gives the producer of each site it can recompute alone (the layer's
+    own code, `LayerBinder.producer`): on the tensors the forward made the site from, it
+    makes the tensor the forward made (`ln2.input` through the bias-dropout-add, with the
+    forward's dropout draw), and measurement times it -- from the capture forward's module
+    times, or re-run through the binder where no module time is at hand."""
+    _, controller, _ = gpt
+    binder = controller.binder(0)
+    seen, rng = _forward_tensors(gpt, 0)
+    with torch.no_grad():
+        for site in PRODUCED:
+            make = binder.producer(site)
+            with torch.random.fork_rng():
+                torch.set_rng_state(rng)
+                out = make(*(seen[s] for s in schema.PRODUCER_INPUTS[site]))
+            torch.testing.assert_close(out, seen[site], rtol=0, atol=0, msg=site)
+        # the core attention's output needs the forward's own arguments: no producer
+        assert binder.producer("attn.out") is None and binder.producer("ln1.input") is None
+        captured = {(0, s): x for s, x in seen.items()}
+        for site in PRODUCED + ("attn.out",):
+            assert profile.sites[(0, site)].forward_ms > 0
+        for site in PRODUCED:
+            assert _producer_ms(controller, 0, site, captured, repeats=1) > 0
+
+
 def test_outlier_channels_are_found_in_fixed_slots():
     """Outlier channels in the block input are found (the rate counts them all) and stored
     exactly in the codec's fixed slots (1 of 64 channels here): the bytes stay."""
@@ -127,7 +178,7 @@ def test_outlier_channels_are_found_in_fixed_slots():
 
 
 def test_measuring_leaves_the_run_untouched(gpt):
-    model, controller, forward, _ = gpt
+    model, controller, forward = gpt
     codec = controller.codec(0, "mlp.fc1_input")
     codec.encode(torch.randn(64, 64))  # the generator exists
     gen_state = codec.state_dict()["generators"]["cpu"].clone()

@@ -91,7 +91,7 @@ def _worker(rank, world, port, mode):
         "plans": plans_seen,
         "history": [(h["iteration"], h["changes"]) for h in controller.history],
         "tracked": controller.adapter.tracked,
-        "sensitivity": controller.adapter.sensitivity,
+        "sensitivity": controller.adapter.measured.sensitivity,
         "alone": alones,
     })
     if rank == 0:

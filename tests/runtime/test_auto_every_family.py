@@ -113,7 +113,7 @@ def _drive(model, controller, kind, engine=None) -> None:
     """Train with tracking at every iteration: the rotation first (`NATURAL_STEPS`), then one
     round of each kind still missing, forced (`next_round` told which), so that every round
     type reaches every site whatever plans the measured times led to; each forced round's
-    biased codec is the one `measuring.coherence_codecs` picks, as the rotation would."""
+    biased codec is the one `Measurements.charged_codecs` picks, as the rotation would."""
     from llm_act.measurement.sensitivity import sensitive_sites
     from llm_act.runtime import measuring
 
@@ -125,8 +125,7 @@ def _drive(model, controller, kind, engine=None) -> None:
         _train(model, controller, steps, opt, engine)
         if not missing(controller.state_dict(), sensitive):
             break
-    natural = measuring.next_round
-    tapped, probed = measuring.split_sites(a)
+    tapped, probed = a.measured.split_sites()
     try:
         for site in sorted(sensitive):
             state = controller.state_dict()["adapt"]
@@ -134,14 +133,14 @@ def _drive(model, controller, kind, engine=None) -> None:
             if site not in {s for m in state["c_recent"] for s in m}:
                 rounds.append((measuring.SIGNED, [site] if site in probed else [], {}))
             if site not in state["coherence_codecs"]:
-                codec = measuring.coherence_codecs(a, [site])
+                codec = a.measured.charged_codecs([site])
                 rounds.append((measuring.PLAIN, [] if site in tapped else [site], codec))
             for forced in rounds:
-                measuring.next_round = lambda *_args, _r=forced, **_kw: _r
+                a.measured.next_round = lambda *_args, _r=forced, **_kw: _r  # this instance's
                 steps += 1
                 _train(model, controller, steps, opt, engine)
     finally:
-        measuring.next_round = natural
+        a.measured.__dict__.pop("next_round", None)  # the class's again
     assert controller.iteration == steps
     check_state(controller.state_dict(), kind, sensitive)
 

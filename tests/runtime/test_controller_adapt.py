@@ -105,9 +105,9 @@ def test_plan_switches_between_iterations_and_is_logged(caplog):
     assert "mlp.fc2_input: outlier_int4->keep (layers 0-1)" in head and "plan now, per block:" in head
     assert table and all(row.startswith("layers [") for row in table), table
     # a tighter budget at the next tracking point moves the plan again, between iterations
-    profile = controller.adapter.profile
+    profile = controller.adapter.measured.profile
     blocks = profile.blocks()
-    static = controller.adapter._static_bytes() + profile.other_bytes
+    static = controller.adapter.static_bytes() + profile.other_bytes
     comp = evaluate_plan(blocks, profile.choice_for(compress)).activation_bytes
     controller.config.budget = static + comp
     steps = _train(model, controller, opt, gen, 2)  # iterations 4 (tracked) and 5
@@ -120,8 +120,8 @@ def test_cpu_default_budget_is_the_compress_plan_memory():
     model, controller, opt, gen = _setup(sensitivity=False)
     _train(model, controller, opt, gen, 1)
     a = controller.adapter
-    profile = a.profile
-    static = a._static_bytes() + profile.other_bytes
+    profile = a.measured.profile
+    static = a.static_bytes() + profile.other_bytes
     compress = resolve(ActConfig(plan="compress"), 2)
     comp = evaluate_plan(profile.blocks(), profile.choice_for(compress))
     assert a.budget == static + comp.activation_bytes
@@ -197,7 +197,7 @@ def test_resume_continues_with_the_same_plans_tracking_and_encodes():
     assert controller2.adapter.tracked == first_adapt["tracked"]
     assert any(t > 5 for t in first_adapt["tracked"]), first_adapt["tracked"]
     assert controller2.adapter.state_dict()["next_track"] == first_adapt["next_track"]
-    assert controller2.adapter.sensitivity == first_adapt["sensitivity"]
+    assert controller2.adapter.measured.sensitivity == first_adapt["sensitivity"]
     second_codecs = _codec_states(controller2)
     assert first_codecs.keys() == second_codecs.keys()
     for key in first_codecs:  # every codec's generator and state ended alike: identical encodes
@@ -245,11 +245,35 @@ def test_a_user_budget_no_plan_fits_is_refused_at_the_first_iteration():
     assert controller.history and controller.history[0]["predicted_bytes"] <= err.min_budget_bytes
 
 
+def test_the_cpu_reference_budget_no_plan_fits_gets_the_tightest_plan_without_a_warning(caplog, monkeypatch):
+    """On CPU the derived budget is the "compress" plan's bytes, a reference, not a memory limit:
+    with biased codecs excluded (the default) the planner may not reach it, and then plans at
+    the tightest plan with one info line and no warning."""
+    from llm_act.planner import InfeasibleBudget, solve_plan
+    from llm_act.runtime.adapt import Adapter
+
+    # the reference out of reach (as "compress"'s outlier and per-channel codes are, unoffered)
+    monkeypatch.setattr(Adapter, "_budget", lambda self, profile, static: static + 1)
+    model, controller, opt, gen = _setup(sensitivity=False)
+    with caplog.at_level(logging.INFO, logger="llm_act.runtime.controller"):
+        _train(model, controller, opt, gen, 4)  # tracked at 1, 2, 4
+    a = controller.adapter
+    assert a.tracked == [1, 2, 4] and a.solver_failures == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "budget" in r.getMessage()]
+    said = [r for r in caplog.records if "reference budget" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+    assert "planning at the tightest" in said[0].getMessage()
+    blocks, static = a.problem(a.measured.profile)
+    with pytest.raises(InfeasibleBudget):  # the tightest: nothing fits one byte less
+        solve_plan(blocks, a.solution.activation_bytes + static - 1, static_bytes=static)
+
+
 def test_a_derived_budget_no_plan_fits_gets_the_tightest_plan(caplog, monkeypatch):
     from llm_act.runtime.adapt import Adapter
 
-    # a derived budget (the free memory of a crowded GPU, say) below what any plan needs
+    # a derived budget (the free memory of a crowded GPU) below what any plan needs
     monkeypatch.setattr(Adapter, "_budget", lambda self, profile, static: static + 1)
+    monkeypatch.setattr("llm_act.runtime.agreement.device_free_bytes", lambda: (1, 0))  # a GPU's
     model, controller, opt, gen = _setup(sensitivity=False)
     with caplog.at_level(logging.WARNING, logger="llm_act.runtime.controller"):
         _train(model, controller, opt, gen, 4)  # tracked at 1, 2, 4
@@ -258,7 +282,7 @@ def test_a_derived_budget_no_plan_fits_gets_the_tightest_plan(caplog, monkeypatc
     warned = [r.getMessage() for r in caplog.records if "tightest plan" in r.getMessage()]
     assert len(warned) == 1 and "derived budget" in warned[0]
     # the plan in force is the one with the least memory: nothing fits one byte less
-    profile = a.profile
+    profile = a.measured.profile
     blocks, static = a.problem(profile)
     least = evaluate_plan(blocks, profile.choice_for(controller.plan)).activation_bytes
     assert a.solution.activation_bytes == least
@@ -330,7 +354,7 @@ def test_auto_at_full_recompute_memory_recomputes_layers_whole(monkeypatch):
     # without the whole-block option no lossless plan fits that budget
     from llm_act.planner import InfeasibleBudget, InfeasibleVariance, solve_plan
 
-    blocks, static = controller.adapter.problem(controller.adapter.profile)
+    blocks, static = controller.adapter.problem(controller.adapter.measured.profile)
     bare = [b.__class__(b.sites, b.count, b.inflight) for b in blocks]
     with pytest.raises((InfeasibleBudget, InfeasibleVariance)):
         solve_plan(bare, controller.adapter.budget, static_bytes=static, variance_budget=0.0)

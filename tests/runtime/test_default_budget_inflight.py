@@ -29,13 +29,13 @@ def test_cpu_default_budget_counts_every_micro_batch_in_flight(monkeypatch):
     model(ids, pos, None, labels=labels).float().mean().backward()
     opt.step()  # the step boundary: iteration 1 is tracked
     a = controller.adapter
-    assert controller.iteration == 1 and a.profile is not None
-    static = a._static_bytes() + a.profile.other_bytes
+    assert controller.iteration == 1 and a.measured.profile is not None
+    static = a.static_bytes() + a.measured.profile.other_bytes
     compress = resolve(ActConfig(plan="compress"), 2)
-    at = {n: evaluate_plan(a.profile.blocks(inflight=n), a.profile.choice_for(compress)).activation_bytes
+    at = {n: evaluate_plan(a.measured.profile.blocks(inflight=n), a.measured.profile.choice_for(compress)).activation_bytes
           for n in (1, 2)}
     assert at[2] > at[1]
     assert a.budget == static + at[2]
     # "compress" fits, so the chosen plan stores no more than it and costs no more time
-    chosen = evaluate_plan(a.profile.blocks(inflight=2, recompute=True), a.profile.choice_for(controller.plan))
+    chosen = evaluate_plan(a.measured.profile.blocks(inflight=2, recompute=True), a.measured.profile.choice_for(controller.plan))
     assert chosen.activation_bytes <= at[2]

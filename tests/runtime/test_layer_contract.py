@@ -24,7 +24,7 @@ from llm_act.layer_contract import LayerBinder, SiteModule, binder_of
 
 ROOT = Path(__file__).resolve().parents[2]
 #: what the runtime and measurement may call on a binder: exactly the protocol's members
-MEMBERS = ("codec_names", "bind", "mlp_kind", "mlp_activation", "model_shape")
+MEMBERS = ("codec_names", "bind", "mlp_kind", "producer", "model_shape")
 
 
 #: every class that implements the contract: (module, class)
@@ -80,7 +80,7 @@ def test_megatron_binders_are_layer_binders():
     for layer, binder in binders.items():
         assert type(binder) is LayerRecompute and isinstance(binder, LayerBinder)
         assert binder.mlp_kind() == "fewbit"
-        torch.testing.assert_close(binder.mlp_activation()(x), F.gelu(x), rtol=0, atol=0)
+        torch.testing.assert_close(binder.producer("mlp.fc2_input")(x), F.gelu(x), rtol=0, atol=0)
         assert _no_recompute(controller, layer) == ()
     adopted = DeepSpeedLayerRecompute.adopt(binders[0], checkpointing=None)
     assert isinstance(adopted, LayerBinder) and binder_of(controller.module(0, "ln1.input")) is adopted
@@ -103,7 +103,7 @@ def test_megatron_binders_are_layer_binders():
     controller, binders = _gpt_binders(activation_func=F.relu)
     for layer, binder in binders.items():
         assert binder.mlp_kind() == "mask"
-        torch.testing.assert_close(binder.mlp_activation()(x), F.relu(x), rtol=0, atol=0)
+        torch.testing.assert_close(binder.producer("mlp.fc2_input")(x), F.relu(x), rtol=0, atol=0)
         assert _no_recompute(controller, layer) == ("mlp.fc2_input",)
 
 
@@ -120,7 +120,7 @@ def test_generic_block_binders_are_layer_binders():
         binder = binder_of(ctl.module(layer, ctl.sites(layer)[0]))
         assert type(binder) is generic.BlockRecompute and binder is binder_of(sites)
         assert isinstance(binder, LayerBinder)
-        assert binder.mlp_kind() is None and binder.mlp_activation() is None
+        assert binder.mlp_kind() is None and binder.producer("mlp.fc2_input") is None
         assert binder.model_shape(count=1, seq_length=8, micro_batch=2, dtype="fp32",
                                   position_embedding="rope", attention="stock") is None
         module = ctl.module(layer, ctl.sites(layer)[0])

@@ -17,11 +17,7 @@ from llm_act.runtime.measuring import (
     PLAIN,
     SIGNED,
     STANDIN_KAPPA,
-    coherence_codecs,
-    coherence_due,
-    next_round,
-    planner_c,
-    planner_coherence,
+    Measurements,
     round_rows,
     scaled_medians,
 )
@@ -90,15 +86,21 @@ def test_every_point_runs_one_round_the_first_the_exact_pass_alone(monkeypatch):
         # a signed round: the exact pass and one probed type; a plain one: the exact pass and
         # a probed site's c and coherence
         assert (passes, biased) == (2, {}) if signed else passes == 1 + 2 * len([s for s in biased if s not in
-                                                                                 measuring.split_sites(a)[0]])
-    assert a.sampling_noise is not None and a.sampling_noise > 0
-    tapped, probed = measuring.split_sites(a)
-    assert set(tapped) <= set(a.sensitivity)
+                                                                                 a.measured.split_sites()[0]])
+    assert a.measured.sampling_noise is not None and a.measured.sampling_noise > 0
+    tapped, probed = a.measured.split_sites()
+    assert set(tapped) <= set(a.measured.sensitivity)
     # every sensitive type is charged something: measured, or the largest measured c
-    c = planner_c(a)
+    c = a.measured.planner_c()
     assert set(c) == set(tapped + probed)
-    for site in set(probed) - set(a.sensitivity):
-        assert c[site] == max(a.sensitivity.values())
+    for site in set(probed) - set(a.measured.sensitivity):
+        assert c[site] == max(a.measured.sensitivity.values())
+    # the measurements own their state: a fresh `Measurements` loaded from it holds the same
+    # and charges the same, and the adapter's checkpoint carries it under the keys it had
+    fresh = Measurements(controller, a.replay, a.round, a.warn_once)
+    fresh.load_state_dict(a.measured.state_dict())
+    assert fresh.state_dict() == a.measured.state_dict() and fresh.planner_c() == c
+    assert {k: controller.state_dict()["adapt"][k] for k in fresh.state_dict()} == fresh.state_dict()
 
 
 def test_the_round_goes_first_where_the_plan_depends_on_a_stand_in():
@@ -108,47 +110,47 @@ def test_the_round_goes_first_where_the_plan_depends_on_a_stand_in():
     a coherence is not measured a biased codec is charged the stand-in."""
     model, controller, opt, gen = _setup(budget=10**9, biased_codecs="charge")  # the rounds of coherence too
     a = controller.adapter
-    tapped, probed = measuring.split_sites(a)
+    tapped, probed = a.measured.split_sites()
     assert "ln2.input" in probed and "ln1.input" in probed
     keep_all = {layer: {s: "keep" for s in controller.sites(layer)} for layer in controller.layers}
     controller._plan = {layer: dict(ch, **{"ln2.input": "int4"}) for layer, ch in keep_all.items()}
     plain, signed = {"kind": PLAIN}, {"kind": SIGNED}
-    a.last_round = plain
-    assert next_round(a, tapped, probed) == (SIGNED, ["ln2.input"], {})
-    assert next_round(a, tapped, probed, catch_up=3)[1][0] == "ln2.input"  # the lossy type first
-    a.c_recent = [{s: 1.0 for s in tapped + ["ln2.input"]}]
-    a.last_round = signed
-    kind, sites, biased = next_round(a, tapped, probed)
+    a.measured.last_round = plain
+    assert a.measured.next_round(tapped, probed) == (SIGNED, ["ln2.input"], {})
+    assert a.measured.next_round(tapped, probed, catch_up=3)[1][0] == "ln2.input"  # the lossy type first
+    a.measured.c_recent = [{s: 1.0 for s in tapped + ["ln2.input"]}]
+    a.measured.last_round = signed
+    kind, sites, biased = a.measured.next_round(tapped, probed)
     assert (kind, sites) == (PLAIN, []) and set(biased) == set(tapped)
-    assert planner_coherence(a) == {s: STANDIN_KAPPA for s in tapped + probed}  # nothing measured
-    a.coherence = {s: 1.2 for s in tapped}
-    a.coherence_codecs = dict(biased)
-    a.last_round = plain  # then a signed round: the other types never measured
+    assert a.measured.planner_coherence() == {s: STANDIN_KAPPA for s in tapped + probed}  # nothing measured
+    a.measured.coherence = {s: 1.2 for s in tapped}
+    a.measured.coherence_codecs = dict(biased)
+    a.measured.last_round = plain  # then a signed round: the other types never measured
     never = [s for s in probed if s != "ln2.input"]
-    assert next_round(a, tapped, probed) == (SIGNED, never[:1], {})
-    a.last_round = signed
-    kind, sites, biased = next_round(a, tapped, probed)
+    assert a.measured.next_round(tapped, probed) == (SIGNED, never[:1], {})
+    a.measured.last_round = signed
+    kind, sites, biased = a.measured.next_round(tapped, probed)
     assert (kind, sites) == (PLAIN, ["ln2.input"]) and set(biased) == {"ln2.input"}  # the lossy one first
-    assert planner_coherence(a) == {**{s: STANDIN_KAPPA for s in probed}, **{s: 1.2 for s in tapped}}
-    a.coherence.update({s: 1.5 for s in probed})
-    a.coherence_codecs.update(coherence_codecs(a, probed))
-    assert next_round(a, tapped, probed) == (SIGNED, never[:1], {})  # no coherence due
-    a.c_recent = [{s: 1.0 for s in tapped + probed if s != "ln1.input"}, {s: 1.0 for s in tapped + ["ln1.input"]}]
+    assert a.measured.planner_coherence() == {**{s: STANDIN_KAPPA for s in probed}, **{s: 1.2 for s in tapped}}
+    a.measured.coherence.update({s: 1.5 for s in probed})
+    a.measured.coherence_codecs.update(a.measured.charged_codecs(probed))
+    assert a.measured.next_round(tapped, probed) == (SIGNED, never[:1], {})  # no coherence due
+    a.measured.c_recent = [{s: 1.0 for s in tapped + probed if s != "ln1.input"}, {s: 1.0 for s in tapped + ["ln1.input"]}]
     # everything measured: the type measured longest ago
-    assert next_round(a, tapped, probed)[1] == [s for s in probed if s != "ln1.input"][:1]
+    assert a.measured.next_round(tapped, probed)[1] == [s for s in probed if s != "ln1.input"][:1]
     # coherence is due again when the plan moves the site to another charged codec: at a
     # norm's input (its backward is linear in the stored value) the plan's own int4 is charged
-    a.coherence_codecs["ln2.input"] = "some_other_codec"
-    assert coherence_due(a, coherence_codecs(a, ["ln2.input"])) == {"ln2.input": "int4"}
+    a.measured.coherence_codecs["ln2.input"] = "some_other_codec"
+    assert a.measured.coherence_due(a.measured.charged_codecs(["ln2.input"])) == {"ln2.input": "int4"}
     # every sensitive type is charged a c: the largest measured where none is
-    a.c_recent, a.sensitivity = [], {"attn.qkv_input": 2.0, "mlp.fc1_input": 1.0}
-    assert planner_c(a)["ln1.input"] == 2.0 and planner_c(a)["mlp.fc1_input"] == 1.0
+    a.measured.c_recent, a.measured.sensitivity = [], {"attn.qkv_input": 2.0, "mlp.fc1_input": 1.0}
+    assert a.measured.planner_c()["ln1.input"] == 2.0 and a.measured.planner_c()["mlp.fc1_input"] == 1.0
     # a shift is looked for only in a full window: three measurements of the type
-    a.c_recent = [{"attn.qkv_input": 2.0, "ln1.input": 1.0}] + [{"attn.qkv_input": 2.0}] * 2
-    a.sensitivity = scaled_medians(a.c_recent, ["attn.qkv_input"])
-    assert set(measuring.settled_c(a)) == {"attn.qkv_input"}
-    a.c_recent += [{"attn.qkv_input": 2.0, "ln1.input": 1.0}] * 2
-    assert set(measuring.settled_c(a)) == {"attn.qkv_input", "ln1.input"}
+    a.measured.c_recent = [{"attn.qkv_input": 2.0, "ln1.input": 1.0}] + [{"attn.qkv_input": 2.0}] * 2
+    a.measured.sensitivity = scaled_medians(a.measured.c_recent, ["attn.qkv_input"])
+    assert set(a.measured.settled_c()) == {"attn.qkv_input"}
+    a.measured.c_recent += [{"attn.qkv_input": 2.0, "ln1.input": 1.0}] * 2
+    assert set(a.measured.settled_c()) == {"attn.qkv_input", "ln1.input"}
 
 
 def _train_replayed(model, controller, opt, gen, steps, batch, on_point=None):
@@ -201,20 +203,20 @@ def test_a_replayed_point_measures_on_the_first_rows_with_no_profile_pass():
     # the second: the profile from the step (no forward); the plan keeps everything, so the
     # round measures the linears' coherences, one plain pass (and their codecs' work) on 6 rows
     assert later == [6], later
-    assert a.last_round["kind"] == PLAIN and set(a.last_round["biased"]) == set(measuring.split_sites(a)[0])
-    assert a.step_tap is None  # removed at the boundary
+    assert a.measured.last_round["kind"] == PLAIN and set(a.measured.last_round["biased"]) == set(a.measured.split_sites()[0])
+    assert a.measured.step_tap is None  # removed at the boundary
     # what the step paid for its tap is the point's: booked with it
     assert all(0.0 < p["step tap"] <= p["total"] for p in a.track_costs)
     # each point's round, in words, for the overhead bench's table
     assert [p["round"] for p in a.track_costs] == [
         "signed: the exact pass alone; 2 of 8 rows",
-        "plain: the coherence of " + ", ".join(a.last_round["biased"]) + "; 6 of 8 rows"]
+        "plain: the coherence of " + ", ".join(a.measured.last_round["biased"]) + "; 6 of 8 rows"]
     # the next is signed (a plain round is never followed by another), catching up on the
     # probed types: as many as fit at 2 rows each beside the exact pass
     _train_replayed(model, controller, opt, gen, 2, batch=8)
-    assert a.last_round["kind"] == SIGNED and a.last_round["rows"] == (2, 8) and len(a.last_round["sites"]) == 3
-    assert set(a.profile.sites) == {(layer, s) for layer in controller.layers for s in controller.sites(layer)
-                                    if (layer, s) in a.profile.sites}
+    assert a.measured.last_round["kind"] == SIGNED and a.measured.last_round["rows"] == (2, 8) and len(a.measured.last_round["sites"]) == 3
+    assert set(a.measured.profile.sites) == {(layer, s) for layer in controller.layers for s in controller.sites(layer)
+                                    if (layer, s) in a.measured.profile.sites}
 
 
 def test_a_step_that_cannot_be_replayed_on_its_first_rows_is_measured_whole(monkeypatch, caplog):
@@ -238,8 +240,8 @@ def test_a_step_that_cannot_be_replayed_on_its_first_rows_is_measured_whole(monk
     with caplog.at_level(logging.WARNING, logger="llm_act"):
         _train_replayed(model, controller, opt, gen, 4, batch=8)
     a = controller.adapter
-    assert a.tracked == [1, 2, 4] and a.rows_refused and a.sampling_noise > 0
-    assert a.last_round["rows"] is None
+    assert a.tracked == [1, 2, 4] and a.measured.rows_refused and a.measured.sampling_noise > 0
+    assert a.measured.last_round["rows"] is None
     said = [r.getMessage() for r in caplog.records if "could not be replayed on its first rows" in r.getMessage()]
     assert len(said) == 1
 
@@ -256,7 +258,7 @@ def test_an_outlier_shift_at_a_kept_site_does_not_reset_the_schedule():
 
     _train(model, controller, opt, gen, 14, on_step=inject)
     a = controller.adapter
-    stored = {controller.plan[layer][site] for layer, site in a.profile.sites}
+    stored = {controller.plan[layer][site] for layer, site in a.measured.profile.sites}
     assert stored <= {"keep", "recompute", "regen"}, stored
     assert not [r for _, rs in a.resets for r in rs if "outlier rate" in r]
-    assert a.profile.outlier_rates()["ln1.input"] > 0  # the channels are there, measured
+    assert a.measured.profile.outlier_rates()["ln1.input"] > 0  # the channels are there, measured

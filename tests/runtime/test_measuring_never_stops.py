@@ -41,7 +41,7 @@ def _worker(rank, world, port, where):
     from llm_act import ActConfig
     from llm_act.measurement import fidelity
     from llm_act.patches.megatron import apply
-    from llm_act.runtime import agreement, measuring, solving
+    from llm_act.runtime import agreement, solving
     from tests import gpt_runs as R
 
     T.init_parallel(tp=1, rank=rank, world_size=world, port=port)
@@ -59,7 +59,8 @@ def _worker(rank, world, port, where):
         return wrapped
 
     if where == "sensitivity":
-        measuring.track_sensitivity = failing(measuring.track_sensitivity)
+        m = controller.adapter.measured
+        m.track_sensitivity = failing(m.track_sensitivity)  # this instance's
     elif where == "solve":
         solving.solve = failing(solving.solve)
     else:
@@ -91,7 +92,7 @@ def _worker(rank, world, port, where):
         assert plans[FAIL_AT] == plans[FAIL_AT - 1]
         assert FAIL_AT not in a.tracked and FAIL_AT + 1 in a.tracked
     else:
-        assert not any(r.iteration == FAIL_AT for r in a.fidelity)
+        assert not any(r.iteration == FAIL_AT for r in a.measured.fidelity)
     # both ranks went on measuring together, and hold the same plan at the end
     assert a.tracked[-1] == STEPS
     got = agreement.gather(plans[STEPS])

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("megatron_one_rank")
 
 
 def _solved(a):
-    blocks, static = a.problem(a.profile)
+    blocks, static = a.problem(a.measured.profile)
     budget = a.budget
     best = solve_plan(blocks, budget, static_bytes=static, variance_budget=a.noise_budget(),
                       time_resolution=TIME_RESOLUTION)
@@ -35,20 +35,20 @@ def test_the_plan_in_force_stays_where_it_is_as_good_and_goes_where_it_is_not():
     a = controller.adapter
     blocks, static, budget, best = _solved(a)
     noise = a.noise_budget()
-    in_force = evaluate_plan(blocks, a.profile.choice_for(controller.plan, exclude=a.pins()))
-    kept = solving.in_force_if_as_good(a, a.profile, blocks, static, budget, noise, best)
+    in_force = evaluate_plan(blocks, a.measured.profile.choice_for(controller.plan, exclude=a.pins()))
+    kept = solving.in_force_if_as_good(a, a.measured.profile, blocks, static, budget, noise, best)
     # the plan in force was itself the solver's answer at the last point: as good now
     assert in_force.overhead_ms <= best.overhead_ms * (1 + TIME_RESOLUTION) + 1e-9
     assert kept is not None and kept.overhead_ms == pytest.approx(in_force.overhead_ms)
     # a plan in force that no longer fits the budget is replaced
-    assert solving.in_force_if_as_good(a, a.profile, blocks, static, in_force.activation_bytes + static - 1,
+    assert solving.in_force_if_as_good(a, a.measured.profile, blocks, static, in_force.activation_bytes + static - 1,
                                        noise, best) is None
     # so is one that is slower by more than the time resolution
     faster = dataclasses.replace(best, overhead_ms=in_force.overhead_ms / (1 + 2 * TIME_RESOLUTION) - 1e-3)
-    assert solving.in_force_if_as_good(a, a.profile, blocks, static, budget, noise, faster) is None
+    assert solving.in_force_if_as_good(a, a.measured.profile, blocks, static, budget, noise, faster) is None
     # and one over the noise budget (the plan in force stores lossily: it has a variance)
     assert in_force.variance > 0
-    assert solving.in_force_if_as_good(a, a.profile, blocks, static, budget, in_force.variance / 2,
+    assert solving.in_force_if_as_good(a, a.measured.profile, blocks, static, budget, in_force.variance / 2,
                                        best) is None
 
 
@@ -56,13 +56,13 @@ def test_the_profile_round_trips_through_the_checkpoint():
     model, controller, opt, gen = _setup(budget=None)
     _train(model, controller, opt, gen, 1)
     a = controller.adapter
-    back = MeasuredProfile.from_dict(a.profile.to_dict())
-    assert back.sites.keys() == a.profile.sites.keys()
-    for key, st in a.profile.sites.items():
+    back = MeasuredProfile.from_dict(a.measured.profile.to_dict())
+    assert back.sites.keys() == a.measured.profile.sites.keys()
+    for key, st in a.measured.profile.sites.items():
         assert back.sites[key] == st, key
     assert (back.other_bytes, back.device, back.no_recompute, back.block_ms) == (
-        a.profile.other_bytes, a.profile.device, a.profile.no_recompute, a.profile.block_ms)
+        a.measured.profile.other_bytes, a.measured.profile.device, a.measured.profile.no_recompute, a.measured.profile.block_ms)
     state = controller.state_dict()
     model2, controller2, _, _ = _setup(budget=None)
     controller2.load_state_dict(state)
-    assert controller2.adapter.profile.blocks() == a.profile.blocks()
+    assert controller2.adapter.measured.profile.blocks() == a.measured.profile.blocks()

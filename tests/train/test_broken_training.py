@@ -109,7 +109,7 @@ def trainer():
                 r.evaluate()
             if broken is not None:
                 assert count() > 0, f"the sabotage {broken} met no codec"
-        cache[key] = (r.losses, r.valid_loss) + ((r.trainer.controller.adapter.fidelity[-1],) if outliers else ())
+        cache[key] = (r.losses, r.valid_loss) + ((r.trainer.controller.adapter.measured.fidelity[-1],) if outliers else ())
         return cache[key]
 
     yield run

@@ -147,6 +147,9 @@ def test_cli_user_errors_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     assert refused(capsys, "bench", "convergence", "--save-json", str(tmp_path / "no" / "x.json")) == (
         f"llm-act bench convergence: error: --save-json {tmp_path / 'no' / 'x.json'}: its folder does "
         "not exist; create it first")
+    assert refused(capsys, "bench", "peak", "--save-json", str(tmp_path / "no" / "x.json")) == (
+        f"llm-act bench peak: error: --save-json {tmp_path / 'no' / 'x.json'}: its folder does "
+        "not exist; create it first")
     monkeypatch.setenv("LLM_ACT_KERNELS", "tritton")
     assert refused(capsys, "demo").startswith(
         "llm-act demo: error: LLM_ACT_KERNELS='tritton' is not a known setting")

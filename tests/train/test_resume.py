@@ -106,7 +106,7 @@ def test_auto_plan_measures_from_the_loops_own_steps(caplog):
     ctl = out["trainer"].controller
     assert ctl._probe is None and ctl.adapter.replay.calls == {}  # nothing held after the step
     assert ctl.adapter.tracked == [1, 2, 4]
-    assert ctl.adapter.history and ctl.adapter.profile is not None and ctl.adapter.sensitivity
+    assert ctl.adapter.history and ctl.adapter.measured.profile is not None and ctl.adapter.measured.sensitivity
     assert not any("could not measure" in r.getMessage() for r in caplog.records)
     assert all(x == x for x in out["losses"]) and out["losses"][-1] < out["losses"][0]
     again = run(extra)

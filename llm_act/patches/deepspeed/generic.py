@@ -189,8 +189,8 @@ class BlockRecompute(LayerBinder):
         """None: llm_act does not know a generic block's MLP (its sites are found by name)."""
         return None
 
-    def mlp_activation(self) -> None:
-        """None: the block's activation is its own code, not known here."""
+    def producer(self, site: str) -> None:
+        """None: the block's ops are its own code, not known here (it recomputes whole)."""
         return None
 
     def model_shape(self, **observed) -> None:

@@ -1,8 +1,8 @@
 """Recomputation in backward: the choice "recompute" for a site of a megatron-core block.
 
 A recomputed site is one its consumer keeps *nothing* of: in backward the tensor is rebuilt
-by re-running its producer (`recompute_producers`) back to the nearest stored tensor.
-`LayerRecompute` binds a layer's {site: choice} to its modules. A consumer that is a
+by re-running its producer (`recompute_producers.producer_of`) back to the nearest stored
+tensor. `LayerRecompute` binds a layer's {site: choice} to its modules. A consumer that is a
 compressed module (`ActModule`) gets `SiteRecompute` as its codec (`recompute_codec`); the
 layer's per-forward frame (`recompute_region.LayerFrame`) rebuilds under `torch.no_grad()` (the
 consumer's backward needs only the value), re-entering every module through `__call__` (so
@@ -23,6 +23,7 @@ must bind the same choices.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable, Mapping, Optional
 
@@ -32,26 +33,23 @@ from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import KEEP, RECOMPUTE, check_choice
 from llm_act.layer_contract import LayerBinder, binder_of
 from llm_act.patches.megatron.recompute_codec import SiteRecompute, VisibleKeep
-from llm_act.patches.megatron.recompute_producers import MOE_FULL_ONLY, PRODUCER_INPUTS
+from llm_act.patches.megatron.recompute_producers import MOE_FULL_ONLY, PRODUCER_INPUTS, producer_of
 from llm_act.patches.megatron.recompute_region import LayerFrame, RegionBox, RegionFunction, alive_object
 from llm_act.patches.megatron.rng_replay import capture_rng, is_recomputing, recomputing, replay_rng
 from llm_act.sites import (
     ATTENTION_INTERNAL_SITES,
     ATTN_HIDDEN_DROPOUT_MASK,
     ATTN_OUT,
-    BLOCK,
     CHECKPOINT_SITE,
     DENSE_MLP_SITES,
     LN2_INPUT,
     MASK_SITES,
     MLP_ACT_INPUT,
-    MLP_FC2_INPUT,
     MODEL_SITES,
     MOE_SITES,
     QKV_SITES,
     QK_NORM_SITES,
     SITES,
-    Site,
 )
 from llm_act.patches.megatron.mlp import activation_of
 from llm_act.patches.megatron.model_shape import shape_of_config
@@ -59,19 +57,6 @@ from llm_act.planner.model_shape import ModelShape
 
 #: sites a layer may lack (no qk-layernorm; a dense MLP or an MoE layer, not both)
 OPTIONAL_SITES = frozenset(QK_NORM_SITES) | frozenset(DENSE_MLP_SITES) | frozenset(MOE_SITES)
-#: the sites one layer submodule makes from one other site (`Site.made_by`): rebuilt by
-#: calling it (`_made`); the other producers are special cases of `LayerRecompute.rebuild`
-_MADE_BY: dict[str, Site] = {site.name: site for site in BLOCK if site.made_by is not None}
-
-
-def _made(layer: torch.nn.Module, site: Site, frame: LayerFrame) -> torch.Tensor:
-    """`site` rebuilt by its `made_by` submodule from the one site it reads (a linear's
-    `(output, bias)` summed, as the next module in the forward would)."""
-    out = layer.get_submodule(site.made_by)(frame.value(site.recomputed_from[0]))
-    if isinstance(out, tuple):
-        out, bias = out
-        return out + bias if bias is not None else out
-    return out
 
 
 def is_full(choice: Mapping[str, str], absent: frozenset = frozenset()) -> bool:
@@ -240,9 +225,9 @@ class LayerRecompute(LayerBinder):
         """The MLP activation's kind, "fewbit", "mask" (ReLU) or "value" (`mlp.activation_of`)."""
         return activation_of(self.layer.mlp.config)[0]
 
-    def mlp_activation(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The activation the compressed MLP computes (`mlp.activation_of` the layer's config)."""
-        return activation_of(self.layer.config)[1]
+    def producer(self, site: str) -> Optional[Callable[..., torch.Tensor]]:
+        """The layer's producer of `site` (`recompute_producers.producer_of`): what `rebuild` runs."""
+        return producer_of(self.layer, site)
 
     def model_shape(self, *, count: int, seq_length: int, micro_batch: int, dtype: str,
                     position_embedding: str, attention: str) -> ModelShape:
@@ -319,28 +304,30 @@ class LayerRecompute(LayerBinder):
 
     # ---- rebuilding ---------------------------------------------------------------------------
     def rebuild(self, frame: LayerFrame, site: str) -> torch.Tensor:
-        """The value `site` had in the forward of `frame`, recomputed (no graph): by the
-        schema's `made_by` submodule where it names one, else by the producer written here."""
-        layer = self.layer
+        """The value `site` had in the forward of `frame`, recomputed (no graph): its producer
+        (`producer`) on its inputs' values in `frame`, under the RNG state the forward drew
+        it with where it draws (`ln2.input`'s hidden dropout); `attn.out` by the call the
+        core-attention region recorded."""
         with torch.no_grad(), recomputing():
-            if site in _MADE_BY:
-                return _made(layer, _MADE_BY[site], frame)
-            if site == MLP_FC2_INPUT:
-                return activation_of(layer.mlp.config)[1](frame.value(MLP_ACT_INPUT))
-            if site == LN2_INPUT:
-                attn_out, residual = frame.value(ATTN_OUT), frame.value(CHECKPOINT_SITE)
-                with replay_rng(frame.rng[LN2_INPUT]):
-                    out_with_bias = layer.self_attention.linear_proj(attn_out)
-                    bda = layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)
-                    return bda(out_with_bias, residual, layer.hidden_dropout)
             if site == ATTN_OUT:
-                if frame.attention is None:
-                    raise RuntimeError(f"layer {self.index}: the core-attention region was not recorded")
-                box, call = alive_object(frame.attention[0], self.index, ATTN_OUT), frame.attention[1]
-                qkv = [box.value(i) for i in range(3)]
-                with replay_rng(box.rng):
-                    return call(*qkv)
-        raise ValueError(f"site {site!r} has no producer that llm_act can re-run")
+                return self._rebuild_attention(frame)
+            make = self.producer(site)
+            if make is None:
+                raise ValueError(f"site {site!r} has no producer that llm_act can re-run")
+            inputs = [frame.value(s) for s in PRODUCER_INPUTS[site]]
+            rng = frame.rng.get(site)
+            with replay_rng(rng) if rng is not None else contextlib.nullcontext():
+                return make(*inputs)
+
+    def _rebuild_attention(self, frame: LayerFrame) -> torch.Tensor:
+        """`attn.out`: the core-attention call the region recorded in forward (its mask
+        arguments bound), re-run on the region's q, k, v under the region's RNG state."""
+        if frame.attention is None:
+            raise RuntimeError(f"layer {self.index}: the core-attention region was not recorded")
+        box, call = alive_object(frame.attention[0], self.index, ATTN_OUT), frame.attention[1]
+        qkv = [box.value(i) for i in range(3)]
+        with replay_rng(box.rng):
+            return call(*qkv)
 
     # ---- regions ------------------------------------------------------------------------------
     def _make_attention_forward(self, core, stock):

@@ -194,7 +194,7 @@ def test_auto_under_a_tight_budget_recomputes_and_predicts_the_ledger():
     R.seed_all(5)
     with SavedTensorLedger() as led:
         loss = model(ids, pos, None, labels=labels).float().mean()
-    predicted = adapter.profile.predicted_bytes(plan)
+    predicted = adapter.measured.profile.predicted_bytes(plan)
     print(f"\nauto at a tight budget: recomputes {sorted(recomputed)}; predicted {predicted} B, "
           f"ledger {led.total_bytes} B")
     assert abs(predicted - led.total_bytes) <= 0.05 * led.total_bytes

@@ -1,6 +1,12 @@
 """`LiveStorageTracker`: the peak of live tensor storage over a region (forward and backward),
 measured independently of the planner's model.
 
+Where it lives and who may use it: an oracle, not part of training. `llm-act bench peak`
+(`llm_act.bench.peak`) measures the planner's predicted-against-measured peak table with it,
+and the test suite checks the planner's memory model against it, so it ships in the wheel
+beside the bench that needs it. The runtime, measurement and planner never import it: the
+planner's model is what it checks.
+
 Why: the planner predicts a step's peak as static memory + the saved activations (what the
 `SavedTensorLedger` counts, what `block_profile` prices) + a backward transient
 (`planner.transient`). The ledger sees only what autograd *saves*; it does not see the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.peak_memory import LiveStorageTracker, module_tensors, track_peak
+from llm_act.bench.live_storage import LiveStorageTracker, module_tensors, track_peak
 
 F = 4  # bytes per float32
 

@@ -520,8 +520,9 @@ def train_one(model: Model, plan: str, seed: int, steps: int, data, budget: Opti
     c = trainer.controller
     out["measuring"] = None if c is None else c.adapter.measure_seconds / out["wall_s"]
     if c is not None and c.adapter.measured.fidelity:
-        out["fidelity"] = c.adapter.measured.fidelity[-1].total
-        out["noise_ratio"] = c.adapter.measured.fidelity[-1].noise_ratio
+        last = c.adapter.measured.fidelity[-1]  # the run's last iteration (`request_final_fidelity`)
+        out["fidelity"], out["noise_ratio"] = last.total, last.noise_ratio
+        out["fidelity_groups"], out["fidelity_shares"] = dict(last.groups), dict(last.shares)
     if c is not None:  # every run with the controller: its plan changes (none for a fixed plan)
         out["plan_changes"] = [int(h["iteration"]) for h in c.history]
         out["churn"] = churn(out["plan_changes"], steps)

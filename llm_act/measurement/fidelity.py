@@ -171,6 +171,10 @@ class FidelityReport:
     """(rows measured, rows of the batch) where the report replayed the batch's first rows
     (plan "auto"); None: the whole batch. Errors that average out over rows are larger on
     fewer, so such a report errs on the high side"""
+    shares: dict[str, float] = field(default_factory=dict)
+    """parameter group -> its share of the whole gradient's squared error (summing to 1 where
+    there is any error): where the error sits, which a group's relative error does not say (a
+    norm's weight can be off by 100% and hold a thousandth of the error)"""
 
     @classmethod
     def from_sums(cls, iteration: int, sums: dict[str, float],
@@ -183,20 +187,23 @@ class FidelityReport:
         samp = {k[5:]: v for k, v in sums.items() if k.startswith("samp:")}
         ratios = {g: _ratio(err.get(g, 0.0), v) for g, v in samp.items()}
         total = _ratio(sum(err.values()), sum(samp.values())) if samp else None
-        return cls(iteration, _rel(sum(err.values()), whole), groups, sites, total, ratios,
-                   None if rows is None else (int(rows[0]), int(rows[1])))
+        err_all = sum(err.values())
+        shares = {g: _ratio(err.get(g, 0.0), err_all) for g in norm} if err_all != 0 else {}  # NaN stays NaN
+        return cls(iteration, _rel(err_all, whole), groups, sites, total, ratios,
+                   None if rows is None else (int(rows[0]), int(rows[1])), shares)
 
     def to_dict(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "total": self.total, "groups": dict(self.groups),
                 "sites": dict(self.sites), "noise_ratio": self.noise_ratio,
-                "noise_ratios": dict(self.noise_ratios), "rows": None if self.rows is None else list(self.rows)}
+                "noise_ratios": dict(self.noise_ratios), "rows": None if self.rows is None else list(self.rows),
+                "shares": dict(self.shares)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FidelityReport":
         ratio, rows = d.get("noise_ratio"), d.get("rows")
         return cls(int(d["iteration"]), float(d["total"]), dict(d.get("groups", {})), dict(d.get("sites", {})),
                    None if ratio is None else float(ratio), dict(d.get("noise_ratios", {})),
-                   None if rows is None else (int(rows[0]), int(rows[1])))
+                   None if rows is None else (int(rows[0]), int(rows[1])), dict(d.get("shares", {})))
 
     def format(self, worst: int = 5) -> str:
         """One line: the total, the worst parameter groups and the measured sites."""

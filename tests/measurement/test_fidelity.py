@@ -66,12 +66,13 @@ def test_compress_is_close_and_a_broken_codec_is_not():
     _, c = _trained("compress")
     (good,) = c.adapter.measured.fidelity
     assert 0 < good.total < 0.2, good.format()
-    assert 0 < good.groups[FC2] < 0.3
+    assert 0 < good.groups[FC2] < 0.3 and sum(good.shares.values()) == pytest.approx(1.0)
     assert len(good.sites) == fidelity.SITES_PER_REPORT and all(0 < v < 0.2 for v in good.sites.values())
     with broken("mlp.fc2_input"):  # decodes to zeros: fc2's weight gradient is lost
         _, c = _trained("compress")
     (bad,) = c.adapter.measured.fidelity
     assert bad.groups[FC2] > 0.99 and bad.total > 2 * good.total, bad.format()
+    assert bad.shares[FC2] > good.shares[FC2]  # the lost gradient is where the error now sits
     # the gradient-noise ratio (compression's squared error over the sampling variance) sees
     # it too, in fc2's group and in total
     assert 0 < good.noise_ratio < math.inf and set(good.noise_ratios) == set(good.groups)
@@ -127,6 +128,7 @@ def test_report_arithmetic():
     assert r.groups == {"a": 0.5, "b": 0.0, "c": math.inf}
     assert r.total == pytest.approx(math.sqrt(2 / 4))  # every group's error over the whole norm
     assert r.sites == {"x": 1.0}
+    assert r.shares == {"a": 0.5, "b": 0.0, "c": 0.5}  # where the squared error sits
     assert r.noise_ratio is None and r.noise_ratios == {}  # no sampling variance measured
     n = FidelityReport.from_sums(7, {"norm:a": 4.0, "err:a": 1.0, "samp:a": 2.0,
                                      "norm:b": 1.0, "err:b": 0.0, "samp:b": 0.0,
@@ -135,7 +137,8 @@ def test_report_arithmetic():
     assert n.noise_ratio == pytest.approx(2.0 / 2.0)  # summed errors over summed variances
     assert FidelityReport.from_dict(n.to_dict()) == n
     nan = FidelityReport.from_sums(1, {"norm:a": 1.0, "err:a": math.nan})
-    assert math.isnan(nan.total) and math.isnan(nan.groups["a"])
+    assert math.isnan(nan.total) and math.isnan(nan.groups["a"]) and math.isnan(nan.shares["a"])
+    assert FidelityReport.from_sums(1, {"norm:a": 1.0, "err:a": 0.0}).shares == {}  # no error, no shares
     assert FidelityReport.from_dict(r.to_dict()) == r
 
 

@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     for h in a.history:
         print(f"  it {h['iteration']}: {h['changes']} | {h['predicted_bytes'] / 2**20:.3f} MiB, "
               f"{h['overhead_ms']:.3f} ms | {h['reason']}")
-    print("sensitivity c_i:", {k: float(f"{v:.3g}") for k, v in a.sensitivity.items()})
+    print("sensitivity c_i:", {k: float(f"{v:.3g}") for k, v in a.measured.sensitivity.items()})
     print("final plan:\n" + describe(c.plan))
 
 

@@ -317,7 +317,7 @@ def test_auto_picks_stock_when_plentiful_and_chunked_when_only_it_fits(monkeypat
     assert "output loss: chunked->stock" in controller.history[-1]["changes"]
     assert any("output loss stock:" in r.getMessage() for r in caplog.records)
     # a budget between the smallest with the chunked loss and the smallest with stock's
-    blocks, static = a.problem(a.profile)
+    blocks, static = a.problem(a.measured.profile)
     sizes = controller.output.sizes()
     assert sizes == OutputSizes(TOKENS, HIDDEN, VOCAB, 4, DEFAULT_CHUNK_TOKENS)
     stock_need = min_budget(blocks, static, None)  # the stock loss is in force now

@@ -40,7 +40,7 @@ def test_auto_offers_no_codec_below_the_floor(min_bits, low_offered):
     model, controller, opt, gen = _setup(budget=10**9, min_bits=min_bits)
     _train(model, controller, opt, gen, 2)
     a = controller.adapter
-    blocks, _ = a.problem(a.profile)
+    blocks, _ = a.problem(a.measured.profile)
     assert bool(LOW & _offered(blocks)) == low_offered
     chosen = {n for choice in controller.plan.values() for n in choice.values()}
     if not low_offered:

@@ -34,6 +34,11 @@ served by re-viewing the decoded storage; a partial view (Q, K, V of one QKV buf
 encoded on its own in its own shape, keyed by (offset, shape, stride). A small view kept
 raw whose storage is more than twice its size is cloned, so it does not pin the storage.
 
+Where a saved tensor is booked (its ledger site, and in a subclass the codec of that site)
+is `site_of(t)`: the context's `site` here; a subclass that knows more about the tensors
+(the generic door's blocks: the submodule that saves it, and q, k and v inside an attention
+call, `llm_act.patches.deepspeed.hf_attention`) overrides it.
+
 In backward a record is decoded lazily, once per storage per backward pass (the decoded
 copy is shared by all its views and dropped when the pass ends). Encoded bytes, and the
 bytes of what is kept raw, are reported to the active `SavedTensorLedger`s, since only the
@@ -225,7 +230,9 @@ class SavedTensorCompression:
     def active(self) -> bool:
         return self._active
 
-    def codec(self, name: str) -> Codec:
+    def codec(self, name: str, site: Optional[str] = None) -> Codec:
+        """The codec `name` that encodes a tensor booked at `site` (here one instance per
+        name, whatever the site; a subclass may hand out a site's own instance)."""
         codec = self._codecs.get(name)
         if codec is None:
             codec = self._codecs[name] = make_codec(name, seed=self.seed)
@@ -273,6 +280,11 @@ class SavedTensorCompression:
         return _ledger.param_derived(t)  # a Parameter, a view, or a tracked cast of one
 
     # ---- pack / unpack ---------------------------------------------------------------
+    def site_of(self, t: torch.Tensor) -> str:
+        """The site the saved tensor `t` is booked at: the context's `site` (a subclass that
+        tells a context's tensors apart overrides it)."""
+        return self.site
+
     def _codec_name(self, t: torch.Tensor) -> Optional[str]:
         if t.dtype == torch.bool:
             return "bitmask" if self.pack_masks else None
@@ -292,16 +304,17 @@ class SavedTensorCompression:
         if self._is_param(t, st):
             self.stats.parameters += 1
             return t
+        site = self.site_of(t)
         name = self._codec_name(t) if t.numel() >= max(self.min_numel, 1) else None
         if name is None:
-            return self._keep(t, st)
-        return self._encode(t, st, name)
+            return self._keep(t, st, site)
+        return self._encode(t, st, name, site)
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
         return packed.unpack() if isinstance(packed, _Packed) else packed
 
-    def _keep(self, t: torch.Tensor, st) -> torch.Tensor:
+    def _keep(self, t: torch.Tensor, st, site: str) -> torch.Tensor:
         own = t.numel() * t.element_size()
         if st.nbytes() > 2 * max(own, 1):  # do not pin a large (maybe encoded) storage
             t = t.detach().clone()
@@ -319,7 +332,7 @@ class SavedTensorCompression:
         self.stats.kept += 1
         self.stats.kept_bytes += nbytes
         if nbytes:
-            _ledger.report(self.layer, self.site, t, nbytes)
+            _ledger.report(self.layer, site, t, nbytes)
         return t
 
     def _entry(self, t: torch.Tensor, st) -> _StorageEntry:
@@ -338,10 +351,10 @@ class SavedTensorCompression:
         entry = self._storages[key] = _StorageEntry(weakref.ref(st, freed), t._version)
         return entry
 
-    def _encode(self, t: torch.Tensor, st, name: str) -> Any:
+    def _encode(self, t: torch.Tensor, st, name: str, site: str) -> Any:
         entry = self._entry(t, st)
         if entry.kept:  # autograd holds the raw storage anyway: an encoded copy adds bytes
-            return self._keep(t, st)
+            return self._keep(t, st, site)
         shape, stride, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
         # one record per storage, whatever codec a later site names (counted once)
         flat = next((r for (dtype, _), r in entry.flat.items() if dtype == t.dtype), None)
@@ -354,7 +367,7 @@ class SavedTensorCompression:
             self.stats.reused += 1
             return _Packed(record, None)
 
-        codec = self.codec(name)
+        codec = self.codec(name, site)
         size = t.element_size()
         whole = st.nbytes() % size == 0 and _dense_cover(t, st.nbytes() // size)
         source = t.detach()
@@ -366,7 +379,7 @@ class SavedTensorCompression:
         if not codec.within_raw(source.shape, t.dtype):  # never more than stock: keep it
             self.stats.declined += 1
             self.stats.declined_bytes += t.numel() * size
-            return self._keep(t, st)
+            return self._keep(t, st, site)
         with torch.no_grad():
             enc = codec.encode(source)
         record = _Record(codec, enc, self.stats)
@@ -381,7 +394,7 @@ class SavedTensorCompression:
         s.encoded_bytes += enc.nbytes
         s.raw_bytes += t.numel() * size
         s.by_codec[name] = s.by_codec.get(name, 0) + enc.nbytes
-        _ledger.report(self.layer, self.site, enc, enc.nbytes, replaces=t)
+        _ledger.report(self.layer, site, enc, enc.nbytes, replaces=t)
         return packed
 
 

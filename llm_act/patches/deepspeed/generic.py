@@ -5,9 +5,14 @@ Such a model has no compressed layers, but it does have repeated blocks (the lon
 
 - the generic saved-tensor hook path of `llm_act.generic.hooks` (GACT's): everything the block
   saves for backward is encoded with the codec its *site* has in the plan. The site of a
-  saved tensor is read from the submodule that saves it (`q_proj`/`c_attn` ->
+  saved tensor is read from the submodule that saves it: for the Hugging Face families with a
+  declared table (`hf_families`: gpt2, llama, mistral, qwen2, qwen3) from that table, and
+  inside their attention call q, k, v and the attention's own tensors apart through
+  transformers' attention interface (`hf_attention`, which also refuses an attn_implementation
+  it cannot book); for any other model from the submodule's name (`q_proj`/`c_attn` ->
   `attn.qkv_input`, `o_proj` -> `attn.out`, `down_proj` -> `mlp.fc2_input`, ...; see
-  `SITE_OF`), so the block is planned like a megatron-core block, by the same
+  `SITE_OF`; a Hugging Face model says so in one line). So the block is planned like a
+  megatron-core block, by the same
   `Controller`: one `BlockSites` stands for the block's sites in the controller's module
   table and receives the codec instances it picks (their random streams live in the
   controller and its checkpoints). Few-bit codecs need the activation function's own
@@ -32,8 +37,9 @@ Recomputation calls the block's original `forward`, whose submodules are entered
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -42,6 +48,7 @@ from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
 from llm_act.config import ActConfig
 from llm_act.generic.hooks import SavedTensorCompression
 from llm_act.layer_contract import LayerBinder
+from llm_act.patches.deepspeed import hf_attention, hf_families
 from llm_act.patches.deepspeed import recompute as recompute_lib
 from llm_act.plan import recompute_layer
 from llm_act.runtime.controller import Controller
@@ -64,7 +71,8 @@ from llm_act.sites import (
     SITES,
 )
 
-#: last path component of a submodule of a block -> the site of what it saves
+#: last path component of a submodule of a block -> the site of what it saves (models without
+#: a declared table: `hf_families.FAMILIES`)
 SITE_OF: dict[str, str] = {
     **dict.fromkeys(("input_layernorm", "ln_1", "ln1", "attention_norm", "self_attn_layer_norm",
                      "norm1"), CHECKPOINT_SITE),
@@ -218,26 +226,37 @@ class BlockRecompute(LayerBinder):
 
 
 class _BlockHooks(SavedTensorCompression):
-    """The generic hooks of one block, with the codec of the site that saves each tensor."""
+    """The generic hooks of one block, with the codec of the site that saves each tensor: the
+    innermost submodule with a site (`enter` / `leave`), or inside an attention call the site
+    `hf_attention.AttentionSaves` tells (`inside`)."""
 
     def __init__(self, block: torch.nn.Module, sites: BlockSites, seed: int):
         self.sites = sites
         self.current: list[Optional[str]] = []
+        self.saves: Optional[hf_attention.AttentionSaves] = None
         super().__init__(block, self._choose, seed=seed, layer=sites.act_layer)
 
-    def _codec_here(self) -> Optional[Codec]:
-        site = next((s for s in reversed(self.current) if s is not None), None)
-        return None if site is None else self.sites.codecs.get(site)
+    def site_of(self, t: torch.Tensor) -> str:
+        return self.site if self.saves is None else self.saves.site_of(t)
 
     def _choose(self, t: torch.Tensor) -> Optional[str]:
-        codec = self._codec_here()
+        codec = self.sites.codecs.get(self.site_of(t))
         return None if codec is None else codec.name
 
-    def codec(self, name: str) -> Codec:
-        codec = self._codec_here()
+    def codec(self, name: str, site: Optional[str] = None) -> Codec:
+        codec = None if site is None else self.sites.codecs.get(site)
         if codec is not None and codec.name == name:
             return codec  # the controller's instance: its random stream is checkpointed
-        return super().codec(name)
+        return super().codec(name, site)
+
+    @contextlib.contextmanager
+    def inside(self, saves: hf_attention.AttentionSaves) -> Iterator[None]:
+        """Book what an attention call saves by `saves` (`hf_attention.Booking`)."""
+        outer, self.saves = self.saves, saves
+        try:
+            yield
+        finally:
+            self.saves = outer
 
     def enter(self, site: Optional[str]) -> None:
         self.current.append(site)
@@ -286,8 +305,9 @@ def generic_sites() -> tuple[str, ...]:
     return tuple(s for s in SITES if s not in MASK_SITES and s not in MOE_SITES and s not in MODEL_SITES)
 
 
-def _check_not_checkpointing(model: torch.nn.Module) -> None:
-    if getattr(model, "is_gradient_checkpointing", False):
+def _check_not_checkpointing(hf: Any) -> None:
+    """`hf`: the Hugging Face model in the model (`hf_families.hf_model`), or None."""
+    if hf is not None and hf.is_activation_checkpointing:
         raise ValueError(
             "model: Hugging Face gradient checkpointing is on, and llm_act plans recomputation "
             "itself; call model.gradient_checkpointing_disable() (or set "
@@ -304,7 +324,8 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    _check_not_checkpointing(model)
+    hf = hf_families.hf_model(model)
+    _check_not_checkpointing(hf)
     if config.output_loss == "chunked":
         raise ValueError("output_loss 'chunked': the chunked output loss replaces a megatron-core GPTModel's "
                          "output layer; this model takes the generic path (not megatron-core), where its own "
@@ -313,6 +334,10 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
     for i, block in enumerate(blocks):
         if getattr(block, "_llm_act_generic", None) is not None:
             raise ValueError(f"model: block {i} was already prepared by llm_act")
+    family = hf_families.family_of(hf, blocks[0])
+    if family is not None:
+        hf_attention.check(type(hf).__name__, hf.config, blocks[0].get_submodule(family.attention),
+                           family.bypass)
     recompute = config.plan == RECOMPUTE
     ckpt_codec = config.codecs.get(CHECKPOINT_SITE, KEEP)
     names = generic_sites()
@@ -338,7 +363,9 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
     hooks = []
     for i, (block, bs) in enumerate(zip(blocks, sites)):
         h = _BlockHooks(block, bs, seed=replica_seed(config.seed) + SEED_STRIDE * i)
-        _track_sites(block, h)
+        _track_sites(block, h, site_of if family is None else family.sites.get)
+        if family is not None:
+            hf_attention.book(block.get_submodule(family.attention), h, type(hf).__name__)
         hooks.append(h)
     handle = GenericModel(controller, blocks, sites, hooks, recompute,
                           None if ckpt_codec == KEEP else ckpt_codec)
@@ -353,11 +380,13 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
     return handle
 
 
-def _track_sites(block: torch.nn.Module, hooks: _BlockHooks) -> None:
+def _track_sites(block: torch.nn.Module, hooks: _BlockHooks,
+                 site_at: Callable[[str], Optional[str]]) -> None:
+    """Enter the site `site_at(path)` gives each submodule of `block` while it runs."""
     for path, sub in block.named_modules():
         if not path:
             continue
-        site = site_of(path)
+        site = site_at(path)
 
         def pre(_m, _args, site=site):
             if hooks.active:

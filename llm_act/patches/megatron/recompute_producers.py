@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
+from llm_act.measurement.step_tap import submodule
 from llm_act.patches.megatron.mlp import activation_of
 from llm_act.sites import BLOCK, LN2_INPUT, MLP_FC2_INPUT, PRODUCER_INPUTS, SITE_OF
 
@@ -51,23 +52,16 @@ def producer_of(layer: torch.nn.Module, site: str) -> Optional[Callable[..., tor
     core attention needs the forward's own arguments, its mask: the attention region replays
     the call it recorded) and the MoE experts' sites (rebuilt inside the experts' backward)."""
     spec = SITE_OF.get(site)
-    if spec is None or _submodule(layer, spec.slot) is None:
+    if spec is None or submodule(layer, spec.slot) is None:
         return None
     if spec.made_by is not None:
-        module = _submodule(layer, spec.made_by)
+        module = submodule(layer, spec.made_by)
         return None if module is None else functools.partial(_summed, module)
     if site == MLP_FC2_INPUT:
         return activation_of(layer.mlp.config)[1]
     if site == LN2_INPUT:
         return functools.partial(_attention_residual, layer)
     return None
-
-
-def _submodule(layer: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
-    try:
-        return layer.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def _summed(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ itself (`llm_act.runtime.budget_check.FirstForward`):
 - `apply()` in a plain torch loop (Megatron-LM's door: nothing advances the controller): the
   first forward raises the same way;
 - DeepSpeed with a Hugging Face-style model (the generic path): a fixed plan is checked the
-  same way; plan "auto" warns once that the smallest budget is not known there.
+  same way; plan "auto" is refused at the first tracking point (the first step's boundary),
+  from the blocks measured there, with the smallest budget, which trains.
 
 CPU, one gloo rank (megatron-core's parallel state up), a torch optimizer (no DeepSpeed op
 to build).
@@ -214,17 +215,28 @@ def _hf_steps(engine, steps):
         engine.step()
 
 
-def test_deepspeed_generic_fixed_plan_checked_and_auto_warned(caplog):
+def test_deepspeed_generic_fixed_plan_checked_and_auto_refused_at_the_first_tracking(caplog):
     engine = _hf_engine({"plan": "compress", "budget": 100000, "adapt": False})
     with pytest.raises(PlanOverBudget) as caught:
         _hf_steps(engine, 1)
     need = caught.value.needed_bytes
     _hf_steps(_hf_engine({"plan": "compress", "budget": need, "adapt": False}), 1)
 
+    # "auto" measures the blocks at the first tracking point (the first step's boundary) and
+    # refuses a budget no plan fits there, naming the smallest; that one trains
     with caplog.at_level(logging.WARNING, logger="llm_act.runtime.controller"):
-        _hf_steps(_hf_engine({"plan": "auto", "budget": 100000, "sensitivity": False}), 2)
-    warned = [r.getMessage() for r in caplog.records if "smallest activation budget" in r.getMessage()]
-    assert len(warned) == 1 and "not known" in warned[0] and "more than the budget" in warned[0]
+        with pytest.raises(BudgetTooSmall) as caught:
+            _hf_steps(_hf_engine({"plan": "auto", "budget": 100000, "sensitivity": False}), 1)
+    assert not [r for r in caplog.records if "smallest activation budget" in r.getMessage()]
+    _one_line(caught.value)
+    smallest = caught.value.min_budget_bytes
+    assert smallest > 100000
+    # 1% above it: a later point's measured figures move a little (256 bytes here)
+    budget = int(smallest * 1.01)
+    engine = _hf_engine({"plan": "auto", "budget": budget, "sensitivity": False})
+    _hf_steps(engine, 2)
+    assert engine.act_controller.adapter.tracked == [1, 2]
+    assert all(h["predicted_bytes"] <= budget for h in engine.act_controller.adapter.history)
 
 
 def _dp_worker(rank, world, port):

@@ -387,9 +387,14 @@ def _flags(plan: str, budget: Optional[int], model: Model, folder: str,
 def perturb_one_ulp(trainer, seed: int) -> None:
     """Move every parameter of `trainer`'s model by one ulp, up or down at random (the
     control of the fp32 setting: a perturbation at the rounding scale)."""
+    nudge_one_ulp([p for c in trainer.chunks for p in c.parameters()], seed)
+
+
+def nudge_one_ulp(params, seed: int) -> None:
+    """Move every tensor of `params` by one ulp, up or down at random (`perturb_one_ulp`)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in (p for c in trainer.chunks for p in c.parameters()):
+        for p in params:
             up = torch.rand(p.shape, generator=gen) < 0.5
             toward = torch.where(up, torch.tensor(math.inf), torch.tensor(-math.inf)).to(p.dtype)
             p.copy_(torch.nextafter(p, toward))

@@ -396,6 +396,10 @@ def main(args, argv=None) -> int:
         result, _ = run_peak(command, say)
         if args.save_json:
             saved(result, args.save_json, args.output_dir, say)
+    elif args.suite == "hf-convergence":
+        from llm_act.bench import hf_convergence
+
+        hf_convergence.run_saved(args.seeds, args.steps, args.save_json, command, say)
     elif args.suite == "gpu":
         run_gpu(command, say, args.output_dir)
     elif args.suite == "overhead":

@@ -92,6 +92,15 @@ def _parser() -> argparse.ArgumentParser:
                             help="run only these seeds of the setting (a range A-B or a comma list), "
                                  "e.g. to split the bench over two processes with their own --save-json")
 
+    hc = bsub.add_parser("hf-convergence", allow_abbrev=False,
+                         help="a Hugging Face Llama under DeepSpeed: auto against compress and stock, paired seeds (CPU)")
+    hc.add_argument("--seeds", type=seed_range, default=None, metavar="A-B",
+                    help="the seeds (a range A-B or a comma list; default 1244-1253)")
+    hc.add_argument("--steps", type=POSITIVE_INT, default=None, help="training steps per run (default 200)")
+    hc.add_argument("--save-json", default=None, metavar="JSON",
+                    help="save after every run; an unfinished result in it is continued")
+    hc.set_defaults(cmd_parser=hc)
+
     pk = bsub.add_parser("peak", help="the planner's peak of a step against the measured one (CPU)",
                          allow_abbrev=False)
     pk.add_argument("--output-dir", default="docs",

@@ -67,7 +67,10 @@ DEFAULT_MIN_NUMEL = 1024
 #: draws its own mask) or apply only to masks.
 _NOT_GENERIC = FEWBIT_CODECS | {"regen", "bitmask"}
 
-CodecChoice = Union[str, Callable[[torch.Tensor], Optional[str]]]
+#: a codec name for every tensor, or a callable giving each tensor a codec name or a `Codec`
+#: instance of the caller's own (its random stream and name stay the caller's: the generic
+#: path's controller hands out its codecs, and measurement its capture probe)
+CodecChoice = Union[str, Callable[[torch.Tensor], Union[None, str, Codec]]]
 
 def _task_id() -> int:
     return torch._C._current_graph_task_id()
@@ -84,6 +87,14 @@ def _check_codec_name(name: Any, what: str) -> Optional[str]:
         raise ValueError(f"{what}: codec {name!r} cannot stand for an arbitrary saved tensor "
                          f"(few-bit and mask codecs apply only to their sites)")
     return name
+
+
+def _check_codec(codec: Codec) -> Codec:
+    """`codec` (an instance `codec_for` returned) where it can stand for any saved tensor."""
+    if codec.name in _NOT_GENERIC:
+        raise ValueError(f"codec_for(tensor) returned codec {codec.name!r}, which cannot stand for an "
+                         f"arbitrary saved tensor (few-bit and mask codecs apply only to their sites)")
+    return codec
 
 
 def _dense_cover(t: torch.Tensor, storage_numel: int) -> bool:
@@ -285,14 +296,19 @@ class SavedTensorCompression:
         tells a context's tensors apart overrides it)."""
         return self.site
 
-    def _codec_name(self, t: torch.Tensor) -> Optional[str]:
+    def _codec_for(self, t: torch.Tensor, site: str) -> Optional[Codec]:
         if t.dtype == torch.bool:
-            return "bitmask" if self.pack_masks else None
+            return self.codec("bitmask", site) if self.pack_masks else None
         if not t.is_floating_point() or (self.require_grad and not t.requires_grad):
             return None
         if self._choose is None:
-            return self._fixed
-        return _check_codec_name(self._choose(t), "codec_for(tensor) returned")
+            name = self._fixed
+        else:
+            choice = self._choose(t)
+            if isinstance(choice, Codec):
+                return _check_codec(choice)
+            name = _check_codec_name(choice, "codec_for(tensor) returned")
+        return None if name is None else self.codec(name, site)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.layout != torch.strided or t.device.type == "meta":
@@ -305,10 +321,10 @@ class SavedTensorCompression:
             self.stats.parameters += 1
             return t
         site = self.site_of(t)
-        name = self._codec_name(t) if t.numel() >= max(self.min_numel, 1) else None
-        if name is None:
+        codec = self._codec_for(t, site) if t.numel() >= max(self.min_numel, 1) else None
+        if codec is None:
             return self._keep(t, st, site)
-        return self._encode(t, st, name, site)
+        return self._encode(t, st, codec, site)
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
@@ -351,7 +367,7 @@ class SavedTensorCompression:
         entry = self._storages[key] = _StorageEntry(weakref.ref(st, freed), t._version)
         return entry
 
-    def _encode(self, t: torch.Tensor, st, name: str, site: str) -> Any:
+    def _encode(self, t: torch.Tensor, st, codec: Codec, site: str) -> Any:
         entry = self._entry(t, st)
         if entry.kept:  # autograd holds the raw storage anyway: an encoded copy adds bytes
             return self._keep(t, st, site)
@@ -367,7 +383,7 @@ class SavedTensorCompression:
             self.stats.reused += 1
             return _Packed(record, None)
 
-        codec = self.codec(name, site)
+        name = codec.name
         size = t.element_size()
         whole = st.nbytes() % size == 0 and _dense_cover(t, st.nbytes() // size)
         source = t.detach()

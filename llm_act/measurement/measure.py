@@ -69,21 +69,27 @@ _MEASURE_SEED = 20240611
 
 
 class _Capture(Codec):
-    """A lossless probe: 'encodes' by keeping x itself and remembers it for measurement."""
+    """A lossless probe: 'encodes' by keeping x itself and remembers it for measurement: the
+    first tensor of its site in `sink`, any further one of the same forward in `more` (a
+    generic block's site can hold several: an RMSNorm's input and its normalised copy, a gated
+    unit's three operands; the hooks encode each with the site's codec)."""
 
     lossless = True
     name = "capture"
 
-    def __init__(self, sink: dict, key: tuple[int, str]):
+    def __init__(self, sink: dict, key: tuple[int, str], more: Optional[dict] = None):
         super().__init__(seed=0)
-        self.sink, self.key = sink, key
+        self.sink, self.key, self.more = sink, key, more
 
     def check_input(self, x: torch.Tensor) -> None:  # dropout masks arrive as bool
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"capture: expected a tensor, got {type(x).__name__}")
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        self.sink[self.key] = x
+        if self.more is not None and self.key in self.sink:
+            self.more.setdefault(self.key, []).append(x)
+        else:
+            self.sink[self.key] = x
         return self._record(x, value=x)
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
@@ -210,6 +216,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
     if not controller.layers:
         raise ValueError("controller: it drives no layer; nothing to measure")
     captured: dict[tuple[int, str], torch.Tensor] = {}
+    more: dict[tuple[int, str], list[torch.Tensor]] = {}
     groups_first = set()
     block_ms: dict[int, float] = {}
     module_ms: dict[tuple[int, str], float] = {}
@@ -228,7 +235,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
             return keep_ledger.by_site()
 
         keep = None if keep_from is not None else keep_pass()
-        probes = {(layer, site): _Capture(captured, (layer, site))
+        probes = {(layer, site): _Capture(captured, (layer, site), _more_of(controller, layer, site, more))
                   for layer in controller.layers for site in controller.sites(layer)
                   if not _qkv_by_hook(controller, layer, site)}
         probing.install(controller, probes)
@@ -259,6 +266,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
         # q/k/v: a codec encodes the view alone (the QKV buffer behind a view is freed), so
         # what the site holds beyond its tensor's whole storage is side bytes (RoPE's tables)
         own = x.untyped_storage().nbytes() if site in schema.QKV_SITES else x.numel() * x.element_size()
+        own += sum(y.numel() * y.element_size() for y in more.get(key, ()))
         side = max(0, held.get(key, 0) - own)
         sites[key] = SiteStats(layer, site, tuple(x.shape), x.dtype, keep.get(key, 0), side)
     profile = MeasuredProfile(sites, other, str(probing.device_of(controller)),
@@ -293,6 +301,9 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
                 codec = _codec(name, activation[layer])
                 st.options[name] = _option(codec, name, x, xs, st.side_bytes, power, dpower, timed, repeats,
                                            clock)
+                if key in more:
+                    st.options[name] = _with_more(st.options[name], codec, name, x, power, more[key], timed,
+                                                  repeats, clock)
                 if name == "outlier_int4" and x.shape:
                     st.outlier_rate = codec.count_outliers(x) / max(1, x.shape[-1])
             if timed:
@@ -301,6 +312,35 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
             _copy_times(profile, times_from)
     snap.restore()
     return profile
+
+
+def _more_of(controller: ControlledModel, layer: int, site: str, more: dict) -> Optional[dict]:
+    """`more` where the site's module can hold several tensors at one site (a generic block's
+    `BlockSites`, whose hooks book every saved tensor at a site), else None: a megatron-core
+    module stores one tensor per site, and a second encode is the next forward's."""
+    return None if isinstance(controller.module(layer, site), torch.nn.Module) else more
+
+
+def _with_more(first: OptionStats, codec: Codec, name: str, x: torch.Tensor, power: float,
+               others: list[torch.Tensor], timed: bool, repeats: int, clock: dict) -> OptionStats:
+    """`first` (the codec on the site's first tensor `x`) with the site's other tensors added:
+    their bytes and times summed, the errors pooled over every element (the squared error per
+    element, and S as the summed squared error over the summed power)."""
+    n = x.numel()
+    sq, pw = first.error * n, power * n
+    out = dataclasses.replace(first)
+    for y in others:
+        ys = token_sample(y)
+        p = _power(ys)
+        st = _option(codec, name, y, ys, 0, p, 1.0, timed, repeats, clock)
+        out.nbytes += st.nbytes
+        out.encode_ms += st.encode_ms
+        out.decode_ms += st.decode_ms
+        sq += st.error * y.numel()
+        pw += p * y.numel()
+        n += y.numel()
+    out.error, out.rel_error = sq / n, sq / (pw or 1.0)
+    return out
 
 
 def profile_from_samples(controller: ControlledModel, samples: dict, last: MeasuredProfile,

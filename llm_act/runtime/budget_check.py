@@ -163,8 +163,10 @@ class FirstForward:
       measured bytes outside the layers: `BudgetTooSmall` below it. ("auto" cannot re-plan
       without a probe yet, so a budget above that edge but below what the plan in force
       holds is warned about once.)
-    - plan "auto" on other models (the generic path has no analytic model): a one-time
-      warning that the smallest budget is not known, with what the plan in force holds.
+    - plan "auto" on the generic path (no analytic model): an info line; the first tracking
+      point, which follows at once, measures the blocks and refuses a budget no plan fits;
+    - plan "auto" on megatron-core layers without an analytic model: a one-time warning that
+      the smallest budget is not known, with what the plan in force holds.
 
     The figures are reduced (max, `llm_act.runtime.agreement`, with its timeouts) over every rank at a
     step boundary, so every rank of the job decides the same and raises together; inside the
@@ -342,6 +344,13 @@ class FirstForward:
                 log.info("llm_act: plan 'auto' fits the activation budget of %d bytes (the smallest is %d "
                          "bytes); the plan in force holds %d bytes (static memory included) and is "
                          "re-planned at the first tracking point", budget, minimum, need)
+            return
+        if not self.layers:
+            # the generic path: no analytic model, but the first tracking point (this
+            # iteration) measures the blocks and refuses a budget no plan fits (`solving.solve`)
+            log.info("llm_act: plan 'auto': the activation budget of %d bytes is checked against the "
+                     "measured profile at the first tracking point; the plan in force holds %d bytes "
+                     "(static memory included) on the first step", budget, need)
             return
         self.warn_once("auto_unchecked", "llm_act: plan 'auto': the smallest activation budget any plan "
                        "fits is not known here (%s), so the budget of %d bytes is not checked against it; "

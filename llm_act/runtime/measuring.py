@@ -231,7 +231,7 @@ class Measurements:
     def measurable(self) -> bool:
         """Whether the controlled sites can be measured: megatron-core layers (modules that
         store each site). The generic path's blocks (`BlockSites`) are not measured."""
-        return any(isinstance(m, torch.nn.Module) for m in self.controller.all_modules())
+        return bool(self.controller.layers)
 
     def fidelity_due(self, iteration: Optional[int] = None) -> bool:
         """Whether `iteration` (default: the one running now, not yet counted) ends with a

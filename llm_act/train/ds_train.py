@@ -2,8 +2,9 @@
 
     deepspeed --num_gpus 2 launch/ds_train.py --deepspeed_config launch/ds_config.json
 
-trains a small megatron-core GPT (or, with `--model hf`, a Hugging Face Llama decoder
-built from a config) on the embedded byte-level corpus of `llm_act.train.data`, through
+trains a small megatron-core GPT (or, with `--model hf`, a Hugging Face decoder of a
+family with a site table, `--hf-kind`, or the one a model's `config.json` describes,
+`--hf-config`, built with random weights) on the embedded byte-level corpus of `llm_act.train.data`, through
 `llm_act.patches.deepspeed.initialize`, and prints per optimizer step the loss (averaged
 over the data-parallel ranks) and the bytes the first micro-batch's forward left for
 backward on this rank (`SavedTensorLedger`). Runs on CPU (gloo) and on GPUs. Flags other
@@ -38,7 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1,
                    help="set by the deepspeed launcher")
     p.add_argument("--model", choices=("gpt", "hf"), default="gpt",
-                   help="gpt: megatron-core GPTModel; hf: Hugging Face Llama decoder (default gpt)")
+                   help="gpt: megatron-core GPTModel; hf: a Hugging Face decoder, --hf-kind or "
+                        "--hf-config (default gpt)")
+    p.add_argument("--hf-kind", choices=hf_decoder.KINDS, default="llama",
+                   help="with --model hf: the family of the decoder built at --hidden-size, "
+                        "--num-layers, --num-attention-heads (default llama)")
+    p.add_argument("--hf-config", default=None, metavar="PATH",
+                   help="with --model hf: build the decoder a model's config.json describes (its "
+                        "sizes, the corpus' vocabulary; random weights, no download) instead of --hf-kind")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps (default 6)")
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
@@ -96,11 +104,16 @@ def _no_cpu_op_builds(ds: dict[str, Any]) -> None:
 
 def _model(args: argparse.Namespace, vocab: int):
     """(module, loss function(module, batch) -> loss)."""
+    if args.hf_config is not None and args.model != "hf":
+        raise ValueError("--hf-config builds a Hugging Face decoder; add --model hf")
     if args.model == "hf":
-        model = hf_decoder.build("llama", vocab_size=vocab, hidden_size=args.hidden_size,
-                                 num_layers=args.num_layers, num_heads=args.num_attention_heads,
-                                 num_kv_heads=max(1, args.num_attention_heads // 2),
-                                 max_positions=args.seq_length, seed=args.seed)
+        if args.hf_config is not None:
+            model = hf_decoder.from_config_file(args.hf_config, seed=args.seed, vocab_size=vocab)
+        else:
+            model = hf_decoder.build(args.hf_kind, vocab_size=vocab, hidden_size=args.hidden_size,
+                                     num_layers=args.num_layers, num_heads=args.num_attention_heads,
+                                     num_kv_heads=max(1, args.num_attention_heads // 2),
+                                     max_positions=args.seq_length, seed=args.seed)
         return model, lambda m, b: hf_decoder.lm_loss(m, b.tokens, b.labels)
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

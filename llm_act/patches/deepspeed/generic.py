@@ -38,6 +38,7 @@ Recomputation calls the block's original `forward`, whose submodules are entered
 from __future__ import annotations
 
 import contextlib
+import inspect
 import dataclasses
 from typing import Any, Callable, Iterator, Optional
 
@@ -48,6 +49,7 @@ from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
 from llm_act.config import ActConfig
 from llm_act.generic.hooks import SavedTensorCompression
 from llm_act.layer_contract import LayerBinder
+from llm_act.ledger import current_ledger
 from llm_act.patches.deepspeed import hf_attention, hf_families
 from llm_act.patches.deepspeed import recompute as recompute_lib
 from llm_act.plan import recompute_layer
@@ -239,15 +241,10 @@ class _BlockHooks(SavedTensorCompression):
     def site_of(self, t: torch.Tensor) -> str:
         return self.site if self.saves is None else self.saves.site_of(t)
 
-    def _choose(self, t: torch.Tensor) -> Optional[str]:
-        codec = self.sites.codecs.get(self.site_of(t))
-        return None if codec is None else codec.name
-
-    def codec(self, name: str, site: Optional[str] = None) -> Codec:
-        codec = None if site is None else self.sites.codecs.get(site)
-        if codec is not None and codec.name == name:
-            return codec  # the controller's instance: its random stream is checkpointed
-        return super().codec(name, site)
+    def _choose(self, t: torch.Tensor) -> Optional[Codec]:
+        """The codec instance the site holds (the controller's, whose random stream it
+        checkpoints, or a measuring probe's), None where the site keeps."""
+        return self.sites.codecs.get(self.site_of(t))
 
     @contextlib.contextmanager
     def inside(self, saves: hf_attention.AttentionSaves) -> Iterator[None]:
@@ -315,6 +312,27 @@ def _check_not_checkpointing(hf: Any) -> None:
         )
 
 
+def _no_cache_in_training(hf: Any) -> None:
+    """Absorb Hugging Face's `use_cache` into the plan: a training forward of `hf` (train mode,
+    gradients on) runs with `use_cache=False`, as under HF's own gradient checkpointing. The
+    KV cache its config turns on by default would hold every layer's raw k and v until the
+    output is dropped, after backward: the bytes a plan saves at `attn.k` / `attn.v` (and a
+    recomputed block's) would still be held. A training call that asks for the cache itself
+    (`use_cache=True`) is refused in one line; evaluation and generation keep it."""
+
+    def pre(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not (module.training and torch.is_grad_enabled()):
+            return args, kwargs
+        if kwargs.get("use_cache") is True:
+            raise ValueError(
+                f"{type(module).__name__}: use_cache=True in a training forward keeps every layer's k "
+                "and v for the whole step, which llm_act compresses or recomputes; fix: drop "
+                "use_cache=True from training calls (llm_act trains with use_cache=False)")
+        return args, {**kwargs, "use_cache": False}
+
+    hf.register_forward_pre_hook(pre, with_kwargs=True)
+
+
 def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
           mpu: Any = None) -> GenericModel:
     """Plan the repeated blocks of `model` with a Controller (see the module docstring).
@@ -377,6 +395,8 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
             _wrap_compress(block, bs, h)
     for block in blocks:
         block._llm_act_generic = handle
+    if hf is not None and "use_cache" in inspect.signature(hf.forward).parameters:
+        _no_cache_in_training(hf)
     return handle
 
 
@@ -404,7 +424,9 @@ def _wrap_compress(block: torch.nn.Module, sites: BlockSites, hooks: _BlockHooks
     forward = block.forward
 
     def compressed_forward(*args: Any, **kwargs: Any):
-        if not (block.training and torch.is_grad_enabled() and sites.compressing) or hooks.active:
+        # every site kept and no ledger counting: stock's forward, no hook on any saved tensor
+        booked = sites.compressing or current_ledger() is not None
+        if not (block.training and torch.is_grad_enabled() and booked) or hooks.active:
             return forward(*args, **kwargs)
         with hooks:
             hooks.current = []

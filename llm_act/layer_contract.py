@@ -56,6 +56,14 @@ class LayerBinder(Protocol):
         sites the layer can recompute alone."""
         ...
 
+    def recompute_scope(self) -> str:
+        """What recomputation the layer can switch to at a tracking point: "sites" (single
+        sites from what the layer keeps, and the whole block: a megatron-core layer),
+        "whole" (the whole block from its input, or nothing: a generic block under plan
+        "auto"), "fixed" (what `apply` installed, whole or nothing, stays: a generic block
+        under a named plan). Measurement offers the planner only these."""
+        ...
+
     def producer(self, site: str) -> Optional[Callable[..., torch.Tensor]]:
         """The function that makes `site` from the tensors it is recomputed from
         (`llm_act.sites.PRODUCER_INPUTS[site]`, in that order), as the layer's own forward

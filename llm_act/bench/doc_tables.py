@@ -22,7 +22,7 @@ import re
 import sys
 from typing import Callable, Optional
 
-from llm_act.bench import overhead as O, peak, planner as P
+from llm_act.bench import hf_convergence, hf_peak, overhead as O, peak, planner as P
 from llm_act.bench.record import provenance_line
 
 #: kind -> the renderer of that table from the saved result
@@ -35,6 +35,8 @@ KINDS: dict[str, Callable[[dict], str]] = {
     "planner_compare": lambda r: P.compare_table(r["compare"]),
     "planner_overhead": lambda r: O.table(r["overhead"]),
     "peak": peak.table,
+    "hf_peak": hf_peak.table,
+    "hf_convergence": hf_convergence.table,
 }
 MARKED = re.compile(r"^<!-- table: (?P<kind>\w+) from (?P<source>\S+) -->\n(?P<body>.*?)^<!-- /table -->$",
                     re.M | re.S)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import time
 from typing import Callable, Optional
 
@@ -47,13 +48,19 @@ PLANS = (STOCK, ULP, "compress", "auto")
 SEEDS = tuple(range(1244, 1254))
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _one_rank() -> None:
     """One gloo rank in this process (DeepSpeed's engine needs a process group)."""
     import deepspeed
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
             os.environ.setdefault(key, value)
         deepspeed.init_distributed(dist_backend="gloo")
@@ -191,7 +198,7 @@ def run_saved(seeds=None, steps: Optional[int] = None, save_json: Optional[str] 
 
     def save(result: dict) -> None:
         if save_json:
-            write_json(save_json, {**result, "record": run_record(command, time.perf_counter() - start)})
+            write_json(save_json, {**run_record(command, time.perf_counter() - start), **result})
 
     result = run(seeds or SEEDS, PLANS, steps or STEPS, done, save, log)
     log(table(result))

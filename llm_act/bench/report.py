@@ -396,6 +396,10 @@ def main(args, argv=None) -> int:
         result, _ = run_peak(command, say)
         if args.save_json:
             saved(result, args.save_json, args.output_dir, say)
+    elif args.suite == "hf-peak":
+        from llm_act.bench import hf_peak
+
+        hf_peak.run_saved(args.save_json, command, say)
     elif args.suite == "hf-convergence":
         from llm_act.bench import hf_convergence
 

@@ -101,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="save after every run; an unfinished result in it is continued")
     hc.set_defaults(cmd_parser=hc)
 
+    hp = bsub.add_parser("hf-peak", allow_abbrev=False,
+                         help="a Hugging Face decoder under DeepSpeed: predicted peak against the measured one (CPU)")
+    _save_json_option(hp)
+    hp.set_defaults(cmd_parser=hp)
+
     pk = bsub.add_parser("peak", help="the planner's peak of a step against the measured one (CPU)",
                          allow_abbrev=False)
     pk.add_argument("--output-dir", default="docs",

@@ -77,14 +77,21 @@ def checkpoint_blocks(blocks: Iterable[torch.nn.Module], codec: Optional[str] = 
     return handle
 
 
+def checkpointed_call(forward, hooks: Optional[SavedTensorCompression], layer: int, *args,
+                      preserve_rng_state: bool = True, **kwargs):
+    """`forward(*args, **kwargs)` under the non-reentrant checkpoint: its tensor inputs go
+    through `hooks` (the block input's codec) or, with None, are kept and counted at
+    (`layer`, "ln1.input"); everything else is recomputed in backward."""
+    context = hooks if hooks is not None else _ledger.scope(layer, CHECKPOINT_SITE)
+    with context:
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+
+
 def _wrap(forward, hooks, layer: int, preserve_rng_state: bool):
     def checkpointed(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        context = hooks if hooks is not None else _ledger.scope(layer, CHECKPOINT_SITE)
-        with context:
-            return checkpoint(forward, *args, use_reentrant=False,
-                              preserve_rng_state=preserve_rng_state, **kwargs)
+        return checkpointed_call(forward, hooks, layer, *args, preserve_rng_state=preserve_rng_state, **kwargs)
 
     setattr(checkpointed, _MARK, True)
     return checkpointed

@@ -271,7 +271,8 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
         sites[key] = SiteStats(layer, site, tuple(x.shape), x.dtype, keep.get(key, 0), side)
     profile = MeasuredProfile(sites, other, str(probing.device_of(controller)),
                               {layer: _no_recompute(controller, layer) for layer in controller.layers})
-    profile.block_ms = {layer: ms for layer, ms in block_ms.items() if _whole(profile, layer)}
+    whole = {layer for layer in controller.layers if _recomputes_whole(controller, layer)}
+    profile.block_ms = {layer: ms for layer, ms in block_ms.items() if layer in whole}
     first_of: dict[int, int] = {}
     for group in profile.groups():
         groups_first.add(group[0])
@@ -309,7 +310,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
             if timed:
                 st.forward_ms = _producer_ms(controller, layer, site, captured, repeats, module_ms)
         if times_from is not None:
-            _copy_times(profile, times_from)
+            _copy_times(profile, times_from, whole)
     snap.restore()
     return profile
 
@@ -397,12 +398,13 @@ def _same_shapes(old: Optional[MeasuredProfile], captured: dict) -> bool:
         old.sites[k].shape == tuple(x.shape) and old.sites[k].dtype == x.dtype for k, x in captured.items())
 
 
-def _copy_times(profile: MeasuredProfile, old: Any) -> None:
-    """Times of `old` (a profile or its `times()`), by site type."""
+def _copy_times(profile: MeasuredProfile, old: Any, whole: Collection[int]) -> None:
+    """Times of `old` (a profile or its `times()`), by site type; the whole block's for the
+    layers of `whole` (those that can be recomputed whole)."""
     ref = old.times() if isinstance(old, MeasuredProfile) else old
     block = (ref.get(BLOCK_TIME) or {}).get("forward_ms")
     if block is not None:
-        profile.block_ms = {layer: float(block) for layer in profile.layers if _whole(profile, layer)}
+        profile.block_ms = {layer: float(block) for layer in profile.layers if layer in whole}
     for (_, site), st in profile.sites.items():
         src = ref.get(site)
         if src is None:
@@ -449,9 +451,11 @@ def _qkv_hooks(controller: ControlledModel, sink: dict) -> list:
     return handles
 
 
-def _whole(profile: MeasuredProfile, layer: int) -> bool:
-    """Whether `layer` can be recomputed whole (it has a recompute binder)."""
-    return set(profile.no_recompute.get(layer, ())) != schema.RECOMPUTABLE
+def _recomputes_whole(controller: ControlledModel, layer: int) -> bool:
+    """Whether `layer` can be switched to whole-block recompute (a binder over the layer's
+    module that switches: `LayerBinder.recompute_scope`)."""
+    owner = controller.binder(layer)
+    return owner is not None and _layer_of(controller, layer) is not None and owner.recompute_scope() != "fixed"
 
 
 def _block_timer(controller: ControlledModel, sink: dict[int, float]) -> list:
@@ -522,13 +526,13 @@ def _rebuilt_from(sites) -> tuple[str, ...]:
 
 
 def _no_recompute(controller: ControlledModel, layer: int) -> tuple[str, ...]:
-    """Sites of `RECOMPUTABLE` the layer cannot recompute alone: none without a megatron
-    layer and its binder (`LayerRecompute`); those rebuilt from the MLP's activation input
-    (`mlp.fc2_input`) when the MLP keeps only a mask of it (ReLU); those whose rebuild
-    replays a dropout mask (`ln2.input`) when megatron's fused bias-dropout-add would need
-    the hidden-dropout mask kept."""
+    """Sites of `RECOMPUTABLE` the layer cannot recompute alone: every one without a megatron
+    layer and its binder (`LayerRecompute`; a generic block recomputes whole or not at all);
+    those rebuilt from the MLP's activation input (`mlp.fc2_input`) when the MLP keeps only a
+    mask of it (ReLU); those whose rebuild replays a dropout mask (`ln2.input`) when
+    megatron's fused bias-dropout-add would need the hidden-dropout mask kept."""
     owner, tl = controller.binder(layer), _layer_of(controller, layer)
-    if owner is None or tl is None:
+    if owner is None or tl is None or owner.recompute_scope() != "sites":
         return tuple(sorted(schema.RECOMPUTABLE))
     out = []
     try:

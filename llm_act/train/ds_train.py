@@ -9,7 +9,7 @@ family with a site table, `--hf-kind`, or the one a model's `config.json` descri
 over the data-parallel ranks) and the bytes the first micro-batch's forward left for
 backward on this rank (`SavedTensorLedger`). Runs on CPU (gloo) and on GPUs. Flags other
 than DeepSpeed's override the config: `--zero-stage`, `--no-act-compress` (the same run
-with `"activation_compression": {"enabled": false}`), `--act-plan`.
+with `"activation_compression": {"enabled": false}`), `--act-plan`, `--act-budget`.
 
 A training loop, so it sits with the others in `llm_act.train` (above the patches: it
 imports `llm_act.patches.deepspeed` and the loop's data, parallel and model helpers).
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-act-compress", action="store_true",
                    help='run with "activation_compression": {"enabled": false}')
     p.add_argument("--act-plan", default=None, help="override activation_compression.plan")
+    p.add_argument("--act-budget", default=None, metavar="BYTES",
+                   help='override activation_compression.budget (bytes, or e.g. "60GB")')
     p.add_argument("--compare", action="store_true",
                    help="run twice in the same processes, without then with compression, and "
                         "print both")
@@ -79,6 +81,9 @@ def ds_config_from(args: argparse.Namespace) -> dict[str, Any]:
     if args.act_plan is not None:
         section = dict(section or {})
         section["plan"] = args.act_plan
+    if args.act_budget is not None:
+        section = dict(section or {})
+        section["budget"] = int(args.act_budget) if args.act_budget.isdigit() else args.act_budget
     if section is not None:
         ds[ds_config.SECTION] = section
     ds_config.act_config(ds)  # a bad section is refused here, before any process group or build
@@ -210,7 +215,8 @@ def _train(args: argparse.Namespace, ds: dict[str, Any], log: Callable[[str], No
     result = {"losses": losses, "saved_bytes": saved, "seconds": seconds,
               "zero_stage": engine.zero_optimization_stage(), "model": args.model,
               "compressed": ctl.enabled, "iteration": ctl.iteration,
-              "plan": {str(k): v for k, v in ctl.plan.items()}}
+              "plan": {str(k): v for k, v in ctl.plan.items()},
+              "tracked": list(ctl.adapter.tracked), "plan_changes": [dict(h) for h in ctl.history]}
     return result
 
 

@@ -24,7 +24,7 @@ from llm_act.layer_contract import LayerBinder, SiteModule, binder_of
 
 ROOT = Path(__file__).resolve().parents[2]
 #: what the runtime and measurement may call on a binder: exactly the protocol's members
-MEMBERS = ("codec_names", "bind", "mlp_kind", "producer", "model_shape")
+MEMBERS = ("codec_names", "bind", "mlp_kind", "recompute_scope", "producer", "model_shape")
 
 
 #: every class that implements the contract: (module, class)

@@ -38,8 +38,9 @@ Recomputation calls the block's original `forward`, whose submodules are entered
 from __future__ import annotations
 
 import contextlib
-import inspect
 import dataclasses
+import inspect
+import logging
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -47,6 +48,7 @@ import torch
 from llm_act.codecs.base import Codec
 from llm_act.codecs.registry import FEWBIT_CODECS, KEEP, MASK_CODECS, RECOMPUTE
 from llm_act.config import ActConfig
+from llm_act.generic.checkpoint import checkpointed_call
 from llm_act.generic.hooks import SavedTensorCompression
 from llm_act.layer_contract import LayerBinder
 from llm_act.ledger import current_ledger
@@ -72,6 +74,8 @@ from llm_act.sites import (
     MOE_SITES,
     SITES,
 )
+
+log = logging.getLogger("llm_act.runtime.controller")
 
 #: last path component of a submodule of a block -> the site of what it saves (models without
 #: a declared table: `hf_families.FAMILIES`)
@@ -146,6 +150,9 @@ class BlockSites:
     def __init__(self, layer: int, sites: tuple[str, ...]):
         self.act_layer = layer
         self.codecs: dict[str, Optional[Codec]] = dict.fromkeys(sites)
+        self.stored: set[str] = set()
+        """the sites the block's hooks have booked a saved tensor at (a site never booked
+        holds nothing: SDPA's `attn.softmax`, a model's missing norm)"""
 
     def set_attention_mode(self, mode: str) -> None:
         """Nothing: a generic block's attention is its own code (`layer_contract.SiteModule`)."""
@@ -168,36 +175,56 @@ class BlockRecompute(LayerBinder):
     `BlockSites`, as a megatron-core layer has a `LayerRecompute`), so plans holding
     "recompute" are bound here and never built as codecs.
 
-    A block recomputes as a whole or not at all, and which is fixed by `apply` (it installs
-    the wrapper): with `recompute`, the only choice it binds is `recompute_layer(checkpoint)`
-    (every site but `ln1.input` recomputed, `ln1.input` = `checkpoint`, the codec the
-    wrapper encodes the block input with) and every site hook stays off; without, per-site
-    codecs exactly as the plain codec assignment gives them, and no "recompute". Sites the
-    block does not offer (masks, MoE) are not looked at.
+    A block recomputes as a whole or not at all: whole, every site but `ln1.input` is rebuilt
+    by re-running the block from its input in backward, and `ln1.input` is kept or encoded
+    with its codec (`recompute_layer(checkpoint)`; a site the block never stored may say
+    "keep", as a plan from a profile that saw nothing there does); otherwise the
+    sites take their codecs and none recomputes. Sites the block does not offer (masks, MoE)
+    are not looked at. Which of the two:
+
+    - `switchable` (plan "auto"): whatever the plan in force says, changed at any tracking
+      point (`recompute_scope` "whole"): `bind` sets `recompute` and the block input's codec
+      (the controller's instance, `checkpoint_codec`), which `_wrap_switch` reads per forward;
+    - otherwise fixed by `apply` (`recompute_scope` "fixed"): with `recompute`, the only choice
+      bound is `recompute_layer(checkpoint)`, the wrapper `apply` installed encoding the block
+      input itself; without, per-site codecs and no "recompute".
     """
 
-    def __init__(self, sites: BlockSites, recompute: bool, checkpoint: str = KEEP):
+    def __init__(self, sites: BlockSites, recompute: bool, checkpoint: str = KEEP, switchable: bool = False):
         self.sites, self.recompute, self.checkpoint = sites, recompute, checkpoint
+        self.switchable = switchable
+        self.checkpoint_codec: Optional[Codec] = None
+        """the block input's codec while the block recomputes whole under plan "auto" (None: kept)"""
         sites.act_binder = self  # how the runtime finds it (`layer_contract.binder_of`)
 
     def codec_names(self, choice: dict[str, str]) -> dict[str, str]:
-        """{site: codec name} of the codecs `bind(choice, ...)` needs: none when the block
-        recomputes (the wrapper builds the block input's codec itself)."""
-        stored = self._checked(choice)
-        if self.recompute:
-            return {}
+        """{site: codec name} of the codecs `bind(choice, ...)` needs: a block recomputed
+        whole needs the block input's (under plan "auto"; none where `apply` fixed it: its
+        wrapper builds its own)."""
+        stored, whole = self._checked(choice)
+        if whole:
+            ckpt = stored.get(CHECKPOINT_SITE, KEEP)
+            return {CHECKPOINT_SITE: ckpt} if self.switchable and ckpt != KEEP else {}
         return {s: n for s, n in stored.items() if n != KEEP}
 
     def bind(self, choice: dict[str, str], codecs: dict[str, Codec]) -> None:
         """Give every site of the block its codec under `choice` (None: kept, or recomputed
         with the whole block)."""
-        stored = self._checked(choice)
+        stored, whole = self._checked(choice)
+        if self.switchable:
+            self.recompute = whole
+            self.checkpoint_codec = codecs.get(CHECKPOINT_SITE) if whole else None
         for site, name in stored.items():
-            self.sites.set_act_codec(site, None if self.recompute or name == KEEP else codecs[site])
+            self.sites.set_act_codec(site, None if whole or name == KEEP else codecs[site])
 
     def mlp_kind(self) -> None:
         """None: llm_act does not know a generic block's MLP (its sites are found by name)."""
         return None
+
+    def recompute_scope(self) -> str:
+        """"whole" under plan "auto" (whole-block recompute, or none, at any tracking point),
+        else "fixed" (as `apply` installed it)."""
+        return "whole" if self.switchable else "fixed"
 
     def producer(self, site: str) -> None:
         """None: the block's ops are its own code, not known here (it recomputes whole)."""
@@ -207,10 +234,12 @@ class BlockRecompute(LayerBinder):
         """None: a generic block has no analytic model (its budget is checked by measurement)."""
         return None
 
-    def _checked(self, choice: dict[str, str]) -> dict[str, str]:
+    def _checked(self, choice: dict[str, str]) -> tuple[dict[str, str], bool]:
+        """({site: choice} over the block's sites, whether the block recomputes whole)."""
         stored = {s: choice.get(s, KEEP) for s in self.sites.codecs}
         where = f"generic block {self.sites.act_layer}"
-        if self.recompute:
+        recomputed = sorted(s for s, n in stored.items() if n == RECOMPUTE)
+        if not self.switchable and self.recompute:
             whole = recompute_layer(self.checkpoint)
             wrong = {s: n for s, n in stored.items() if n != whole[s]}
             if wrong:
@@ -218,13 +247,24 @@ class BlockRecompute(LayerBinder):
                     f"{where} is recomputed as a whole from {CHECKPOINT_SITE} = {self.checkpoint!r} "
                     f"(plan \"recompute\" when llm_act was applied), which a plan cannot change: "
                     f"got {wrong}")
-        else:
-            recomputed = sorted(s for s, n in stored.items() if n == RECOMPUTE)
-            if recomputed:
-                raise ValueError(
-                    f"{where} cannot recompute {recomputed}: generic blocks recompute only as a "
-                    "whole, with plan \"recompute\" when llm_act is applied")
-        return stored
+            return stored, True
+        if recomputed and not self.switchable:
+            raise ValueError(
+                f"{where} cannot recompute {recomputed}: generic blocks recompute only as a "
+                "whole, with plan \"recompute\" (or \"auto\") when llm_act is applied")
+        if not recomputed:
+            return stored, False
+        # a site the block never stored may say "keep" (the profile saw nothing there)
+        holding = self.sites.stored & set(stored) if self.sites.stored else set(stored)
+        wrong = {s: stored[s] for s in sorted(holding - {CHECKPOINT_SITE}) if stored[s] != RECOMPUTE}
+        if stored.get(CHECKPOINT_SITE) == RECOMPUTE:
+            wrong[CHECKPOINT_SITE] = RECOMPUTE
+        if wrong:
+            raise ValueError(
+                f"{where} recomputes only as a whole, from its input: every site it stores 'recompute' "
+                f"but {CHECKPOINT_SITE} (kept or encoded; llm_act.plan.recompute_layer), got {wrong} "
+                f"beside 'recompute' at {recomputed}")
+        return stored, True
 
 
 class _BlockHooks(SavedTensorCompression):
@@ -239,7 +279,9 @@ class _BlockHooks(SavedTensorCompression):
         super().__init__(block, self._choose, seed=seed, layer=sites.act_layer)
 
     def site_of(self, t: torch.Tensor) -> str:
-        return self.site if self.saves is None else self.saves.site_of(t)
+        site = self.site if self.saves is None else self.saves.site_of(t)
+        self.sites.stored.add(site)
+        return site
 
     def _choose(self, t: torch.Tensor) -> Optional[Codec]:
         """The codec instance the site holds (the controller's, whose random stream it
@@ -312,6 +354,20 @@ def _check_not_checkpointing(hf: Any) -> None:
         )
 
 
+def _check_paths(family: Any, blocks: list[torch.nn.Module], model: str, kind: str) -> None:
+    """Refuse, in one line, blocks that lack a submodule their family's site table declares
+    (`hf_families`): what it saves would be booked at the wrong site."""
+    for i, block in enumerate(blocks):
+        have = {path for path, _ in block.named_modules()}
+        missing = sorted(path for path in family.sites if path not in have)
+        if missing:
+            raise ValueError(
+                f"model: {model}'s block {i} ({type(block).__name__}) has no {', '.join(missing)}, which "
+                f"the {kind} site table declares (llm_act books what each submodule saves by its "
+                "path); fix: keep the decoder layer's submodules as transformers builds them (wrappers "
+                "that add submodules, as LoRA's, are fine)")
+
+
 def _no_cache_in_training(hf: Any) -> None:
     """Absorb Hugging Face's `use_cache` into the plan: a training forward of `hf` (train mode,
     gradients on) runs with `use_cache=False`, as under HF's own gradient checkpointing. The
@@ -354,6 +410,7 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
             raise ValueError(f"model: block {i} was already prepared by llm_act")
     family = hf_families.family_of(hf, blocks[0])
     if family is not None:
+        _check_paths(family, blocks, type(hf).__name__, hf.config.model_type)
         hf_attention.check(type(hf).__name__, hf.config, blocks[0].get_submodule(family.attention),
                            family.bypass)
     recompute = config.plan == RECOMPUTE
@@ -373,11 +430,19 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
             "codecs: a generic block cannot recompute single sites; use plan \"recompute\" "
             "to recompute whole blocks"
         )
+    # plan "auto" switches blocks to whole-block recompute and back at tracking points, through
+    # torch's checkpoint; with DeepSpeed's activation checkpointing configured it keeps to codecs
+    switchable = config.plan == "auto" and not (checkpointing is not None and checkpointing.configured)
+    if config.plan == "auto" and not switchable:
+        log.info("llm_act: plan 'auto' does not recompute %s's blocks: the DeepSpeed config's "
+                 "activation_checkpointing recomputes only under plan 'recompute' (drop it to let "
+                 "'auto' choose whole-block recompute)", type(model).__name__)
     sites = [BlockSites(i, names) for i in range(len(blocks))]
-    for bs in sites:
-        BlockRecompute(bs, recompute, ckpt_codec)
+    binders = [BlockRecompute(bs, recompute, ckpt_codec, switchable) for bs in sites]
     controller = Controller(config, {i: dict.fromkeys(names, s) for i, s in enumerate(sites)},
                             num_layers=len(blocks))
+    if switchable:  # what measurement times a whole-block recompute by
+        controller.layer_modules.update(enumerate(blocks))
     hooks = []
     for i, (block, bs) in enumerate(zip(blocks, sites)):
         h = _BlockHooks(block, bs, seed=replica_seed(config.seed) + SEED_STRIDE * i)
@@ -391,8 +456,10 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
         recompute_lib.wrap_blocks(blocks, handle.recompute_codec, checkpointing, seed=config.seed,
                                   mpu=mpu)
     else:
-        for block, bs, h in zip(blocks, sites, hooks):
+        for block, bs, h, binder in zip(blocks, sites, hooks, binders):
             _wrap_compress(block, bs, h)
+            if switchable:
+                _wrap_switch(block, binder)
     for block in blocks:
         block._llm_act_generic = handle
     if hf is not None and "use_cache" in inspect.signature(hf.forward).parameters:
@@ -418,6 +485,26 @@ def _track_sites(block: torch.nn.Module, hooks: _BlockHooks,
 
         sub.register_forward_pre_hook(pre)
         sub.register_forward_hook(post, always_call=True)
+
+
+def _wrap_switch(block: torch.nn.Module, binder: BlockRecompute) -> None:
+    """Under plan "auto": while `binder.recompute` (the plan in force recomputes the block
+    whole), a training forward runs the block's own forward under torch's non-reentrant
+    checkpoint (`generic.checkpoint.checkpointed_call`: the block input kept, or encoded with
+    the controller's codec); otherwise the per-site forward below it (`_wrap_compress`)."""
+    compressed = block.forward
+    own = type(block).forward.__get__(block)
+    layer = binder.sites.act_layer
+
+    def switched_forward(*args: Any, **kwargs: Any):
+        if not (binder.recompute and block.training and torch.is_grad_enabled()):
+            return compressed(*args, **kwargs)
+        codec = binder.checkpoint_codec
+        hooks = None if codec is None else SavedTensorCompression(
+            block, lambda t: codec, require_grad=False, min_numel=1, layer=layer, site=CHECKPOINT_SITE)
+        return checkpointed_call(own, hooks, layer, *args, **kwargs)
+
+    block.forward = switched_forward
 
 
 def _wrap_compress(block: torch.nn.Module, sites: BlockSites, hooks: _BlockHooks) -> None:

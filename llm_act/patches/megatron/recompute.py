@@ -225,6 +225,10 @@ class LayerRecompute(LayerBinder):
         """The MLP activation's kind, "fewbit", "mask" (ReLU) or "value" (`mlp.activation_of`)."""
         return activation_of(self.layer.mlp.config)[0]
 
+    def recompute_scope(self) -> str:
+        """"sites": single sites from what the layer keeps, or the whole layer."""
+        return "sites"
+
     def producer(self, site: str) -> Optional[Callable[..., torch.Tensor]]:
         """The layer's producer of `site` (`recompute_producers.producer_of`): what `rebuild` runs."""
         return producer_of(self.layer, site)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import warnings
 
 import pytest
@@ -123,6 +124,85 @@ def test_auto_measures_replans_and_meets_the_budget(one_rank, kind, caplog):
     text = caplog.text
     assert "plan in force at the start ('auto' starts from 'compress'" in text
     assert "iteration 1: plan changed" in text and "measures and re-plans megatron-core" not in text
+
+
+def _loss_grads(model, tokens, labels):
+    model.zero_grad(set_to_none=True)
+    with SavedTensorLedger() as ledger:
+        loss = model(input_ids=tokens, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, ledger.by_site()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_auto_switches_blocks_to_whole_recompute_and_back(kind):
+    """Under plan "auto" a block recomputes whole exactly when the plan in force says so:
+    with the block input kept, loss and gradients are stock's bit for bit and the block holds
+    only its input; with it encoded, only the encoding; back on codecs, every site again."""
+    from llm_act.config import ActConfig
+    from llm_act.patches.deepspeed import generic
+    from llm_act.plan import VALUE_ACT_CODEC, compress_layer, keep_layer, recompute_layer
+
+    tokens, labels = _tokens(5)
+    stock, stock_grads, _ = _loss_grads(_model(kind), tokens, labels)
+    model = _model(kind)
+    handle = generic.apply(model, ActConfig(plan="auto"))
+    c = handle.controller
+    assert all(c.binder(i).recompute_scope() == "whole" for i in c.layers)
+    c.set_plan("keep")
+    loss, grads, kept = _loss_grads(model, tokens, labels)
+    assert torch.equal(loss, stock) and all(torch.equal(grads[n], stock_grads[n]) for n in grads)
+    block_input = {i: n for (i, site), n in kept.items() if site == "ln1.input"}
+    for checkpoint in ("keep", "int8"):
+        c.set_plan({i: recompute_layer(checkpoint) for i in c.layers})
+        loss, grads, held = _loss_grads(model, tokens, labels)
+        blocks = {key: n for key, n in held.items() if key[0] is not None}
+        assert set(blocks) == {(i, "ln1.input") for i in c.layers}, blocks  # nothing else is held
+        if checkpoint == "keep":
+            assert torch.equal(loss, stock)
+            assert all(torch.equal(grads[n], stock_grads[n]) for n in grads)
+            assert all(blocks[(i, "ln1.input")] <= block_input[i] for i in c.layers)
+        else:
+            assert all(4 * blocks[(i, "ln1.input")] < block_input[i] * 1.5 for i in c.layers)
+            assert abs(float(loss - stock)) < 1e-6  # forward runs uncompressed
+    c.set_plan({0: recompute_layer("keep"), 1: {**compress_layer(), "mlp.act_input": VALUE_ACT_CODEC}})
+    _, _, held = _loss_grads(model, tokens, labels)
+    assert {site for (i, site) in held if i == 0} == {"ln1.input"}
+    assert len({site for (i, site) in held if i == 1}) > 5
+    with pytest.raises(ValueError, match="recomputes only as a whole"):
+        c.set_plan({0: {**keep_layer(), "mlp.fc2_input": "recompute"}, 1: keep_layer()})
+
+
+def test_a_deep_model_at_the_smallest_budget_recomputes_whole_blocks(one_rank, monkeypatch):
+    """12 blocks: below what any codec plan fits, "auto" recomputes blocks whole (their
+    input encoded), and what a forward holds in the blocks is their inputs alone."""
+    deep = lambda kind: hf_decoder.build(kind, hidden_size=64, num_layers=12, max_positions=64, seed=7)  # noqa: E731
+    monkeypatch.setattr(sys.modules[__name__], "_model", deep)
+    budget = _smallest("llama")
+    engine = _engine("llama", {"plan": "auto", "budget": budget})
+    _steps(engine, STEPS)
+    c = engine.act_controller
+    whole = [i for i in c.layers if c.binder(i).recompute]
+    assert whole and all(c.plan[i]["mlp.fc2_input"] == "recompute" for i in whole)
+    assert all(h["predicted_bytes"] <= budget for h in c.history)
+    tokens, labels = _tokens(7)
+    with SavedTensorLedger() as ledger:
+        loss = engine(input_ids=tokens, labels=labels).loss
+    engine.backward(loss)
+    held = {site for (i, site) in ledger.by_site() if i in whole}
+    assert held == {"ln1.input"}, held
+
+
+def test_a_block_missing_a_declared_submodule_is_refused_in_one_line():
+    from llm_act.config import ActConfig
+    from llm_act.patches.deepspeed import generic
+
+    model = _model("qwen3")
+    del model.model.layers[1].self_attn.k_norm
+    with pytest.raises(ValueError, match=r"block 1 \(Qwen3DecoderLayer\) has no self_attn.k_norm, which the "
+                                         "qwen3 site table declares") as caught:
+        generic.apply(model, ActConfig(plan="auto"))
+    assert "\n" not in str(caught.value)
 
 
 def test_use_cache_is_off_in_training_and_refused_when_asked(one_rank):

@@ -35,7 +35,7 @@ LOSS_TOL = 1e-3
 
 def _launch(stage, folder, env=None, steps=3, extra=()):
     """Run the launcher with `--compare` for `steps` steps (`extra`: more flags of
-    launch/ds_train.py); returns its JSON result."""
+    launch/ds_train.py); returns its JSON result, with what it printed as "log"."""
     beside = Path(sys.executable).with_name("deepspeed")  # a venv's python run without activating
     launcher = shutil.which("deepspeed") or (str(beside) if beside.exists() else None)
     if launcher is None:
@@ -51,7 +51,7 @@ def _launch(stage, folder, env=None, steps=3, extra=()):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"step   {steps}  loss" in proc.stdout and "saved" in proc.stdout
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "log": proc.stdout + proc.stderr}
 
 
 def _check_losses(off, on):
@@ -126,3 +126,18 @@ def test_launcher_loss_tolerance_fails_with_a_broken_codec_quick(tmp_path):
     assert result["on"]["compressed"] and not result["off"]["compressed"]
     with pytest.raises(AssertionError, match="relative loss"):
         _check_losses(result["off"], result["on"])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["qwen3", pytest.param("llama", marks=pytest.mark.slow)])
+def test_launcher_hf_auto_replans_within_the_budget(tmp_path, kind):
+    """`--model hf --hf-kind K --act-plan auto --act-budget B`: plan "auto" re-plans the
+    decoder's blocks during the run on both ranks, within the budget, and logs each plan."""
+    budget = 40_000_000
+    result = _launch(2, tmp_path, steps=4, extra=("--model", "hf", "--hf-kind", kind, "--act-plan", "auto",
+                                                   "--act-budget", str(budget)))
+    on = result["on"]
+    assert on["model"] == "hf" and on["compressed"] and on["tracked"] == [1, 2, 4]
+    assert on["plan_changes"] and on["plan_changes"][0]["reason"] == "first plan"
+    assert all(h["predicted_bytes"] <= budget for h in on["plan_changes"])
+    assert "iteration 1: plan changed" in result["log"]  # the plan, in the run's log

@@ -54,7 +54,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _one_rank() -> None:
+def one_rank() -> None:
     """One gloo rank in this process (DeepSpeed's engine needs a process group)."""
     import deepspeed
 
@@ -125,7 +125,7 @@ def train_one(plan: str, seed: int, steps: int = STEPS) -> dict:
 def run(seeds=SEEDS, plans=PLANS, steps: int = STEPS, done: Optional[list] = None,
         save: Callable[[dict], None] = lambda r: None, log: Callable[[str], None] = print) -> dict:
     """Every (seed, plan) run not in `done` (a saved result's runs), saving after each."""
-    _one_rank()
+    one_rank()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     runs = list(done or [])

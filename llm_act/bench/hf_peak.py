@@ -101,9 +101,9 @@ def measure_rows(kind: str, stage: int) -> list[dict]:
 
 
 def run(log: Callable[[str], None] = print) -> dict:
-    from llm_act.bench.hf_convergence import _one_rank
+    from llm_act.bench.hf_convergence import one_rank
 
-    _one_rank()
+    one_rank()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rows = []

@@ -38,21 +38,21 @@ def _model(kind):
     return hf_decoder.build(kind, hidden_size=64, num_layers=2, max_positions=64, seed=7)
 
 
-def _ds(section, stage=0):
+def _ds_config(section, stage=0):
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
             "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
             "activation_compression": section}
 
 
-def _engine(kind, section, stage=0):
+def _auto_engine(kind, section, stage=0):
     from llm_act.patches.deepspeed import initialize
 
     model = _model(kind)
-    return initialize(model=model, model_parameters=model.parameters(), config=_ds(section, stage))[0]
+    return initialize(model=model, model_parameters=model.parameters(), config=_ds_config(section, stage))[0]
 
 
-def _tokens(seed):
+def _token_pair(seed):
     ids = torch.randint(0, 256, (2, SEQ + 1), generator=torch.Generator().manual_seed(seed))
     return ids[:, :-1], ids[:, 1:]
 
@@ -60,15 +60,15 @@ def _tokens(seed):
 def _steps(engine, steps, rank=0):
     """`steps` training steps, the labels into the model (its own loss)."""
     for i in range(steps):
-        tokens, labels = _tokens(1000 * rank + i)
+        tokens, labels = _token_pair(1000 * rank + i)
         engine.backward(engine(input_ids=tokens, labels=labels).loss)
         engine.step()
 
 
-def _stored(engine) -> int:
+def _block_bytes(engine) -> int:
     """Bytes one training forward holds for backward in the blocks under the plan in force
     (the embedding's and the logits' are the same under every plan)."""
-    tokens, labels = _tokens(99)
+    tokens, labels = _token_pair(99)
     with SavedTensorLedger() as ledger:
         loss = engine(input_ids=tokens, labels=labels).loss
     engine.backward(loss)
@@ -80,7 +80,7 @@ def _smallest(kind, stage=0) -> int:
     """1% above the smallest budget "auto" accepts, as the first tracking point's refusal
     names it (a later point's measured figures move a little)."""
     with pytest.raises(BudgetTooSmall) as caught:
-        _steps(_engine(kind, {"plan": "auto", "budget": 1}, stage), 1)
+        _steps(_auto_engine(kind, {"plan": "auto", "budget": 1}, stage), 1)
     assert "\n" not in str(caught.value)
     return int(caught.value.min_budget_bytes * 1.01)
 
@@ -101,14 +101,14 @@ def test_auto_measures_replans_and_meets_the_budget(one_rank, kind, caplog):
     stored, controllers = {}, {}
     with caplog.at_level(logging.INFO, logger="llm_act.runtime.controller"):
         for budget in (smallest, LOOSE):
-            engine = _engine(kind, {"plan": "auto", "budget": budget})
+            engine = _auto_engine(kind, {"plan": "auto", "budget": budget})
             _steps(engine, STEPS)
             c = engine.act_controller
             assert c.adapter.tracked == [1, 2, 4] and c.adapter.solver_failures == 0
             assert c.adapter.round.skipped == []  # no tracking point failed
             assert c.history and c.history[0]["reason"] == "first plan"
             assert all(h["predicted_bytes"] <= budget for h in c.history)
-            stored[budget], controllers[budget] = _stored(engine), c
+            stored[budget], controllers[budget] = _block_bytes(engine), c
     # measured from the real step: every site the family books has its codecs' figures
     profile = controllers[LOOSE].adapter.measured.profile
     sites = {site for (_, site) in profile.sites}
@@ -143,7 +143,7 @@ def test_auto_switches_blocks_to_whole_recompute_and_back(kind):
     from llm_act.patches.deepspeed import generic
     from llm_act.plan import VALUE_ACT_CODEC, compress_layer, keep_layer, recompute_layer
 
-    tokens, labels = _tokens(5)
+    tokens, labels = _token_pair(5)
     stock, stock_grads, _ = _loss_grads(_model(kind), tokens, labels)
     model = _model(kind)
     handle = generic.apply(model, ActConfig(plan="auto"))
@@ -179,13 +179,13 @@ def test_a_deep_model_at_the_smallest_budget_recomputes_whole_blocks(one_rank, m
     deep = lambda kind: hf_decoder.build(kind, hidden_size=64, num_layers=12, max_positions=64, seed=7)  # noqa: E731
     monkeypatch.setattr(sys.modules[__name__], "_model", deep)
     budget = _smallest("llama")
-    engine = _engine("llama", {"plan": "auto", "budget": budget})
+    engine = _auto_engine("llama", {"plan": "auto", "budget": budget})
     _steps(engine, STEPS)
     c = engine.act_controller
     whole = [i for i in c.layers if c.binder(i).recompute]
     assert whole and all(c.plan[i]["mlp.fc2_input"] == "recompute" for i in whole)
     assert all(h["predicted_bytes"] <= budget for h in c.history)
-    tokens, labels = _tokens(7)
+    tokens, labels = _token_pair(7)
     with SavedTensorLedger() as ledger:
         loss = engine(input_ids=tokens, labels=labels).loss
     engine.backward(loss)
@@ -206,9 +206,9 @@ def test_a_block_missing_a_declared_submodule_is_refused_in_one_line():
 
 
 def test_use_cache_is_off_in_training_and_refused_when_asked(one_rank):
-    engine = _engine("llama", {"plan": "compress"})
+    engine = _auto_engine("llama", {"plan": "compress"})
     model = engine.module
-    tokens, labels = _tokens(0)
+    tokens, labels = _token_pair(0)
     out = engine(input_ids=tokens, labels=labels)
     assert out.past_key_values is None  # the config's use_cache=True did not hold k and v
     engine.backward(out.loss)
@@ -264,7 +264,7 @@ def _zero_worker(rank, world, port, kind, stage):
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     smallest = _smallest(kind, stage)
-    engine = _engine(kind, {"plan": "auto", "budget": smallest}, stage)
+    engine = _auto_engine(kind, {"plan": "auto", "budget": smallest}, stage)
     _steps(engine, STEPS, rank)  # each rank its own data: their measurements differ
     c = engine.act_controller
     assert c.adapter.tracked == [1, 2, 4] and c.adapter.round.skipped == []
@@ -272,10 +272,10 @@ def _zero_worker(rank, world, port, kind, stage):
     seen = [None] * world
     dist.all_gather_object(seen, (smallest, c.plan, [h["changes"] for h in c.history]))
     assert seen[0] == seen[1], "the ranks run different plans"
-    tight = _stored(engine)
-    loose = _engine(kind, {"plan": "auto", "budget": LOOSE}, stage)
+    tight = _block_bytes(engine)
+    loose = _auto_engine(kind, {"plan": "auto", "budget": LOOSE}, stage)
     _steps(loose, 2, rank)
-    assert _stored(loose) > 2 * tight
+    assert _block_bytes(loose) > 2 * tight
 
 
 @pytest.mark.dist

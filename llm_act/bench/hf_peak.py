@@ -38,6 +38,7 @@ import torch
 from llm_act.bench.live_storage import LiveStorageTracker
 from llm_act.bench.peak import GPU_KERNEL_ONLY, gap
 from llm_act.bench.record import run_record, write_json
+from llm_act.sites import SITES
 
 MODEL = dict(hidden_size=128, num_layers=6, num_heads=4, num_kv_heads=2, ffn_hidden_size=352, max_positions=128)
 SEQ, MICRO_BATCH = 128, 4
@@ -71,7 +72,8 @@ def _step(engine, seed: int, tracker=None) -> None:
 
 
 def measure_rows(kind: str, stage: int) -> list[dict]:
-    """[{model, stage, plan, predicted, stored, transient, measured, peak_at}] for each plan."""
+    """([{model, stage, plan, predicted, stored, transient, measured, peak_at}] for each plan,
+    [{model, stage, site, shape, keep, int8, int4, auto}] for each site of block 0)."""
     from llm_act.plan import keep_layer, recompute_layer
     from llm_act.planner import evaluate_plan
 
@@ -85,6 +87,11 @@ def measure_rows(kind: str, stage: int) -> list[dict]:
              "int4": {i: {site: "int4" for (layer, site) in profile.sites if layer == i} for i in c.layers},
              "whole-block recompute": {i: recompute_layer() for i in c.layers},
              "auto": dict(c.plan)}
+    auto = plans["auto"]
+    sites = [{"model": kind, "stage": stage, "site": site, "shape": list(st.shape), "keep": st.keep_bytes,
+              "int8": st.stored("int8"), "int4": st.stored("int4"), "auto": auto[0].get(site, "keep")}
+             for (layer, site), st in sorted(profile.sites.items(), key=lambda kv: SITES.index(kv[0][1]))
+             if layer == 0]
     rows = []
     for name, plan in plans.items():
         c.set_plan(plan)
@@ -97,7 +104,7 @@ def measure_rows(kind: str, stage: int) -> list[dict]:
                      "stored": ev.activation_bytes - ev.peak_bytes, "transient": ev.peak_bytes,
                      "other": profile.other_bytes, "measured": tracker.peak_bytes,
                      "peak_at": f"{tracker.peak_phase} {tracker.peak_op}"})
-    return rows
+    return rows, sites
 
 
 def run(log: Callable[[str], None] = print) -> dict:
@@ -106,15 +113,18 @@ def run(log: Callable[[str], None] = print) -> dict:
     one_rank()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    rows = []
+    rows, sites = [], []
     try:
         for kind in KINDS:
             for stage in STAGES:
-                rows += measure_rows(kind, stage)
+                more, per_site = measure_rows(kind, stage)
+                rows += more
+                if stage == 0:
+                    sites += per_site
                 log(f"  measured {kind} ZeRO-{stage}")
     finally:
         torch.set_num_threads(threads)
-    return {"model": {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH}, "rows": rows}
+    return {"model": {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH}, "rows": rows, "sites": sites}
 
 
 def table(result: dict) -> str:
@@ -128,10 +138,22 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def sites_table(result: dict) -> str:
+    """Bytes one block stores per site (block 0, ZeRO-0): kept, under INT8 and INT4 (a site
+    holding several tensors, all of them), and the choice of "auto" at the reference budget."""
+    lines = ["| model | site | tensor shape | keep (KB) | int8 (KB) | int4 (KB) | auto's choice |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for r in result.get("sites", []):
+        lines.append(f"| {r['model']} | {r['site']} | {'x'.join(map(str, r['shape']))} | {r['keep'] / 1e3:.1f} | "
+                     f"{r['int8'] / 1e3:.1f} | {r['int4'] / 1e3:.1f} | {r['auto']} |")
+    return "\n".join(lines)
+
+
 def run_saved(save_json, command: str = "llm-act bench hf-peak", log: Callable[[str], None] = print) -> dict:
     start = time.perf_counter()
     result = run(log)
     log(table(result))
+    log(sites_table(result))
     if save_json:
         write_json(save_json, {**run_record(command, time.perf_counter() - start), **result})
     return result

@@ -56,6 +56,7 @@ from llm_act.patches.deepspeed import hf_attention, hf_families
 from llm_act.patches.deepspeed import recompute as recompute_lib
 from llm_act.plan import recompute_layer
 from llm_act.runtime.controller import Controller
+from llm_act.runtime.logs import speaks_for_stage
 from llm_act.runtime.seeds import SEED_STRIDE, replica_seed
 from llm_act.sites import (
     ATTN_DROPOUT_MASK,
@@ -369,16 +370,26 @@ def _check_paths(family: Any, blocks: list[torch.nn.Module], model: str, kind: s
 
 
 def _no_cache_in_training(hf: Any) -> None:
-    """Absorb Hugging Face's `use_cache` into the plan: a training forward of `hf` (train mode,
+    """Say once, in one line, when the loop computes the loss from the logits (no labels in
+    the call: the output layer and loss are then the loop's); and absorb Hugging Face's
+    `use_cache` into the plan: a training forward of `hf` (train mode,
     gradients on) runs with `use_cache=False`, as under HF's own gradient checkpointing. The
     KV cache its config turns on by default would hold every layer's raw k and v until the
     output is dropped, after backward: the bytes a plan saves at `attn.k` / `attn.v` (and a
     recomputed block's) would still be held. A training call that asks for the cache itself
     (`use_cache=True`) is refused in one line; evaluation and generation keep it."""
 
+    said: list[bool] = []
+
     def pre(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not (module.training and torch.is_grad_enabled()):
             return args, kwargs
+        if not said and kwargs.get("labels") is None and len(args) < 2:
+            said.append(True)
+            if speaks_for_stage():
+                log.info("llm_act: %s is trained without labels in its call: its loss is computed from "
+                         "the logits outside the model, which llm_act leaves as the loop computes it; "
+                         "the blocks are planned", type(module).__name__)
         if kwargs.get("use_cache") is True:
             raise ValueError(
                 f"{type(module).__name__}: use_cache=True in a training forward keeps every layer's k "

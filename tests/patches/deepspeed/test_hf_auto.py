@@ -205,10 +205,15 @@ def test_a_block_missing_a_declared_submodule_is_refused_in_one_line():
     assert "\n" not in str(caught.value)
 
 
-def test_use_cache_is_off_in_training_and_refused_when_asked(one_rank):
+def test_use_cache_is_off_in_training_and_refused_when_asked(one_rank, caplog):
     engine = _auto_engine("llama", {"plan": "compress"})
     model = engine.module
     tokens, labels = _token_pair(0)
+    with caplog.at_level(logging.INFO, logger="llm_act.runtime.controller"):
+        for _ in range(2):
+            engine.backward(hf_decoder.lm_loss(engine, tokens, labels))  # the loss from the logits
+    said = [r.getMessage() for r in caplog.records if "without labels" in r.getMessage()]
+    assert len(said) == 1 and "LlamaForCausalLM" in said[0] and "\n" not in said[0]
     out = engine(input_ids=tokens, labels=labels)
     assert out.past_key_values is None  # the config's use_cache=True did not hold k and v
     engine.backward(out.loss)

@@ -6,7 +6,9 @@ against "compress" at the same bytes, paired over seeds (issue 45, item 4).
 Why: plan "auto" on the generic door measures and re-plans the Hugging Face blocks; whether
 that keeps the loss is a question for paired seeds, as on megatron-core (`bench convergence`).
 Each seed trains the same model from the same weights on the same batches under four plans,
-through `llm_act.patches.deepspeed.initialize` (ZeRO-0, one gloo rank, torch's AdamW), in fp32:
+through `llm_act.patches.deepspeed.initialize` (ZeRO-0, one gloo rank, torch's AdamW at 2e-3,
+warm-up over a twentieth of the run and cosine to a tenth, gradients clipped at norm 1, as the
+megatron-core bench trains), in fp32:
 
 - "stock": `"activation_compression": {"enabled": false}`;
 - "stock, 1 ulp": the same with every weight moved by one ulp at the start (the control: how
@@ -43,6 +45,7 @@ from llm_act.ledger import SavedTensorLedger
 MODEL = dict(kind="llama", hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=352,
              max_positions=128)
 SEQ, MICRO_BATCH, STEPS, LR = 128, 4, 200, 2e-3
+SCHEDULE = "AdamW, warm-up 1/20 of the steps, cosine to 0.1 of the rate, gradient clipping 1.0"
 STOCK, ULP = "stock", "stock, 1 ulp"
 PLANS = (STOCK, ULP, "compress", "auto")
 SEEDS = tuple(range(1244, 1254))
@@ -66,12 +69,17 @@ def one_rank() -> None:
         deepspeed.init_distributed(dist_backend="gloo")
 
 
-def _engine(model: torch.nn.Module, plan: str):
+def _engine(model: torch.nn.Module, plan: str, steps: int):
     from llm_act.patches.deepspeed import initialize
 
     section = {"enabled": False} if plan in (STOCK, ULP) else {"plan": plan}
+    # the megatron-core bench's schedule (`convergence.train_args`): warm-up over a twentieth of
+    # the run, cosine to a tenth of the rate, gradients clipped at norm 1
+    schedule = {"type": "WarmupCosineLR", "params": {"total_num_steps": steps, "warmup_num_steps": max(2, steps // 20),
+                                                     "warmup_type": "linear", "cos_min_ratio": 0.1}}
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+              "scheduler": schedule, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": 0}, "steps_per_print": 10**9, "activation_compression": section}
     return initialize(model=model, model_parameters=model.parameters(), config=config)[0]
 
@@ -103,7 +111,7 @@ def train_one(plan: str, seed: int, steps: int = STEPS) -> dict:
     if plan == ULP:
         C.nudge_one_ulp(list(model.parameters()), seed)
     torch.manual_seed(seed)
-    engine = _engine(model, plan)
+    engine = _engine(model, plan, steps)
     samples = data_lib.Samples(corpus.train, SEQ, seed=seed)
     start, saved_bytes = time.perf_counter(), 0
     for step in range(steps):
@@ -139,11 +147,11 @@ def run(seeds=SEEDS, plans=PLANS, steps: int = STEPS, done: Optional[list] = Non
                 runs.append(r)
                 log(f"  seed {seed} {plan}: validation loss {r['final']:.5f}, saved bytes {r['saved_bytes']:,}, "
                     f"{r['changes']} plan changes, {r['seconds']:.0f} s")
-                save({"model": {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH, "steps": steps, "lr": LR},
+                save({"model": {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH, "steps": steps, "lr": LR, "schedule": SCHEDULE},
                       "runs": runs})
     finally:
         torch.set_num_threads(threads)
-    return {"model": {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH, "steps": steps, "lr": LR}, "runs": runs}
+    return {"model": {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH, "steps": steps, "lr": LR, "schedule": SCHEDULE}, "runs": runs}
 
 
 def _paired(runs: list, plan: str, against: str) -> list[float]:

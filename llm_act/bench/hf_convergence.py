@@ -138,6 +138,7 @@ def run(seeds=SEEDS, plans=PLANS, steps: int = STEPS, done: Optional[list] = Non
     torch.set_num_threads(1)
     runs = list(done or [])
     have = {(r["seed"], r["plan"]) for r in runs}
+    model = {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH, "steps": steps, "lr": LR, "schedule": SCHEDULE}
     try:
         for seed in seeds:
             for plan in plans:
@@ -147,11 +148,10 @@ def run(seeds=SEEDS, plans=PLANS, steps: int = STEPS, done: Optional[list] = Non
                 runs.append(r)
                 log(f"  seed {seed} {plan}: validation loss {r['final']:.5f}, saved bytes {r['saved_bytes']:,}, "
                     f"{r['changes']} plan changes, {r['seconds']:.0f} s")
-                save({"model": {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH, "steps": steps, "lr": LR, "schedule": SCHEDULE},
-                      "runs": runs})
+                save({"model": model, "runs": runs})
     finally:
         torch.set_num_threads(threads)
-    return {"model": {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH, "steps": steps, "lr": LR, "schedule": SCHEDULE}, "runs": runs}
+    return {"model": model, "runs": runs}
 
 
 def _paired(runs: list, plan: str, against: str) -> list[float]:

@@ -29,6 +29,7 @@ over-predicted.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from typing import Callable
@@ -64,9 +65,7 @@ def _step(engine, seed: int, tracker=None) -> None:
             if p.grad is None and getattr(p, "ds_tensor", None) is None:
                 p.grad = torch.zeros_like(p)
         gc.collect()
-        with tracker:
-            engine.backward(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss)
-    else:
+    with tracker if tracker is not None else contextlib.nullcontext():
         engine.backward(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss)
     engine.step()
 

@@ -506,13 +506,14 @@ def _wrap_switch(block: torch.nn.Module, binder: BlockRecompute) -> None:
     compressed = block.forward
     own = type(block).forward.__get__(block)
     layer = binder.sites.act_layer
+    # built once: it reads the codec the plan in force gives the block input at each save
+    encoded = SavedTensorCompression(block, lambda t: binder.checkpoint_codec, require_grad=False,
+                                     min_numel=1, layer=layer, site=CHECKPOINT_SITE)
 
     def switched_forward(*args: Any, **kwargs: Any):
         if not (binder.recompute and block.training and torch.is_grad_enabled()):
             return compressed(*args, **kwargs)
-        codec = binder.checkpoint_codec
-        hooks = None if codec is None else SavedTensorCompression(
-            block, lambda t: codec, require_grad=False, min_numel=1, layer=layer, site=CHECKPOINT_SITE)
+        hooks = None if binder.checkpoint_codec is None else encoded
         return checkpointed_call(own, hooks, layer, *args, **kwargs)
 
     block.forward = switched_forward

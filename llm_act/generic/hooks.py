@@ -138,48 +138,66 @@ class HookStats:
     by_codec: dict = field(default_factory=dict)  #: codec name -> encoded bytes
 
 
-class _Record:
-    """One encoded storage (flat) or view, decoded at most once per backward pass."""
+class OncePerPass:
+    """A saved value made at most once per backward pass (`value()`, made by `_make`): the
+    copy is shared by every view autograd unpacks in that pass and dropped when it ends, so
+    it never outlives the pass that needed it."""
 
-    __slots__ = ("codec", "enc", "stats", "_cache", "__weakref__")
+    __slots__ = ("_cache", "__weakref__")
 
-    def __init__(self, codec: Codec, enc: Encoded, stats: HookStats):
-        self.codec, self.enc, self.stats = codec, enc, stats
+    def __init__(self) -> None:
         self._cache: Optional[tuple[int, torch.Tensor]] = None
 
-    def decoded(self) -> torch.Tensor:
+    def _make(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def value(self) -> torch.Tensor:
         task = _task_id()
         cache = self._cache
         if cache is not None and cache[0] == task:
             return cache[1]
-        x = self.codec.decode(self.enc)
-        self.stats.decoded += 1
+        x = self._make()
         if task != -1:  # in backward: share with the other views, drop when the pass ends
             ref = weakref.ref(self)
 
             def clear() -> None:
-                rec = ref()
-                if rec is not None:
-                    rec._cache = None
+                held = ref()
+                if held is not None:
+                    held._cache = None
 
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(clear)
                 self._cache = (task, x)
-            except RuntimeError:  # not on the engine's thread: decode again next time
+            except RuntimeError:  # not on the engine's thread: make it again next time
                 pass
         return x
 
 
-class _Packed:
-    """What autograd holds for an encoded saved tensor: a record and how to view it."""
+class _Record(OncePerPass):
+    """One encoded storage (flat) or view, decoded at most once per backward pass."""
 
-    __slots__ = ("record", "view")
+    __slots__ = ("codec", "enc", "stats")
 
-    def __init__(self, record: _Record, view: Optional[tuple]):
-        self.record, self.view = record, view
+    def __init__(self, codec: Codec, enc: Encoded, stats: HookStats):
+        super().__init__()
+        self.codec, self.enc, self.stats = codec, enc, stats
+
+    def _make(self) -> torch.Tensor:
+        self.stats.decoded += 1
+        return self.codec.decode(self.enc)
+
+
+class Packed:
+    """What autograd holds for a saved tensor made again in backward: a `OncePerPass` value
+    (a record decoded, a rebuilt tensor) and how to view it (None: as it is)."""
+
+    __slots__ = ("source", "view")
+
+    def __init__(self, source: OncePerPass, view: Optional[tuple]):
+        self.source, self.view = source, view
 
     def unpack(self) -> torch.Tensor:
-        x = self.record.decoded()
+        x = self.source.value()
         if self.view is None:
             return x
         shape, stride, offset = self.view
@@ -328,7 +346,7 @@ class SavedTensorCompression:
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
-        return packed.unpack() if isinstance(packed, _Packed) else packed
+        return packed.unpack() if isinstance(packed, Packed) else packed
 
     def _keep(self, t: torch.Tensor, st, site: str) -> torch.Tensor:
         own = t.numel() * t.element_size()
@@ -376,12 +394,12 @@ class SavedTensorCompression:
         flat = next((r for (dtype, _), r in entry.flat.items() if dtype == t.dtype), None)
         if flat is not None:
             self.stats.reused += 1
-            return _Packed(flat, (shape, stride, offset))
+            return Packed(flat, (shape, stride, offset))
         vkey = (offset, shape, stride, t.dtype)
         record = entry.views.get(vkey)
         if record is not None:
             self.stats.reused += 1
-            return _Packed(record, None)
+            return Packed(record, None)
 
         name = codec.name
         size = t.element_size()
@@ -401,10 +419,10 @@ class SavedTensorCompression:
         record = _Record(codec, enc, self.stats)
         if whole:
             entry.flat[(t.dtype, name)] = record
-            packed = _Packed(record, (shape, stride, offset))
+            packed = Packed(record, (shape, stride, offset))
         else:
             entry.views[vkey] = record
-            packed = _Packed(record, None)
+            packed = Packed(record, None)
         s = self.stats
         s.encoded += 1
         s.encoded_bytes += enc.nbytes
@@ -450,5 +468,5 @@ class GenericCompression(torch.nn.Module):
             return self.module(*args, **kwargs)
 
 
-__all__ = ["DEFAULT_MIN_NUMEL", "GenericCompression", "HookStats", "SavedTensorCompression",
-           "compress_saved_tensors"]
+__all__ = ["DEFAULT_MIN_NUMEL", "GenericCompression", "HookStats", "OncePerPass", "Packed",
+           "SavedTensorCompression", "compress_saved_tensors"]

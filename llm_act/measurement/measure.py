@@ -526,23 +526,26 @@ def _rebuilt_from(sites) -> tuple[str, ...]:
 
 
 def _no_recompute(controller: ControlledModel, layer: int) -> tuple[str, ...]:
-    """Sites of `RECOMPUTABLE` the layer cannot recompute alone: every one without a megatron
-    layer and its binder (`LayerRecompute`; a generic block recomputes whole or not at all);
-    those rebuilt from the MLP's activation input (`mlp.fc2_input`) when the MLP keeps only a
-    mask of it (ReLU); those whose rebuild replays a dropout mask (`ln2.input`) when
-    megatron's fused bias-dropout-add would need the hidden-dropout mask kept."""
+    """Sites of `RECOMPUTABLE` the layer cannot recompute alone: every one where its binder
+    cannot switch single sites (`LayerBinder.recompute_scope`, "sites": a megatron-core layer,
+    a Hugging Face family's block under plan "auto") or knows no producer (a family's block
+    replays only its norms, `patches.deepspeed.hf_replay`); those rebuilt from the MLP's
+    activation input (`mlp.fc2_input`) when the MLP keeps only a mask of it (ReLU); those whose
+    rebuild replays a dropout mask (`ln2.input`) when megatron's fused bias-dropout-add would
+    need the hidden-dropout mask kept."""
     owner, tl = controller.binder(layer), _layer_of(controller, layer)
     if owner is None or tl is None or owner.recompute_scope() != "sites":
         return tuple(sorted(schema.RECOMPUTABLE))
-    out = []
+    out = [s for s in sorted(schema.RECOMPUTABLE) if owner.producer(s) is None]
     try:
         if owner.mlp_kind() == "mask":
             out += _rebuilt_from((MLP_ACT_INPUT,))
     except Exception:
         out += _rebuilt_from((MLP_ACT_INPUT,))
-    if getattr(tl.config, "bias_dropout_fusion", False) and float(getattr(tl, "hidden_dropout", 0) or 0) > 0:
+    if (getattr(getattr(tl, "config", None), "bias_dropout_fusion", False)
+            and float(getattr(tl, "hidden_dropout", 0) or 0) > 0):
         out += _rebuilt_from(schema.MASK_SITES)
-    return tuple(out)
+    return tuple(dict.fromkeys(out))
 
 
 def _producer_ms(controller: ControlledModel, layer: int, site: str, captured: dict, repeats: int,

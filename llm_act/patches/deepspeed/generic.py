@@ -24,8 +24,13 @@ Such a model has no compressed layers, but it does have repeated blocks (the lon
   controller's plan shows each such block as `llm_act.plan.recompute_layer(...)` (`ln1.input`
   kept or its codec, every other site "recompute"); `BlockRecompute` binds that choice by
   keeping the block's site hooks off, so the block input is encoded once, by the wrapper.
-  Whether a block recomputes is fixed when `apply` runs (the wrapper is installed then): a
-  plan that switches between whole-block recompute and per-site codecs later is refused.
+  Under plan "auto" the planner switches blocks between that and per-site codecs at
+  tracking points (`_wrap_switch`, through torch's checkpoint); under another plan it is
+  fixed when `apply` runs.
+- per-site recompute on a family's blocks: `attn.qkv_input` and `mlp.fc1_input`, each a
+  norm's output, rebuilt in backward by replaying the norm on its input site's value
+  (`hf_replay`), chosen by "auto" or named in `codecs`; every other site recomputes only
+  with the whole block.
 
 Never more than stock (`llm_act.generic.hooks`): each saved tensor is encoded in its logical shape
 (never as a flat storage buffer), once per storage, and only where its codec's size formula
@@ -41,7 +46,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -52,7 +57,7 @@ from llm_act.generic.checkpoint import checkpointed_call
 from llm_act.generic.hooks import SavedTensorCompression
 from llm_act.layer_contract import LayerBinder
 from llm_act.ledger import current_ledger
-from llm_act.patches.deepspeed import hf_attention, hf_families
+from llm_act.patches.deepspeed import hf_attention, hf_families, hf_replay
 from llm_act.patches.deepspeed import recompute as recompute_lib
 from llm_act.plan import recompute_layer
 from llm_act.runtime.controller import Controller
@@ -154,6 +159,8 @@ class BlockSites:
         self.stored: set[str] = set()
         """the sites the block's hooks have booked a saved tensor at (a site never booked
         holds nothing: SDPA's `attn.softmax`, a model's missing norm)"""
+        self.recomputed: frozenset[str] = frozenset()
+        """the sites rebuilt alone in backward under the plan in force (`hf_replay`)"""
 
     def set_attention_mode(self, mode: str) -> None:
         """Nothing: a generic block's attention is its own code (`layer_contract.SiteModule`)."""
@@ -167,7 +174,8 @@ class BlockSites:
 
     @property
     def compressing(self) -> bool:
-        return any(c is not None for c in self.codecs.values())
+        """Whether the block's hooks have anything to do: a site encodes or is rebuilt alone."""
+        return bool(self.recomputed) or any(c is not None for c in self.codecs.values())
 
 
 class BlockRecompute(LayerBinder):
@@ -176,24 +184,30 @@ class BlockRecompute(LayerBinder):
     `BlockSites`, as a megatron-core layer has a `LayerRecompute`), so plans holding
     "recompute" are bound here and never built as codecs.
 
-    A block recomputes as a whole or not at all: whole, every site but `ln1.input` is rebuilt
-    by re-running the block from its input in backward, and `ln1.input` is kept or encoded
-    with its codec (`recompute_layer(checkpoint)`; a site the block never stored may say
-    "keep", as a plan from a profile that saw nothing there does); otherwise the
-    sites take their codecs and none recomputes. Sites the block does not offer (masks, MoE)
-    are not looked at. Which of the two:
+    A block recomputes as a whole, or single sites of `replays` (a family's norm outputs,
+    `hf_replay`), or nothing. Whole, every site but `ln1.input` is rebuilt by re-running the
+    block from its input in backward, and `ln1.input` is kept or encoded with its codec
+    (`recompute_layer(checkpoint)`; a site the block never stored may say "keep", as a plan
+    from a profile that saw nothing there does). Otherwise the sites take their codecs, and
+    those of `replays` that say "recompute" are rebuilt from the site their norm reads (which
+    then stores a value). Sites the block does not offer (masks, MoE) are not looked at.
+    Whether the block can recompute whole:
 
     - `switchable` (plan "auto"): whatever the plan in force says, changed at any tracking
-      point (`recompute_scope` "whole"): `bind` sets `recompute` and the block input's codec
-      (the controller's instance, `checkpoint_codec`), which `_wrap_switch` reads per forward;
+      point (`recompute_scope` "sites" where the block has `replays`, else "whole"): `bind`
+      sets `recompute` and the block input's codec (the controller's instance,
+      `checkpoint_codec`), which `_wrap_switch` reads per forward;
     - otherwise fixed by `apply` (`recompute_scope` "fixed"): with `recompute`, the only choice
       bound is `recompute_layer(checkpoint)`, the wrapper `apply` installed encoding the block
-      input itself; without, per-site codecs and no "recompute".
+      input itself; without, per-site codecs and single sites of `replays`.
     """
 
-    def __init__(self, sites: BlockSites, recompute: bool, checkpoint: str = KEEP, switchable: bool = False):
+    def __init__(self, sites: BlockSites, recompute: bool, checkpoint: str = KEEP, switchable: bool = False,
+                 replays: Optional[Mapping[str, torch.nn.Module]] = None):
         self.sites, self.recompute, self.checkpoint = sites, recompute, checkpoint
         self.switchable = switchable
+        self.replays: dict[str, torch.nn.Module] = dict(replays or {})
+        """site -> the norm that rebuilds it alone (`hf_replay.producers`)"""
         self.checkpoint_codec: Optional[Codec] = None
         """the block input's codec while the block recomputes whole under plan "auto" (None: kept)"""
         sites.act_binder = self  # how the runtime finds it (`layer_contract.binder_of`)
@@ -206,30 +220,36 @@ class BlockRecompute(LayerBinder):
         if whole:
             ckpt = stored.get(CHECKPOINT_SITE, KEEP)
             return {CHECKPOINT_SITE: ckpt} if self.switchable and ckpt != KEEP else {}
-        return {s: n for s, n in stored.items() if n != KEEP}
+        return {s: n for s, n in stored.items() if n not in (KEEP, RECOMPUTE)}
 
     def bind(self, choice: dict[str, str], codecs: dict[str, Codec]) -> None:
         """Give every site of the block its codec under `choice` (None: kept, or recomputed
-        with the whole block)."""
+        alone or with the whole block)."""
         stored, whole = self._checked(choice)
         if self.switchable:
             self.recompute = whole
             self.checkpoint_codec = codecs.get(CHECKPOINT_SITE) if whole else None
+        self.sites.recomputed = frozenset() if whole else frozenset(
+            s for s, n in stored.items() if n == RECOMPUTE)
         for site, name in stored.items():
-            self.sites.set_act_codec(site, None if whole or name == KEEP else codecs[site])
+            self.sites.set_act_codec(site, None if whole or name in (KEEP, RECOMPUTE) else codecs[site])
 
     def mlp_kind(self) -> None:
         """None: llm_act does not know a generic block's MLP (its sites are found by name)."""
         return None
 
     def recompute_scope(self) -> str:
-        """"whole" under plan "auto" (whole-block recompute, or none, at any tracking point),
-        else "fixed" (as `apply` installed it)."""
-        return "whole" if self.switchable else "fixed"
+        """Under plan "auto": "sites" (single sites of `replays`, and the whole block), or
+        "whole" for a block without them (whole-block recompute, or none, at any tracking
+        point); else "fixed" (as `apply` installed it)."""
+        if not self.switchable:
+            return "fixed"
+        return "sites" if self.replays else "whole"
 
-    def producer(self, site: str) -> None:
-        """None: the block's ops are its own code, not known here (it recomputes whole)."""
-        return None
+    def producer(self, site: str) -> Optional[torch.nn.Module]:
+        """The norm that rebuilds `site` from its input's value (`hf_replay`); None for every
+        other site (the block's ops are its own code: they are recomputed with the whole block)."""
+        return self.replays.get(site)
 
     def model_shape(self, **observed) -> None:
         """None: a generic block has no analytic model (its budget is checked by measurement)."""
@@ -249,23 +269,26 @@ class BlockRecompute(LayerBinder):
                     f"(plan \"recompute\" when llm_act was applied), which a plan cannot change: "
                     f"got {wrong}")
             return stored, True
-        if recomputed and not self.switchable:
-            raise ValueError(
-                f"{where} cannot recompute {recomputed}: generic blocks recompute only as a "
-                "whole, with plan \"recompute\" (or \"auto\") when llm_act is applied")
         if not recomputed:
             return stored, False
-        # a site the block never stored may say "keep" (the profile saw nothing there)
-        holding = self.sites.stored & set(stored) if self.sites.stored else set(stored)
-        wrong = {s: stored[s] for s in sorted(holding - {CHECKPOINT_SITE}) if stored[s] != RECOMPUTE}
-        if stored.get(CHECKPOINT_SITE) == RECOMPUTE:
-            wrong[CHECKPOINT_SITE] = RECOMPUTE
-        if wrong:
+        alone = set(recomputed) <= set(self.replays)
+        if self.switchable and not alone:
+            # a site the block never stored may say "keep" (the profile saw nothing there)
+            holding = self.sites.stored & set(stored) if self.sites.stored else set(stored)
+            wrong = {s: stored[s] for s in sorted(holding - {CHECKPOINT_SITE}) if stored[s] != RECOMPUTE}
+            if stored.get(CHECKPOINT_SITE) == RECOMPUTE:
+                wrong[CHECKPOINT_SITE] = RECOMPUTE
+            if not wrong:
+                return stored, True
+        if not alone:
+            how = (f"only {', '.join(sorted(self.replays))} alone (a norm's output, replayed), and every "
+                   "other site only with the whole block" if self.replays else "only with the whole block")
             raise ValueError(
-                f"{where} recomputes only as a whole, from its input: every site it stores 'recompute' "
-                f"but {CHECKPOINT_SITE} (kept or encoded; llm_act.plan.recompute_layer), got {wrong} "
-                f"beside 'recompute' at {recomputed}")
-        return stored, True
+                f"{where} cannot recompute {sorted(set(recomputed) - set(self.replays))} alone: it "
+                f"recomputes {how}, from its input (every site it stores 'recompute' but {CHECKPOINT_SITE}, "
+                "kept or encoded: llm_act.plan.recompute_layer, under plan \"auto\" or \"recompute\")")
+        # (a replayed norm's input, ln1.input or ln2.input, is never recomputed alone: it stores a value)
+        return stored, False
 
 
 class _BlockHooks(SavedTensorCompression):
@@ -273,11 +296,35 @@ class _BlockHooks(SavedTensorCompression):
     innermost submodule with a site (`enter` / `leave`), or inside an attention call the site
     `hf_attention.AttentionSaves` tells (`inside`)."""
 
-    def __init__(self, block: torch.nn.Module, sites: BlockSites, seed: int):
+    def __init__(self, block: torch.nn.Module, sites: BlockSites, seed: int,
+                 replays: Optional[hf_replay.Replays] = None):
         self.sites = sites
         self.current: list[Optional[str]] = []
         self.saves: Optional[hf_attention.AttentionSaves] = None
+        self.replays = replays
         super().__init__(block, self._choose, seed=seed, layer=sites.act_layer)
+        if replays is not None:
+            replays.hook(lambda: self.active)
+
+    def __enter__(self) -> "_BlockHooks":
+        if self.replays is not None:
+            self.replays.reset()
+        return super().__enter__()
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        """A norm's output saved at a site the plan recomputes alone is packed as its replay
+        (`hf_replay`); everything else as the generic hooks pack it."""
+        replays = self.replays
+        if replays is None:
+            return super()._pack(t)
+        if self.saves is None and self.site in self.sites.recomputed:
+            packed = replays.packed(self.site, t)
+            if packed is not None:
+                self.sites.stored.add(self.site)
+                return packed
+        packed = super()._pack(t)
+        replays.saved(t, packed)
+        return packed
 
     def site_of(self, t: torch.Tensor) -> str:
         site = self.site if self.saves is None else self.saves.site_of(t)
@@ -424,6 +471,8 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
         _check_paths(family, blocks, type(hf).__name__, hf.config.model_type)
         hf_attention.check(type(hf).__name__, hf.config, blocks[0].get_submodule(family.attention),
                            family.bypass)
+    # single sites rebuilt by replaying a norm (`hf_replay`): a family's blocks only
+    paths = hf_replay.producers(family.sites) if family is not None else {}
     recompute = config.plan == RECOMPUTE
     ckpt_codec = config.codecs.get(CHECKPOINT_SITE, KEEP)
     names = generic_sites()
@@ -436,11 +485,14 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
                 f"codecs: under plan \"recompute\" a generic block is recomputed as a whole from "
                 f"its input; only codecs['{CHECKPOINT_SITE}'] applies, not {other}"
             )
-    elif any(c == RECOMPUTE for c in config.codecs.values()):
-        raise ValueError(
-            "codecs: a generic block cannot recompute single sites; use plan \"recompute\" "
-            "to recompute whole blocks"
-        )
+    else:
+        single = sorted(s for s, c in config.codecs.items() if c == RECOMPUTE and s not in paths)
+        if single:
+            alone = (f"it rebuilds only {', '.join(sorted(paths))} alone, by replaying their norm; "
+                     if paths else "")
+            raise ValueError(
+                f"codecs: a generic block of {type(model).__name__} cannot recompute {single} alone ({alone}"
+                "use plan \"recompute\" to recompute whole blocks)")
     # plan "auto" switches blocks to whole-block recompute and back at tracking points, through
     # torch's checkpoint; with DeepSpeed's activation checkpointing configured it keeps to codecs
     switchable = config.plan == "auto" and not (checkpointing is not None and checkpointing.configured)
@@ -449,14 +501,17 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
                  "activation_checkpointing recomputes only under plan 'recompute' (drop it to let "
                  "'auto' choose whole-block recompute)", type(model).__name__)
     sites = [BlockSites(i, names) for i in range(len(blocks))]
-    binders = [BlockRecompute(bs, recompute, ckpt_codec, switchable) for bs in sites]
+    binders = [BlockRecompute(bs, recompute, ckpt_codec, switchable,
+                              {site: block.get_submodule(path) for site, path in paths.items()})
+               for bs, block in zip(sites, blocks)]
     controller = Controller(config, {i: dict.fromkeys(names, s) for i, s in enumerate(sites)},
                             num_layers=len(blocks))
     if switchable:  # what measurement times a whole-block recompute by
         controller.layer_modules.update(enumerate(blocks))
     hooks = []
     for i, (block, bs) in enumerate(zip(blocks, sites)):
-        h = _BlockHooks(block, bs, seed=replica_seed(config.seed) + SEED_STRIDE * i)
+        h = _BlockHooks(block, bs, seed=replica_seed(config.seed) + SEED_STRIDE * i,
+                        replays=hf_replay.Replays(block, paths) if paths and not recompute else None)
         _track_sites(block, h, site_of if family is None else family.sites.get)
         if family is not None:
             hf_attention.book(block.get_submodule(family.attention), h, type(hf).__name__)

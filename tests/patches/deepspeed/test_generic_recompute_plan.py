@@ -95,7 +95,7 @@ def test_compress_plan_cannot_switch_to_recompute():
     assert not handle.recompute
     assert ctl.plan[0] == compress_layer(fewbit=False)
     before = ctl.plan
-    with pytest.raises(ValueError, match="recompute only as a whole"):
+    with pytest.raises(ValueError, match="recomputes only with the whole block"):
         ctl.set_plan("recompute")
     assert ctl.plan == before
     assert handle.sites[0].codecs["mlp.fc1_input"] is ctl.codec(0, "mlp.fc1_input")

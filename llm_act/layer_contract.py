@@ -58,9 +58,9 @@ class LayerBinder(Protocol):
 
     def recompute_scope(self) -> str:
         """What recomputation the layer can switch to at a tracking point: "sites" (single
-        sites from what the layer keeps, and the whole block: a megatron-core layer),
-        "whole" (the whole block from its input, or nothing: a generic block under plan
-        "auto"), "fixed" (what `apply` installed, whole or nothing, stays: a generic block
+        sites from what the layer keeps, those `producer` knows, and the whole block: a
+        megatron-core layer, a Hugging Face family's block under plan "auto"), "whole" (the
+        whole block from its input, or nothing: another generic block under plan "auto"), "fixed" (what `apply` installed, whole or nothing, stays: a generic block
         under a named plan). Measurement offers the planner only these."""
         ...
 
@@ -69,7 +69,8 @@ class LayerBinder(Protocol):
         (`llm_act.sites.PRODUCER_INPUTS[site]`, in that order), as the layer's own forward
         makes it (`mlp.fc2_input` from `mlp.act_input`: the MLP's activation; `ln2.input`
         from `attn.out` and the block input: the output projection and the bias-dropout-add);
-        None where the binder does not know it (a generic block, a site the layer lacks). The
+        None where the binder does not know it (a site the layer lacks; on a generic block every
+        site but a family's norm outputs, `patches.deepspeed.hf_replay`). The
         layer's producers are written once, in the layer: measurement re-runs this one on the
         captured inputs to time recomputing `site` instead of restating the layer's forward."""
         ...

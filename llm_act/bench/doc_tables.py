@@ -37,6 +37,7 @@ KINDS: dict[str, Callable[[dict], str]] = {
     "peak": peak.table,
     "hf_peak": hf_peak.table,
     "hf_sites": hf_peak.sites_table,
+    "hf_peak_depth": hf_peak.depth_table,
     "hf_convergence": hf_convergence.table,
 }
 MARKED = re.compile(r"^<!-- table: (?P<kind>\w+) from (?P<source>\S+) -->\n(?P<body>.*?)^<!-- /table -->$",

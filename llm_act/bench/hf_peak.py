@@ -20,19 +20,19 @@ the whole parameter and gathering allocates nothing, so ZeRO-3 measures as ZeRO-
 N ranks one block's gathered weights come on top (here 0.74 MB: 6 layers, hidden 128,
 sequence 128, micro-batch 4, vocabulary 256, against peaks of 7-39 MB).
 
-Where the prediction falls short: the runtime prices a measured block as one backward
-stage without the gradients in flight, and no loss event (the logits' gradient at the
-loss's backward, 2 x batch x sequence x vocabulary x 4 bytes), so "keep" and INT4 are
-under-predicted by a few percent; whole-block recompute prices every rebuilt site live at
-once, which the non-reentrant checkpoint frees as backward consumes them, so it is
-over-predicted.
+Where the prediction falls short: the loss's backward is priced (`Controller.loss_event_bytes`,
+the logits' gradients), so "keep" is exact; a measured block is priced as one backward stage
+without the gradients in flight, so INT4 is under-predicted by a few percent; whole-block
+recompute prices the checkpoint at the whole `ln1.input` site (the norm's input and its
+normalised copy) where it holds the input alone, and its rebuilt transient without the
+gradients in flight: over-predicted at 6 layers, under at 2 (docs/benchmarks.md section 5).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -45,12 +45,14 @@ MODEL = dict(hidden_size=128, num_layers=6, num_heads=4, num_kv_heads=2, ffn_hid
 SEQ, MICRO_BATCH = 128, 4
 KINDS = ("llama", "qwen3")
 STAGES = (0, 3)
+#: (layers, sequence) the Llama is measured at besides `MODEL`'s, at ZeRO-0: the gaps by depth
+DEPTHS = ((2, 64), (2, 128))
 
 
-def _engine(kind: str, stage: int):
+def _engine(kind: str, stage: int, model_kw: Optional[dict] = None):
     from llm_act.patches.deepspeed import hf_decoder, initialize
 
-    model = hf_decoder.build(kind, seed=7, **MODEL)
+    model = hf_decoder.build(kind, seed=7, **(model_kw or MODEL))
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
@@ -58,8 +60,8 @@ def _engine(kind: str, stage: int):
     return initialize(model=model, model_parameters=model.parameters(), config=config)[0]
 
 
-def _step(engine, seed: int, tracker=None) -> None:
-    ids = torch.randint(0, 256, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+def _step(engine, seed: int, tracker=None, seq: Optional[int] = None) -> None:
+    ids = torch.randint(0, 256, (MICRO_BATCH, (seq or SEQ) + 1), generator=torch.Generator().manual_seed(seed))
     if tracker is not None:
         for p in engine.module.parameters():  # the gradients exist at entry, as the planner's static memory says
             if p.grad is None and getattr(p, "ds_tensor", None) is None:
@@ -70,16 +72,20 @@ def _step(engine, seed: int, tracker=None) -> None:
     engine.step()
 
 
-def measure_rows(kind: str, stage: int) -> list[dict]:
+def measure_rows(kind: str, stage: int, layers: Optional[int] = None,
+                 seq: Optional[int] = None) -> tuple[list[dict], list[dict]]:
     """([{model, stage, plan, predicted, stored, transient, measured, peak_at}] for each plan,
-    [{model, stage, site, shape, keep, int8, int4, auto}] for each site of block 0)."""
+    [{model, stage, site, shape, keep, int8, int4, auto}] for each site of block 0), of `MODEL`
+    or of it at `layers` layers and sequence `seq`."""
     from llm_act.plan import keep_layer, recompute_layer
     from llm_act.planner import evaluate_plan
 
-    engine = _engine(kind, stage)
+    seq = seq or SEQ
+    model_kw = {**MODEL, "num_layers": layers or MODEL["num_layers"], "max_positions": max(seq, MODEL["max_positions"])}
+    engine = _engine(kind, stage, model_kw)
     c = engine.act_controller
     for i in range(2):  # the first tracking point measures and plans
-        _step(engine, i)
+        _step(engine, i, seq=seq)
     profile = c.adapter.measured.profile
     blocks, _ = c.adapter.problem(profile)
     plans = {"keep": {i: keep_layer() for i in c.layers},
@@ -94,11 +100,11 @@ def measure_rows(kind: str, stage: int) -> list[dict]:
     rows = []
     for name, plan in plans.items():
         c.set_plan(plan)
-        _step(engine, 10)  # put in force at this boundary; its buffers exist
-        ev = evaluate_plan(blocks, profile.choice_for(plan))
+        _step(engine, 10, seq=seq)  # put in force at this boundary; its buffers exist
+        ev = evaluate_plan(blocks, profile.choice_for(plan), loss_bytes=profile.loss_bytes)
         tracker = LiveStorageTracker(engine.module, inside_custom_ops=False, ignore_ops=GPU_KERNEL_ONLY)
-        _step(engine, 11, tracker)
-        rows.append({"model": kind, "stage": stage, "plan": name,
+        _step(engine, 11, tracker, seq=seq)
+        rows.append({"model": kind, "stage": stage, "plan": name, "layers": model_kw["num_layers"], "seq": seq,
                      "predicted": ev.activation_bytes + profile.other_bytes,
                      "stored": ev.activation_bytes - ev.peak_bytes, "transient": ev.peak_bytes,
                      "other": profile.other_bytes, "measured": tracker.peak_bytes,
@@ -121,9 +127,13 @@ def run(log: Callable[[str], None] = print) -> dict:
                 if stage == 0:
                     sites += per_site
                 log(f"  measured {kind} ZeRO-{stage}")
+        depths = [r for layers, seq in DEPTHS for r in measure_rows("llama", 0, layers, seq)[0]]
+        depths += [r for r in rows if r["model"] == "llama" and r["stage"] == 0]
+        log("  measured llama at other depths")
     finally:
         torch.set_num_threads(threads)
-    return {"model": {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH}, "rows": rows, "sites": sites}
+    return {"model": {**MODEL, "seq": SEQ, "micro_batch": MICRO_BATCH}, "rows": rows, "sites": sites,
+            "depths": depths}
 
 
 def table(result: dict) -> str:
@@ -134,6 +144,18 @@ def table(result: dict) -> str:
                      f"{r['stored'] / 1e6:.2f} + {r['transient'] / 1e6:.2f} + {r['other'] / 1e6:.2f} | "
                      f"{r['measured'] / 1e6:.2f} | {100 * gap(r['predicted'], r['measured']):+.1f}% | "
                      f"{r['peak_at']} |")
+    return "\n".join(lines)
+
+
+def depth_table(result: dict) -> str:
+    """The gap of each plan (predicted against measured) on the Llama at each depth and length."""
+    plans = list(dict.fromkeys(r["plan"] for r in result.get("depths", [])))
+    cells: dict = {}
+    for r in result.get("depths", []):
+        cells.setdefault((r["layers"], r["seq"]), {})[r["plan"]] = f"{100 * gap(r['predicted'], r['measured']):+.1f}%"
+    lines = ["| layers x sequence | " + " | ".join(plans) + " |", "|---|" + "---:|" * len(plans)]
+    for (layers, seq), row in cells.items():
+        lines.append(f"| {layers} x {seq} | " + " | ".join(row.get(p, "") for p in plans) + " |")
     return "\n".join(lines)
 
 
@@ -152,6 +174,7 @@ def run_saved(save_json, command: str = "llm-act bench hf-peak", log: Callable[[
     start = time.perf_counter()
     result = run(log)
     log(table(result))
+    log(depth_table(result))
     log(sites_table(result))
     if save_json:
         write_json(save_json, {**run_record(command, time.perf_counter() - start), **result})

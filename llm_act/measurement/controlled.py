@@ -19,6 +19,8 @@ class ControlledModel(Protocol):
     config: ActConfig
     #: global layer index -> its megatron-core TransformerLayer (empty on the generic path)
     layer_modules: dict[int, Any]
+    #: what the loss's backward holds on top of every stored byte (0: not priced)
+    loss_event_bytes: int
 
     @property
     def layers(self) -> tuple[int, ...]:

@@ -270,7 +270,8 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
         side = max(0, held.get(key, 0) - own)
         sites[key] = SiteStats(layer, site, tuple(x.shape), x.dtype, keep.get(key, 0), side)
     profile = MeasuredProfile(sites, other, str(probing.device_of(controller)),
-                              {layer: _no_recompute(controller, layer) for layer in controller.layers})
+                              {layer: _no_recompute(controller, layer) for layer in controller.layers},
+                              loss_bytes=int(getattr(controller, "loss_event_bytes", 0)))
     whole = {layer for layer in controller.layers if _recomputes_whole(controller, layer)}
     profile.block_ms = {layer: ms for layer, ms in block_ms.items() if layer in whole}
     first_of: dict[int, int] = {}
@@ -389,7 +390,8 @@ def profile_from_samples(controller: ControlledModel, samples: dict, last: Measu
         if "outlier_int4" in old.options and xs.dim() > 0 and (every or "outlier_int4" in codecs):
             st.outlier_rate = _codec("outlier_int4", act).count_outliers(xs) / max(1, xs.shape[-1])
         sites[key] = st
-    return MeasuredProfile(sites, last.other_bytes, last.device, dict(last.no_recompute), dict(last.block_ms))
+    return MeasuredProfile(sites, last.other_bytes, last.device, dict(last.no_recompute), dict(last.block_ms),
+                           last.loss_bytes)
 
 
 def _same_shapes(old: Optional[MeasuredProfile], captured: dict) -> bool:

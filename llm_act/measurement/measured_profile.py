@@ -101,6 +101,10 @@ class MeasuredProfile:
     block_ms: dict[int, float] = field(default_factory=dict)
     """layer -> the forward time of the whole block, for the layers that can be recomputed
     whole from their input (the planner's whole-block option; absent: not offered)"""
+    loss_bytes: int = 0
+    """what the loss's backward holds on top of every stored byte (the controller's
+    `loss_event_bytes`): the peak is the larger of it and a block's transient, the planner's
+    `solve_plan(loss_bytes=)`"""
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -163,6 +167,7 @@ class MeasuredProfile:
             "other_bytes": self.other_bytes, "device": self.device,
             "no_recompute": {str(k): list(v) for k, v in self.no_recompute.items()},
             "block_ms": {str(k): v for k, v in self.block_ms.items()},
+            "loss_bytes": self.loss_bytes,
         }
 
     @classmethod
@@ -177,7 +182,8 @@ class MeasuredProfile:
             sites[(st.layer, st.site)] = st
         return cls(sites, int(d["other_bytes"]), d.get("device", "cpu"),
                    {int(k): tuple(v) for k, v in d.get("no_recompute", {}).items()},
-                   {int(k): float(v) for k, v in d.get("block_ms", {}).items()})
+                   {int(k): float(v) for k, v in d.get("block_ms", {}).items()},
+                   int(d.get("loss_bytes", 0)))
 
     # ---- statistics the controller tracks ----------------------------------------------
     def outlier_rates(self) -> dict[str, float]:
@@ -200,9 +206,10 @@ class MeasuredProfile:
         `blocks()` (`llm_act.planner.transient`): its recomputed sites and largest decode
         group; a layer recomputed whole holds every other site rebuilt (and its decoded
         input when encoded). With `predicted_bytes`, a fixed plan's need is counted as an
-        "auto" plan's is: one definition of the peak (without an end-of-forward event, as the
-        planner prices `blocks()`: what lies outside the blocks is held through the step)."""
-        peak = 0
+        "auto" plan's is: one definition of the peak (what lies outside the blocks is held
+        through the step; the loss's backward, `loss_bytes`, is the peak where no block's
+        transient is larger, as the planner prices it)."""
+        peak = self.loss_bytes
         for layers, names in self.units(per_layer=True):
             layer = layers[0]
             choice = plan.get(layer, {})

@@ -155,6 +155,10 @@ class Controller:
         #: `ActConfig.output_loss` asks for the chunked loss or lets the planner choose), else None
         self.output: Any = None
         self._pending_output: Optional[str] = None
+        #: what the loss's backward holds on top of every stored byte, where the door knows it
+        #: (the generic door: `patches.deepspeed.generic`, a Hugging Face model's logits); 0:
+        #: not priced (megatron-core's measured path prices its output layer by `output`)
+        self.loss_event_bytes = 0
 
         self.adapter = Adapter(self)
         if self.enabled:

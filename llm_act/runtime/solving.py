@@ -133,7 +133,7 @@ def solve_alone(a: Planning, profile: Any, budget: int):
     answer over `problem(profile)`, for diagnostics and tests."""
     blocks, static = problem(a, profile)
     sol = solve_plan(blocks, budget, static_bytes=static, variance_budget=noise_budget(a),
-                     time_resolution=TIME_RESOLUTION)
+                     time_resolution=TIME_RESOLUTION, loss_bytes=profile.loss_bytes)
     return profile.plan_from(sol, exclude=a.pins())
 
 
@@ -165,7 +165,7 @@ def default_budget(a: Planning, profile: Any, static: int) -> int:
         # (`problem`): stage 0 of PP=2 holds two, and "compress" must fit there too
         blocks = profile.blocks(inflight=memory.inflight(), exclude=pins)
         choice = profile.choice_for(compress, exclude=pins)
-        budget = static + evaluate_plan(blocks, choice).activation_bytes
+        budget = static + evaluate_plan(blocks, choice, loss_bytes=profile.loss_bytes).activation_bytes
     return budget
 
 
@@ -184,13 +184,15 @@ def decide(a: Planning, profile: Any, blocks: list, static: int, budget: int, re
     return agreement.broadcast(decision, g)
 
 
-def feasible_without(blocks: list, budget: int, static: int, noise: Optional[float], sites: list[str]) -> bool:
+def feasible_without(blocks: list, budget: int, static: int, noise: Optional[float], sites: list[str],
+                     loss_bytes: int = 0) -> bool:
     """Whether a plan meets the noise budget once the site types in `sites` add no noise
     (their c is a stand-in): if so, the stand-ins are why none does now."""
     quiet = [dataclasses.replace(b, sites=tuple(dataclasses.replace(s, sensitivity=0.0) if s.name in sites else s
                                                 for s in b.sites)) for b in blocks]
     try:
-        solve_plan(quiet, budget, static_bytes=static, variance_budget=noise, time_resolution=TIME_RESOLUTION)
+        solve_plan(quiet, budget, static_bytes=static, variance_budget=noise, time_resolution=TIME_RESOLUTION,
+                   loss_bytes=loss_bytes)
     except (InfeasibleVariance, InfeasibleBudget):
         return False
     return True
@@ -205,7 +207,8 @@ def in_force_if_as_good(a: Planning, profile: Any, blocks: list, static: int, bu
     of one shape, INT4 at one or the other)."""
     c = a.controller
     try:
-        current = evaluate_plan(blocks, profile.choice_for(c.pending_plan or c.plan, exclude=a.pins()))
+        current = evaluate_plan(blocks, profile.choice_for(c.pending_plan or c.plan, exclude=a.pins()),
+                                loss_bytes=profile.loss_bytes)
     except (ValueError, KeyError):  # a choice this profile does not offer: re-plan
         return None
     if current.activation_bytes + static > budget:
@@ -230,12 +233,12 @@ def solve(a: Planning, profile: Any, blocks: list, static: int, budget: int,
     def solve_at(b: int):
         try:
             return solve_plan(blocks, b, static_bytes=static, variance_budget=noise,
-                              time_resolution=TIME_RESOLUTION)
+                              time_resolution=TIME_RESOLUTION, loss_bytes=profile.loss_bytes)
         except InfeasibleVariance as err:
             # memory is the hard limit: the least noisy plan that fits it, said once -- unless
             # a stand-in c (a type not measured yet, charged the largest measured c) is why
             standins = a.measured.standin_sites()
-            if standins and feasible_without(blocks, b, static, noise, standins):
+            if standins and feasible_without(blocks, b, static, noise, standins, profile.loss_bytes):
                 log.debug("llm_act: iteration %d: the noise budget is not met with stand-ins for %s; "
                           "the least noisy plan that fits until they are measured", it, ", ".join(standins))
             else:
@@ -243,7 +246,7 @@ def solve(a: Planning, profile: Any, blocks: list, static: int, budget: int,
                              "the noise budget (%s); using the least noisy plan that fits (said once). "
                              "Fix: a larger budget, or a larger noise_fraction / variance_budget", it, err)
             return solve_plan(blocks, b, static_bytes=static, objective="variance",
-                              time_resolution=TIME_RESOLUTION)
+                              time_resolution=TIME_RESOLUTION, loss_bytes=profile.loss_bytes)
 
     try:
         try:

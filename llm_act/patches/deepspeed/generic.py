@@ -447,6 +447,21 @@ def _no_cache_in_training(hf: Any) -> None:
     hf.register_forward_pre_hook(pre, with_kwargs=True)
 
 
+def _price_the_loss(hf: Any, controller: Controller) -> None:
+    """Tell the planner what the loss's backward holds on top of every stored byte
+    (`Controller.loss_event_bytes`), from each training forward's logits: two float32 tensors
+    of their size, the gradients of cross-entropy's log-probabilities and of its input, as
+    transformers' loss (it upcasts the logits) and a loop's `cross_entropy(logits.float(), ...)`
+    make them. Where no block's backward transient is larger, that is the step's peak."""
+
+    def post(module: Any, _args: tuple, out: Any) -> None:
+        logits = getattr(out, "logits", None)
+        if module.training and torch.is_grad_enabled() and torch.is_tensor(logits):
+            controller.loss_event_bytes = 2 * 4 * logits.numel()
+
+    hf.register_forward_hook(post)
+
+
 def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
           mpu: Any = None) -> GenericModel:
     """Plan the repeated blocks of `model` with a Controller (see the module docstring).
@@ -530,6 +545,8 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
         block._llm_act_generic = handle
     if hf is not None and "use_cache" in inspect.signature(hf.forward).parameters:
         _no_cache_in_training(hf)
+    if hf is not None:
+        _price_the_loss(hf, controller)
     return handle
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from typing import Callable, Optional
 
@@ -81,22 +82,15 @@ def measure_rows(kind: str, stage: int, layers: Optional[int] = None,
     from llm_act.planner import evaluate_plan
 
     seq = seq or SEQ
-    model_kw = {**MODEL, "num_layers": layers or MODEL["num_layers"], "max_positions": max(seq, MODEL["max_positions"])}
-    engine = _engine(kind, stage, model_kw)
+    engine, model_kw = _measured(kind, stage, layers, seq)
     c = engine.act_controller
-    for i in range(2):  # the first tracking point measures and plans
-        _step(engine, i, seq=seq)
     profile = c.adapter.measured.profile
     blocks, _ = c.adapter.problem(profile)
     plans = {"keep": {i: keep_layer() for i in c.layers},
              "int4": {i: {site: "int4" for (layer, site) in profile.sites if layer == i} for i in c.layers},
              "whole-block recompute": {i: recompute_layer() for i in c.layers},
              "auto": dict(c.plan)}
-    auto = plans["auto"]
-    sites = [{"model": kind, "stage": stage, "site": site, "shape": list(st.shape), "keep": st.keep_bytes,
-              "int8": st.stored("int8"), "int4": st.stored("int4"), "auto": auto[0].get(site, "keep")}
-             for (layer, site), st in sorted(profile.sites.items(), key=lambda kv: SITES.index(kv[0][1]))
-             if layer == 0]
+    sites = _sites(kind, stage, profile, plans["auto"])
     rows = []
     for name, plan in plans.items():
         c.set_plan(plan)
@@ -110,6 +104,44 @@ def measure_rows(kind: str, stage: int, layers: Optional[int] = None,
                      "other": profile.other_bytes, "measured": tracker.peak_bytes,
                      "peak_at": f"{tracker.peak_phase} {tracker.peak_op}"})
     return rows, sites
+
+
+def _measured(kind: str, stage: int, layers: Optional[int] = None, seq: Optional[int] = None):
+    """(an engine of `kind` under plan "auto" after its first tracking point, the model's
+    keywords): `MODEL`, or it at `layers` layers and sequence `seq`."""
+    seq = seq or SEQ
+    model_kw = {**MODEL, "num_layers": layers or MODEL["num_layers"], "max_positions": max(seq, MODEL["max_positions"])}
+    engine = _engine(kind, stage, model_kw)
+    for i in range(2):  # the first tracking point measures and plans
+        _step(engine, i, seq=seq)
+    return engine, model_kw
+
+
+def _sites(kind: str, stage: int, profile, auto: dict) -> list[dict]:
+    """[{model, stage, site, shape, keep, int8, int4, auto}] for each site of block 0."""
+    return [{"model": kind, "stage": stage, "site": site, "shape": list(st.shape), "keep": st.keep_bytes,
+             "int8": st.stored("int8"), "int4": st.stored("int4"), "auto": auto[0].get(site, "keep")}
+            for (layer, site), st in sorted(profile.sites.items(), key=lambda kv: SITES.index(kv[0][1]))
+            if layer == 0]
+
+
+def site_rows(layers: Optional[int] = None, seq: Optional[int] = None) -> list[dict]:
+    """What block 0 of the Llama and the Qwen3 (`MODEL`, or at `layers` layers and sequence
+    `seq`) stores per site at ZeRO-0, from "auto"'s measured profile (`llm-act bench memory`'s
+    Hugging Face rows); one gloo rank is set up where none is."""
+    from llm_act.bench.hf_convergence import one_rank
+
+    one_rank()
+    dist = torch.distributed
+    for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", 0), ("WORLD_SIZE", dist.get_world_size()),
+                       ("LOCAL_WORLD_SIZE", 1)):
+        os.environ.setdefault(key, str(value))
+    out = []
+    for kind in KINDS:
+        engine, _ = _measured(kind, 0, layers, seq)
+        c = engine.act_controller
+        out += _sites(kind, 0, c.adapter.measured.profile, c.plan)
+    return out
 
 
 def run(log: Callable[[str], None] = print) -> dict:

@@ -2,13 +2,14 @@
 made it, tables from the suites and plots beside them (matplotlib, Agg)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Optional
 
 import torch
 
-from llm_act.bench import convergence as C, doc_tables, gpu as G, kernels, memory as M, overhead as O, \
-    peak as PK, planner as P
+from llm_act.bench import convergence as C, doc_tables, gpu as G, hf_peak, kernels, memory as M, \
+    overhead as O, peak as PK, planner as P
 from llm_act.bench.record import now_utc, provenance_line, run_record, write_json
 
 GPU_PENDING = ("pending: no GPU in this run. One run fills this section in (about 9 minutes at "
@@ -59,7 +60,8 @@ def memory_plot(rows: list[dict], path: str) -> str:
     return path
 
 
-def memory_section(rows: list[dict], command: str, wall_s: float, plot: Optional[str]) -> str:
+def memory_section(rows: list[dict], command: str, wall_s: float, plot: Optional[str],
+                   hf_sites: Optional[list[dict]] = None, hf_why: str = "") -> str:
     shape = rows[0]["shape"]
     lines = [
         "## 1. Memory per layer (ledger)", "",
@@ -76,6 +78,11 @@ def memory_section(rows: list[dict], command: str, wall_s: float, plot: Optional
     ]
     if plot:
         lines += ["", f"![memory per scheme]({os.path.basename(plot)})"]
+    lines += ["", "Hugging Face decoders under the DeepSpeed door, per site: what block 0 of a Llama and a "
+              "Qwen3 stores at ZeRO-0 (fp32), kept, in INT8 and INT4 (a site holding several tensors, all "
+              "of them), and the choice of \"auto\" at the CPU's reference budget, from the profile it "
+              "measured on its own steps (`llm_act.bench.hf_peak.site_rows`):", ""]
+    lines += [hf_peak.sites_table({"sites": hf_sites}) if hf_sites else f"(not measured: {hf_why})"]
     return "\n".join(lines)
 
 
@@ -243,7 +250,13 @@ def run_memory(quick: bool, output_dir: str, command: str, log=print) -> tuple[l
         shapes.append(M.block_shape(s=128, b=2, h=256, a=8, dropout=0.1))
     rows = M.run(shapes, log=log)
     plot = memory_plot(rows, os.path.join(output_dir, "memory_per_layer.png"))
-    text = memory_section(rows, command, time.perf_counter() - t0, plot)
+    hf_sites, hf_why = None, ""
+    missing = [m for m in ("deepspeed", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        hf_why = f"needs {' and '.join(missing)}: pip install 'llm-act[deepspeed,hf]'"
+    else:
+        hf_sites = hf_peak.site_rows(2, 64) if quick else hf_peak.site_rows()
+    text = memory_section(rows, command, time.perf_counter() - t0, plot, hf_sites, hf_why)
     log(text)
     return rows, text
 

@@ -65,6 +65,17 @@ def memory_rows(bench_all):
     return rows
 
 
+def test_memory_section_has_the_hf_decoders_per_site(bench_all):
+    """`llm-act bench memory` gives the Hugging Face Llama's and Qwen3's bytes per site (issue 45)."""
+    _, text = bench_all["run_memory"]
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in text.splitlines()
+            if line.startswith("| llama |") or line.startswith("| qwen3 |")}
+    assert {("llama", "attn.qkv_input"), ("llama", "mlp.act_input"), ("qwen3", "attn.q_norm_input")} <= set(rows)
+    cells = rows[("llama", "mlp.act_input")].split("|")
+    keep, int8, int4 = (float(cells[i]) for i in (4, 5, 6))
+    assert keep > int8 > int4 > 0
+
+
 def _row(rows, name, dropout):
     return next(r for r in rows if r["scheme"] == name and r["shape"].dropout == dropout)
 

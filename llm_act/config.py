@@ -137,7 +137,8 @@ class ActConfig:
     micro-batch, `llm_act.measurement.fidelity`) every this many iterations; 0: only on request."""
 
     output_loss: str = "stock"
-    """The output layer and its loss (megatron-core GPTModel): "stock" (megatron's own output
+    """The output layer and its loss (megatron-core GPTModel; a Hugging Face causal LM called with
+    labels under the DeepSpeed door, `patches.deepspeed.hf_output`): "stock" (megatron's own output
     layer and `vocab_parallel_cross_entropy`, which keeps the fp32 [tokens, vocab/tp] logits
     for backward), "chunked" (`llm_act.output.chunked_linear_cross_entropy`: the same loss,
     `output_chunk_tokens` tokens at a time, never the whole logits; one more logits GEMM in

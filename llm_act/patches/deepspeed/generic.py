@@ -27,6 +27,9 @@ Such a model has no compressed layers, but it does have repeated blocks (the lon
   Under plan "auto" the planner switches blocks between that and per-site codecs at
   tracking points (`_wrap_switch`, through torch's checkpoint); under another plan it is
   fixed when `apply` runs.
+- the output layer and loss of a Hugging Face causal LM called with labels, under
+  `output_loss` "chunked" or "auto" (`hf_output`: transformers' loss computed chunk by chunk
+  inside the output layer, never holding the logits), as on megatron-core.
 - per-site recompute on a family's blocks: `attn.qkv_input` and `mlp.fc1_input`, each a
   norm's output, rebuilt in backward by replaying the norm on its input site's value
   (`hf_replay`), chosen by "auto" or named in `codecs`; every other site recomputes only
@@ -57,7 +60,8 @@ from llm_act.generic.checkpoint import checkpointed_call
 from llm_act.generic.hooks import SavedTensorCompression
 from llm_act.layer_contract import LayerBinder
 from llm_act.ledger import current_ledger
-from llm_act.patches.deepspeed import hf_attention, hf_families, hf_replay
+from llm_act.output.choice import CHUNKED, STOCK
+from llm_act.patches.deepspeed import hf_attention, hf_families, hf_output, hf_replay
 from llm_act.patches.deepspeed import recompute as recompute_lib
 from llm_act.plan import recompute_layer
 from llm_act.runtime.controller import Controller
@@ -444,7 +448,7 @@ def _no_cache_in_training(hf: Any) -> None:
                 "use_cache=True from training calls (llm_act trains with use_cache=False)")
         return args, {**kwargs, "use_cache": False}
 
-    hf.register_forward_pre_hook(pre, with_kwargs=True)
+    hf.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)  # before the output switch's
 
 
 def _price_the_loss(hf: Any, controller: Controller) -> None:
@@ -455,9 +459,15 @@ def _price_the_loss(hf: Any, controller: Controller) -> None:
     make them. Where no block's backward transient is larger, that is the step's peak."""
 
     def post(module: Any, _args: tuple, out: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
         logits = getattr(out, "logits", None)
-        if module.training and torch.is_grad_enabled() and torch.is_tensor(logits):
+        if torch.is_tensor(logits):
             controller.loss_event_bytes = 2 * 4 * logits.numel()
+        elif getattr(out, "loss", None) is not None and controller.output is not None:
+            sizes = controller.output.sizes()  # the chunked loss: one chunk's logits at a time
+            if sizes is not None:
+                controller.loss_event_bytes = 2 * 4 * min(sizes.chunk_tokens, sizes.tokens) * sizes.vocab_local
 
     hf.register_forward_hook(post)
 
@@ -473,10 +483,15 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     hf = hf_families.hf_model(model)
     _check_not_checkpointing(hf)
-    if config.output_loss == "chunked":
-        raise ValueError("output_loss 'chunked': the chunked output loss replaces a megatron-core GPTModel's "
-                         "output layer; this model takes the generic path (not megatron-core), where its own "
-                         "output layer and loss stay; fix: set output_loss to 'stock' or 'auto'")
+    output_mode = config.output_loss_mode()
+    if output_mode != STOCK:
+        why = (f"{type(model).__name__} is not a Hugging Face causal LM (the chunked loss stands for "
+               "transformers' ForCausalLMLoss)" if hf is None else hf_output.refusal(hf))
+        if why is not None and output_mode == CHUNKED:
+            raise ValueError(f"output_loss 'chunked': {why}; fix: set output_loss to 'stock', or 'auto' to let "
+                             "the planner use it where it can")
+        if why is not None:
+            output_mode = STOCK
     blocks = repeated_blocks(model)
     for i, block in enumerate(blocks):
         if getattr(block, "_llm_act_generic", None) is not None:
@@ -523,6 +538,9 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
                             num_layers=len(blocks))
     if switchable:  # what measurement times a whole-block recompute by
         controller.layer_modules.update(enumerate(blocks))
+    if output_mode != STOCK:  # the model's output layer and loss, chunked or chosen (`hf_output`)
+        controller.output = hf_output.HFOutputSwitch(hf, config.output_chunk_tokens)
+        controller.output.set(CHUNKED if output_mode == CHUNKED else STOCK)
     hooks = []
     for i, (block, bs) in enumerate(zip(blocks, sites)):
         h = _BlockHooks(block, bs, seed=replica_seed(config.seed) + SEED_STRIDE * i,

@@ -19,26 +19,23 @@ pytest.importorskip("transformers")
 
 from llm_act.config import ActConfig  # noqa: E402
 from llm_act.ledger import SavedTensorLedger  # noqa: E402
-from llm_act.patches.deepspeed import generic, hf_decoder, hf_output  # noqa: E402
+from llm_act.patches.deepspeed import generic, hf_output  # noqa: E402
+from tests.patches.deepspeed.test_hf_auto import _model  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 SEQ, VOCAB = 32, 256
 
 
-def _model(kind):
-    return hf_decoder.build(kind, hidden_size=64, num_layers=2, max_positions=64, seed=7)
-
-
-def _batch():
+def _prompted_batch():
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     labels = ids.clone()
     labels[0, :5] = hf_output.IGNORE_INDEX  # a prompt left out of the loss
     return ids, labels
 
 
-def _run(model, **kw):
-    tokens, labels = _batch()
+def _labelled_step(model, **kw):
+    tokens, labels = _prompted_batch()
     model.zero_grad(set_to_none=True)
     with SavedTensorLedger() as ledger:
         out = model(input_ids=tokens, labels=labels, **kw)
@@ -46,7 +43,7 @@ def _run(model, **kw):
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}, sum(ledger.by_site().values())
 
 
-def _close(a, b, tol):
+def _within(a, b, tol):
     return float((a - b).abs().max()) <= tol * float(b.abs().max())
 
 
@@ -58,11 +55,11 @@ def test_chunked_is_transformers_loss_without_the_logits(kind):
     handle = generic.apply(model, ActConfig(plan="keep", output_loss="chunked", output_chunk_tokens=16))
     assert handle.controller.output.mode == "chunked"
     for kw in ({}, {"num_items_in_batch": torch.tensor(50)}):
-        ref, ref_grads, ref_held = _run(stock, **kw)
-        out, grads, held = _run(model, **kw)
+        ref, ref_grads, ref_held = _labelled_step(stock, **kw)
+        out, grads, held = _labelled_step(model, **kw)
         assert out.logits is None
         assert torch.allclose(out.loss, ref.loss, rtol=1e-6, atol=0), (float(out.loss), float(ref.loss))
-        assert all(_close(grads[n], ref_grads[n], 1e-5) for n in ref_grads)
+        assert all(_within(grads[n], ref_grads[n], 1e-5) for n in ref_grads)
         tokens = 2 * SEQ
         # stock's fp32 log-probabilities of every token are not held (the rest: a few bytes a token,
         # the loss's targets and masks against one fp32 log-sum-exp per token)
@@ -74,7 +71,7 @@ def test_chunked_is_transformers_loss_without_the_logits(kind):
 def test_other_calls_stay_stock():
     model = _model("llama")
     generic.apply(model, ActConfig(plan="keep", output_loss="chunked"))
-    tokens, labels = _batch()
+    tokens, labels = _prompted_batch()
     assert model(input_ids=tokens).logits.shape == (2, SEQ, VOCAB)  # no labels
     model.eval()
     with torch.no_grad():

@@ -20,27 +20,22 @@ pytest.importorskip("transformers")
 
 from llm_act.config import ActConfig  # noqa: E402
 from llm_act.ledger import SavedTensorLedger  # noqa: E402
-from llm_act.patches.deepspeed import generic, hf_decoder  # noqa: E402
+from llm_act.patches.deepspeed import generic  # noqa: E402
 from llm_act.plan import keep_layer  # noqa: E402
+from tests.patches.deepspeed import test_hf_auto  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 REPLAYED = ("attn.qkv_input", "mlp.fc1_input")
-SEQ = 32
 
 
-def _model(kind, dtype=torch.float32, layers=2):
-    return hf_decoder.build(kind, hidden_size=64, num_layers=layers, max_positions=64, seed=7).to(dtype)
+def _built(kind, dtype=torch.float32):
+    return test_hf_auto._model(kind).to(dtype)
 
 
-def _tokens(seed=5):
-    ids = torch.randint(0, 256, (2, SEQ + 1), generator=torch.Generator().manual_seed(seed))
-    return ids[:, :-1], ids[:, 1:]
-
-
-def _run(model, tokens=None):
+def _grads_held(model):
     """(loss, {parameter: grad}, {(layer, site): bytes held}) of one forward and backward."""
-    tokens, labels = tokens or _tokens()
+    tokens, labels = test_hf_auto._token_pair(5)
     model.zero_grad(set_to_none=True)
     with SavedTensorLedger() as ledger:
         loss = model(input_ids=tokens, labels=labels).loss
@@ -55,13 +50,13 @@ def _replaying(layer=None, **codecs):
 @pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("llama", torch.bfloat16),
                                         ("qwen3", torch.float32), ("gpt2", torch.float32)])
 def test_replaying_a_kept_norm_input_is_stock_bit_for_bit_and_holds_nothing_there(kind, dtype):
-    stock_loss, stock_grads, _ = _run(_model(kind, dtype))
-    model = _model(kind, dtype)
+    stock_loss, stock_grads, _ = _grads_held(_built(kind, dtype))
+    model = _built(kind, dtype)
     c = generic.apply(model, ActConfig(plan="auto")).controller
     c.set_plan("keep")
-    _, _, kept = _run(model)  # stock's bytes, booked by site
+    _, _, kept = _grads_held(model)  # stock's bytes, booked by site
     c.set_plan({i: _replaying() for i in c.layers})
-    loss, grads, held = _run(model)
+    loss, grads, held = _grads_held(model)
     assert torch.equal(loss, stock_loss)
     assert all(torch.equal(grads[n], stock_grads[n]) for n in stock_grads)
     assert all(kept[(i, s)] > 0 for i in c.layers for s in REPLAYED)  # stock holds them
@@ -74,11 +69,11 @@ def test_the_replay_reads_the_value_the_input_site_stores():
     """ln1.input and ln2.input in INT8: the norms replay on the decoded values, so the
     projections' weight gradients move from stock, by a small relative error, and the forward
     is stock's."""
-    stock_loss, stock_grads, _ = _run(_model("llama"))
-    model = _model("llama")
+    stock_loss, stock_grads, _ = _grads_held(_built("llama"))
+    model = _built("llama")
     c = generic.apply(model, ActConfig(plan="auto")).controller
     c.set_plan({i: _replaying(**{"ln1.input": "int8", "ln2.input": "int8"}) for i in c.layers})
-    loss, grads, held = _run(model)
+    loss, grads, held = _grads_held(model)
     assert torch.equal(loss, stock_loss)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight"):
         err = float((grads[name] - stock_grads[name]).norm() / stock_grads[name].norm())
@@ -94,19 +89,19 @@ def test_a_tensor_at_a_replayed_site_that_is_not_the_norms_output_is_kept_raw():
             layer.self_attn.q_proj.register_forward_pre_hook(lambda m, args: (args[0] * 1.0,))
         return model
 
-    stock_loss, stock_grads, _ = _run(copying(_model("llama")))
-    model = copying(_model("llama"))
+    stock_loss, stock_grads, _ = _grads_held(copying(_built("llama")))
+    model = copying(_built("llama"))
     c = generic.apply(model, ActConfig(plan="auto")).controller
     c.set_plan({i: _replaying() for i in c.layers})
-    loss, grads, held = _run(model)
+    loss, grads, held = _grads_held(model)
     assert torch.equal(loss, stock_loss) and all(torch.equal(grads[n], stock_grads[n]) for n in grads)
-    copy_bytes = 2 * SEQ * 64 * 4  # q_proj's input copy, fp32
+    copy_bytes = 2 * test_hf_auto.SEQ * 64 * 4  # q_proj's input copy, fp32
     assert all(held[(i, "attn.qkv_input")] == copy_bytes for i in c.layers), held
     assert not any((i, "mlp.fc1_input") in held for i in c.layers)
 
 
 def test_plans_a_block_cannot_bind_are_refused_in_one_line():
-    model = _model("llama")
+    model = _built("llama")
     c = generic.apply(model, ActConfig(plan="auto")).controller
     # a site only the whole block rebuilds, and a replayed norm's own input (which must store a value)
     for site in ("mlp.fc2_input", "ln2.input"):
@@ -116,16 +111,16 @@ def test_plans_a_block_cannot_bind_are_refused_in_one_line():
         assert "\n" not in str(caught.value)
     with pytest.raises(ValueError, match=r"cannot recompute \['mlp.fc2_input'\] alone \(it rebuilds only "
                                          "attn.qkv_input, mlp.fc1_input alone") as caught:
-        generic.apply(_model("llama"), ActConfig(plan="compress", codecs={"mlp.fc2_input": "recompute"}))
+        generic.apply(_built("llama"), ActConfig(plan="compress", codecs={"mlp.fc2_input": "recompute"}))
     assert "\n" not in str(caught.value)
 
 
 def test_a_named_plan_takes_the_replayed_sites_from_its_codecs():
-    stock_loss, _, _ = _run(_model("qwen3"))
-    model = _model("qwen3")
+    stock_loss, _, _ = _grads_held(_built("qwen3"))
+    model = _built("qwen3")
     handle = generic.apply(model, ActConfig(plan="compress", codecs=dict.fromkeys(REPLAYED, "recompute")))
     assert all(handle.controller.binder(i).recompute_scope() == "fixed" for i in handle.controller.layers)
-    loss, _, held = _run(model)
+    loss, _, held = _grads_held(model)
     assert abs(float(loss - stock_loss)) < 1e-6
     assert not any(site in REPLAYED for (_, site) in held) and len(held) > 10
 

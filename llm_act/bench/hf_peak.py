@@ -46,6 +46,9 @@ MODEL = dict(hidden_size=128, num_layers=6, num_heads=4, num_kv_heads=2, ffn_hid
 SEQ, MICRO_BATCH = 128, 4
 KINDS = ("llama", "qwen3")
 STAGES = (0, 3)
+#: what `site_rows` may set up for its one rank, and puts back (a caller's later child processes
+#: would otherwise inherit a port this process listens on)
+_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 #: (layers, sequence) the Llama is measured at besides `MODEL`'s, at ZeRO-0: the gaps by depth
 DEPTHS = ((2, 64), (2, 128))
 
@@ -131,17 +134,31 @@ def site_rows(layers: Optional[int] = None, seq: Optional[int] = None) -> list[d
     Hugging Face rows); one gloo rank is set up where none is."""
     from llm_act.bench.hf_convergence import one_rank
 
-    one_rank()
     dist = torch.distributed
-    for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", 0), ("WORLD_SIZE", dist.get_world_size()),
-                       ("LOCAL_WORLD_SIZE", 1)):
-        os.environ.setdefault(key, str(value))
-    out = []
-    for kind in KINDS:
-        engine, _ = _measured(kind, 0, layers, seq)
-        c = engine.act_controller
-        out += _sites(kind, 0, c.adapter.measured.profile, c.plan)
-    return out
+    started = not dist.is_initialized()
+    env = {key: os.environ.get(key) for key in _RANK_ENV}
+    try:
+        one_rank()
+        for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", 0), ("WORLD_SIZE", dist.get_world_size()),
+                           ("LOCAL_WORLD_SIZE", 1)):
+            os.environ.setdefault(key, str(value))
+        out = []
+        for kind in KINDS:
+            engine, _ = _measured(kind, 0, layers, seq)
+            c = engine.act_controller
+            out += _sites(kind, 0, c.adapter.measured.profile, c.plan)
+        return out
+    finally:  # leave the process as it was: no rank of ours listening, no rank variables
+        if started and dist.is_initialized():
+            from llm_act.train.parallel import forget_deepspeed_groups
+
+            dist.destroy_process_group()
+            forget_deepspeed_groups()
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def run(log: Callable[[str], None] = print) -> dict:

@@ -162,10 +162,10 @@ def destroy_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _forget_deepspeed_groups()
+    forget_deepspeed_groups()
 
 
-def _forget_deepspeed_groups() -> None:
+def forget_deepspeed_groups() -> None:
     """DeepSpeed caches the process groups its first engine used (`deepspeed.utils.groups`);
     once the process group is destroyed they are stale, and the next engine, on a new
     group, would be handed them. Forget them (only if DeepSpeed was imported)."""

@@ -36,3 +36,26 @@ def test_keeps_peak_is_the_loss_backward_and_is_predicted(megatron_one_rank, sma
     assert keep["transient"] == 2 * 4 * small.MICRO_BATCH * small.SEQ * 256
     assert abs(gap["keep"]) < 0.01, gap
     assert {s["site"] for s in sites} >= {"ln1.input", "attn.qkv_input", "mlp.fc1_input"}
+
+
+def test_site_rows_leave_no_rank_and_no_port_behind():
+    """`llm-act bench memory`'s Hugging Face rows set up one rank of their own: afterwards the
+    process has no process group and its rank variables as before, so child processes it
+    starts later do not inherit a port it still listens on (twice: DeepSpeed's cached groups
+    forgotten too)."""
+    import os
+
+    import torch
+
+    from llm_act.bench import hf_peak
+
+    if torch.distributed.is_initialized():  # an earlier test's rank: start from none, as a fresh process does
+        from llm_act.train.parallel import destroy_parallel
+
+        destroy_parallel()
+    env = {key: os.environ.get(key) for key in hf_peak._RANK_ENV}
+    for _ in range(2):
+        rows = hf_peak.site_rows(2, 32)
+        assert {(r["model"], r["site"]) for r in rows} >= {("llama", "attn.qkv_input"), ("qwen3", "attn.q_norm_input")}
+        assert not torch.distributed.is_initialized()
+        assert {key: os.environ.get(key) for key in hf_peak._RANK_ENV} == env

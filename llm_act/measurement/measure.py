@@ -50,7 +50,7 @@ from llm_act import sites as schema  # BLOCK and its tables, as `declare` leaves
 from llm_act.codecs.base import Codec, Encoded
 from llm_act.codecs.fewbit import derivative
 from llm_act.codecs.registry import CODEC_NAMES, FEWBIT_CODECS, MASK_CODECS, make_codec
-from llm_act.ledger import SavedTensorLedger
+from llm_act.ledger import OTHER, SavedTensorLedger
 from llm_act.measurement import probing
 from llm_act.measurement.controlled import ControlledModel
 from llm_act.measurement.measured_profile import BLOCK_TIME, MeasuredProfile, OptionStats, SiteStats
@@ -217,6 +217,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
         raise ValueError("controller: it drives no layer; nothing to measure")
     captured: dict[tuple[int, str], torch.Tensor] = {}
     more: dict[tuple[int, str], list[torch.Tensor]] = {}
+    after: dict[str, int] = {}  # the bytes outside the sites at the end of the last block's forward
     groups_first = set()
     block_ms: dict[int, float] = {}
     module_ms: dict[tuple[int, str], float] = {}
@@ -229,7 +230,11 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
 
         def keep_pass() -> dict:
             with SavedTensorLedger() as keep_ledger:
-                out = forward()
+                handle = _after_the_blocks(controller, keep_ledger, after)
+                try:
+                    out = forward()
+                finally:
+                    handle.remove()
             del out
             snap.restore()
             return keep_ledger.by_site()
@@ -256,9 +261,13 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
             keep = keep_pass()
     if keep is None:
         keep = {key: st.keep_bytes for key, st in keep_from.sites.items()}
-        keep[(None, "other")] = keep_from.other_bytes
+        keep[(None, OTHER)] = keep_from.outside_bytes()
+        after_blocks = keep_from.after_blocks_bytes
+    else:
+        after_blocks = max(0, keep.get((None, OTHER), 0) - after.get("other", 0)) if "other" in after else 0
     planned = set(captured)
     other = sum(n for key, n in keep.items() if key not in planned)
+    priced = bool(getattr(controller, "backward_priced", False))
     sites: dict[tuple[int, str], SiteStats] = {}
     for key in sorted(captured, key=lambda k: (k[0], schema.SITES.index(k[1]))):
         layer, site = key
@@ -269,9 +278,10 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
         own += sum(y.numel() * y.element_size() for y in more.get(key, ()))
         side = max(0, held.get(key, 0) - own)
         sites[key] = SiteStats(layer, site, tuple(x.shape), x.dtype, keep.get(key, 0), side)
-    profile = MeasuredProfile(sites, other, str(probing.device_of(controller)),
+    profile = MeasuredProfile(sites, other - (after_blocks if priced else 0), str(probing.device_of(controller)),
                               {layer: _no_recompute(controller, layer) for layer in controller.layers},
-                              loss_bytes=int(getattr(controller, "loss_event_bytes", 0)))
+                              loss_bytes=int(getattr(controller, "loss_event_bytes", 0)) + (after_blocks if priced else 0),
+                              after_blocks_bytes=after_blocks, backward_priced=priced)
     whole = {layer for layer in controller.layers if _recomputes_whole(controller, layer)}
     profile.block_ms = {layer: ms for layer, ms in block_ms.items() if layer in whole}
     first_of: dict[int, int] = {}
@@ -391,7 +401,7 @@ def profile_from_samples(controller: ControlledModel, samples: dict, last: Measu
             st.outlier_rate = _codec("outlier_int4", act).count_outliers(xs) / max(1, xs.shape[-1])
         sites[key] = st
     return MeasuredProfile(sites, last.other_bytes, last.device, dict(last.no_recompute), dict(last.block_ms),
-                           last.loss_bytes)
+                           last.loss_bytes, last.after_blocks_bytes, last.backward_priced)
 
 
 def _same_shapes(old: Optional[MeasuredProfile], captured: dict) -> bool:
@@ -458,6 +468,21 @@ def _recomputes_whole(controller: ControlledModel, layer: int) -> bool:
     module that switches: `LayerBinder.recompute_scope`)."""
     owner = controller.binder(layer)
     return owner is not None and _layer_of(controller, layer) is not None and owner.recompute_scope() != "fixed"
+
+
+def _after_the_blocks(controller: ControlledModel, ledger: SavedTensorLedger, sink: dict[str, int]) -> Any:
+    """A forward hook on the last layer noting the ledger's bytes outside the sites when its
+    forward ends (sink["other"]): what is saved outside them after that -- the output layer's
+    input, the logits, the loss's log-probabilities -- is freed before any block backpropagates
+    (`MeasuredProfile.after_blocks_bytes`)."""
+    last = controller.layer_modules.get(max(controller.layers))
+    if last is None:  # no module known for it: nothing is counted as after the blocks
+        return torch.utils.hooks.RemovableHandle({})
+
+    def note(*_):
+        sink["other"] = ledger.by_site().get((None, OTHER), 0)
+
+    return last.register_forward_hook(note, always_call=True)
 
 
 def _block_timer(controller: ControlledModel, sink: dict[int, float]) -> list:

@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 
 from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS, has_bits, unbiased_at
+from llm_act.planner.classes import checkpoint_stored
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
 from llm_act.planner.transient import transient_bytes, whole_block_bytes
 from llm_act.sites import (
+    ATTN_OUT,
     BLOCK,
+    MLP_FC2_INPUT,
     RECOMPUTABLE,
     CHECKPOINT_SITE,
     MASK_SITES,
@@ -103,8 +106,18 @@ class MeasuredProfile:
     whole from their input (the planner's whole-block option; absent: not offered)"""
     loss_bytes: int = 0
     """what the loss's backward holds on top of every stored byte (the controller's
-    `loss_event_bytes`): the peak is the larger of it and a block's transient, the planner's
-    `solve_plan(loss_bytes=)`"""
+    `loss_event_bytes`, and `after_blocks_bytes` where the door prices the loss): the peak is
+    the larger of it and a block's transient, the planner's `solve_plan(loss_bytes=)`"""
+    after_blocks_bytes: int = 0
+    """what the forward saves after the blocks outside any site (the output layer's input,
+    the logits, the log-probabilities), freed by the loss's and output layer's backward before
+    any block backpropagates. Where the door prices the loss it is part of `loss_bytes`, not
+    of `other_bytes`; kept apart so that a profile measured again from this one splits the same"""
+    backward_priced: bool = False
+    """the door prices the backward (`Controller.backward_priced`, the generic door, whose
+    blocks' backward is plain autograd): each block's gradients in flight while it
+    backpropagates (`grad_stages`), and what the forward saves after the blocks as the loss's
+    (`after_blocks_bytes`); False: neither (megatron-core's measured path)"""
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -167,7 +180,8 @@ class MeasuredProfile:
             "other_bytes": self.other_bytes, "device": self.device,
             "no_recompute": {str(k): list(v) for k, v in self.no_recompute.items()},
             "block_ms": {str(k): v for k, v in self.block_ms.items()},
-            "loss_bytes": self.loss_bytes,
+            "loss_bytes": self.loss_bytes, "after_blocks_bytes": self.after_blocks_bytes,
+            "backward_priced": self.backward_priced,
         }
 
     @classmethod
@@ -183,7 +197,7 @@ class MeasuredProfile:
         return cls(sites, int(d["other_bytes"]), d.get("device", "cpu"),
                    {int(k): tuple(v) for k, v in d.get("no_recompute", {}).items()},
                    {int(k): float(v) for k, v in d.get("block_ms", {}).items()},
-                   int(d.get("loss_bytes", 0)))
+                   int(d.get("loss_bytes", 0)), int(d.get("after_blocks_bytes", 0)), bool(d.get("backward_priced", False)))
 
     # ---- statistics the controller tracks ----------------------------------------------
     def outlier_rates(self) -> dict[str, float]:
@@ -197,9 +211,57 @@ class MeasuredProfile:
     def predicted_bytes(self, plan: Mapping[int, Mapping[str, str]], include_other: bool = True) -> int:
         """Bytes held at the end of forward under `plan` ({layer: {site: choice}})."""
         total = self.other_bytes if include_other else 0
+        whole = {layer for layer in self.layers if self.recomputed_whole(layer, plan.get(layer, {}))}
         for (layer, site), st in self.sites.items():
-            total += st.stored(plan.get(layer, {}).get(site, KEEP))
+            stored = st.stored(plan.get(layer, {}).get(site, KEEP))
+            if layer in whole and site == CHECKPOINT_SITE:
+                stored = checkpoint_stored(stored, st.keep_bytes, self.checkpoint_bytes(layer))
+            total += stored
         return total
+
+    def outside_bytes(self) -> int:
+        """Every byte the keep-everything forward saves outside the planned sites: `other_bytes`,
+        with `after_blocks_bytes` where the loss holds it (`backward_priced`: the door prices the
+        backward)."""
+        return self.other_bytes + (self.after_blocks_bytes if self.backward_priced else 0)
+
+    def recomputed_whole(self, layer: int, choice: Mapping[str, str]) -> bool:
+        """Whether `choice` ({site: choice} of `layer`) recomputes the block whole: every
+        block site but the checkpoint recomputed."""
+        names = self.layer_sites(layer)
+        return CHECKPOINT_SITE in names and all(
+            choice.get(s, KEEP) == RECOMPUTE for s in names if s != CHECKPOINT_SITE)
+
+    def checkpoint_bytes(self, layer: int) -> Optional[int]:
+        """What whole-block recompute of `layer` keeps of its checkpoint site: the block's input
+        alone (the tensor the site was captured as), at most the site's bytes; None without the
+        site (`BlockProfile.checkpoint_bytes`)."""
+        st = self.sites.get((layer, CHECKPOINT_SITE))
+        if st is None:
+            return None
+        return min(st.keep_bytes, math.prod(st.shape) * _itemsize(st.dtype))
+
+    def grad_stages(self, layer: int) -> tuple[tuple[str, int], ...]:
+        """The gradients in flight while `layer` backpropagates, per backward stage
+        (`BlockProfile.stage_bytes`), from its sites' shapes; () unless `backward_priced`. With T*h
+        the block input's elements (the residual stream's gradient, live through both stages):
+        - "mlp": 2*T*f + T*h, f the width of fc2's input: at the activation's backward its
+          output's gradient and its input's (T*f each). A gated unit holds one T*f more of
+          gradients there (both operands') and one fewer decoded operand than its site is
+          priced at (SiLU's input decodes after the product's backward), so the sum holds;
+        - "attention": 4*T*a*d + T*h, a*d the width of the attention's output: the context's
+          gradient and q's, k's and v's (an upper bound under grouped-query attention), as the
+          analytic model prices the memory-efficient attention (`analytic.stage_bytes`).
+        In the dtype the sites hold (the activations' gradients are theirs)."""
+        if not self.backward_priced:
+            return ()
+
+        def size(site: str) -> int:
+            st = self.sites.get((layer, site))
+            return math.prod(st.shape) * _itemsize(st.dtype) if st is not None else 0
+
+        hidden = size(CHECKPOINT_SITE)
+        return (("mlp", 2 * size(MLP_FC2_INPUT) + hidden), ("attention", 4 * size(ATTN_OUT) + hidden))
 
     def transient_bytes(self, plan: Mapping[int, Mapping[str, str]]) -> int:
         """The largest layer's backward transient under `plan`, as the planner prices it on
@@ -215,10 +277,13 @@ class MeasuredProfile:
             choice = plan.get(layer, {})
             picks = [choice.get(s, KEEP) for s in names]
             nbytes = [self.sites[layer, s].keep_bytes for s in names]
-            if CHECKPOINT_SITE in names and all(c == RECOMPUTE for s, c in zip(names, picks) if s != CHECKPOINT_SITE):
-                layer_peak = whole_block_bytes(nbytes, names, choice.get(CHECKPOINT_SITE, KEEP))
+            stages = self.grad_stages(layer) if CHECKPOINT_SITE in names else ()
+            if CHECKPOINT_SITE in names and self.recomputed_whole(layer, choice):
+                layer_peak = max((g for _, g in stages), default=0) + whole_block_bytes(
+                    nbytes, names, choice.get(CHECKPOINT_SITE, KEEP), self.checkpoint_bytes(layer))
             else:
-                layer_peak = transient_bytes(nbytes, picks, names)
+                inputs = [tuple(d for d in PROFILE_INPUTS.get(s, ()) if d in names) for s in names]
+                layer_peak = transient_bytes(nbytes, picks, names, inputs, stages)
             peak = max(peak, layer_peak)
         return peak
 
@@ -259,13 +324,14 @@ class MeasuredProfile:
                unbiased_only: bool = False, min_bits: int = 1) -> list[BlockProfile]:
         """`BlockProfile`s in layer order: one per group of identical layers (`count` = its
         size; bytes the mean over the group, rounded up, so totals are exact for the uniform
-        plan a group gets), or one per layer with `per_layer`. `recompute`: offer
+        plan a group gets), or one per layer with `per_layer` (timed as its group's first layer was). `recompute`: offer
         "recompute" (the producer's measured forward time); `candidates`: site -> the codec
         names to offer (default: all measured); `exclude`: sites left out (fixed choices);
         `coherence`: site -> the factor a biased codec's noise is charged at (issue 28);
         `unbiased_only`: offer only unbiased roundings and exact codecs (`UNBIASED_CODECS`);
         `min_bits`: offer only codecs storing at least that many bits per value (`has_bits`)."""
         sens = dict(sensitivity or {})
+        first = {layer: g[0] for g in self.groups() for layer in g}
         out = []
         for group, sites in self.units(per_layer, exclude):
             profiles = []
@@ -285,7 +351,8 @@ class MeasuredProfile:
                     )
                     for name in names
                 )
-                fwd = (stats[0].forward_ms if recompute and all(self.recomputable(layer, site) for layer in group)
+                timed = self.sites.get((first.get(group[0], group[0]), site), stats[0])  # a group's times: its first's
+                fwd = (timed.forward_ms if recompute and all(self.recomputable(layer, site) for layer in group)
                        else None)
                 inputs = tuple(d for d in PROFILE_INPUTS.get(site, ()) if d in sites)
                 default_c = 0.0 if site in MASK_SITES else 1.0
@@ -293,8 +360,12 @@ class MeasuredProfile:
                                             inputs, options, float(sens.get(site, default_c))))
             whole = (recompute and not exclude and CHECKPOINT_SITE in sites
                      and all(layer in self.block_ms for layer in group))
+            stages = self.grad_stages(group[0]) if CHECKPOINT_SITE in sites else ()
+            held = _mean_up([self.checkpoint_bytes(layer) for layer in group]) if CHECKPOINT_SITE in sites else None
             out.append(BlockProfile(tuple(profiles), count=len(group), inflight=inflight,
-                                    full_ms=self.block_ms[group[0]] if whole else None))
+                                    full_ms=self.block_ms[group[0]] if whole else None,
+                                    grad_bytes=max((g for _, g in stages), default=0), stage_bytes=stages,
+                                    checkpoint_bytes=held))
         return out
 
     def block_layers(self, per_layer: bool = False, exclude: Sequence[str] = ()) -> list[list[int]]:
@@ -327,6 +398,10 @@ def charged_error(rel_error: float, site: str, name: str, coherence: Optional[Ma
     if not coherence or unbiased_at(name, site):
         return rel_error
     return rel_error * float(coherence.get(site, 1.0))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _mean_up(values: Sequence[int]) -> int:

@@ -155,9 +155,21 @@ def whole_block_options(block: BlockProfile, options: list[list[ChoiceOption]], 
     names = [s.name for s in block.sites]
     nbytes = [s.nbytes for s in block.sites]
     ci = names.index(CHECKPOINT_SITE)
-    return [ChoiceOption(full_name(o.name), o.stored, _rounded(block.full_ms, resolution) + o.cost_ms, o.noise,
-                    whole_block_bytes(nbytes, names, o.name))
+    held = block.checkpoint_bytes
+    return [ChoiceOption(full_name(o.name), checkpoint_stored(o.stored, nbytes[ci], held),
+                         _rounded(block.full_ms, resolution) + o.cost_ms, o.noise,
+                         whole_block_bytes(nbytes, names, o.name, held))
             for o in options[ci] if o.name == KEEP or o.name in CHECKPOINT_CODECS]
+
+
+def checkpoint_stored(stored: int, site_bytes: int, held: Optional[int]) -> int:
+    """What a whole-block checkpoint stores under an option storing `stored` bytes of the
+    whole checkpoint site (`site_bytes`): the same share of it as the checkpoint holds of the
+    site (`held`, `BlockProfile.checkpoint_bytes`; None: all of it), rounded up -- a codec's
+    bytes scale with the values it encodes."""
+    if held is None or held >= site_bytes or not site_bytes:
+        return stored
+    return -(-stored * held // site_bytes)
 
 
 def _rounded(ms: float, resolution: float) -> float:
@@ -176,7 +188,7 @@ def block_classes(blocks: Sequence[BlockProfile], resolution: float = 0.0) -> tu
     classes: list[BlockClass] = []
     owner: list[int] = []
     for block in blocks:
-        key = (block.sites, block.inflight, block.full_ms, block.grad_bytes, block.stage_bytes)
+        key = (block.sites, block.inflight, block.full_ms, block.grad_bytes, block.stage_bytes, block.checkpoint_bytes)
         if key not in index:
             index[key] = len(classes)
             options = [site_options(s, resolution) for s in block.sites]
@@ -197,16 +209,23 @@ Solution = tuple[list[list[int]], list[list[int]]]
 
 
 def evaluate_choice(classes: list[BlockClass], picks: list[list[int]],
-              fulls: Optional[list[list[int]]] = None) -> tuple[int, int, float, float]:
+              fulls: Optional[list[list[int]]] = None, ordered: bool = False) -> tuple[int, int, float, float]:
     """Exact figures of a choice: (stored bytes, peak bytes, time ms, noise). `fulls[k]`:
-    how many of class k's blocks take each whole-block option (the rest take `picks[k]`)."""
+    how many of class k's blocks take each whole-block option (the rest take `picks[k]`).
+    `ordered`: the classes are blocks in layer order (`evaluate_plan(ordered=True)`): a block
+    backpropagates after every later one has freed what it stores (one micro-batch's)."""
     stored, peak, ms, noise = 0, 0, 0.0, 0.0
     fulls = fulls or no_whole_blocks(classes)
+    early = counts_out_early(classes)
+    own = [0 if c.floor or (early and c.freed_first) else
+           (c.count - sum(f)) * sum(c.options[i][o].stored for i, o in enumerate(p))
+           + sum(n * opt.stored for n, opt in zip(f, c.full)) for c, p, f in zip(classes, picks, fulls)]
+    behind = [sum(own[k + 1:]) if ordered else 0 for k in range(len(classes))]
     encoded = any(c.first and not c.floor and c.encodes_checkpoint(p, f) for c, p, f in zip(classes, picks, fulls))
     # what the sites after the blocks store: freed before any block backpropagates (`counts_out_early`)
     gone_early = sum(c.inflight * c.count * sum(c.options[i][o].stored for i, o in enumerate(p))
                      for c, p in zip(classes, picks) if c.freed_first) if counts_out_early(classes) else 0
-    for cls, pick, full in zip(classes, picks, fulls):
+    for cls, pick, full, freed in zip(classes, picks, fulls, behind):
         if cls.floor:
             peak = max(peak, cls.grad + (cls.input_bytes if encoded else 0))
             continue
@@ -216,7 +235,7 @@ def evaluate_choice(classes: list[BlockClass], picks: list[list[int]],
         opts = [cls.options[i][o] for i, o in enumerate(pick)]
         stored += cls.inflight * (rest * sum(o.stored for o in opts)
                                   + sum(n * f.stored for n, f in zip(full, cls.full)))
-        gone = 0 if cls.freed_first else gone_early
+        gone = (0 if cls.freed_first else gone_early) + freed
         if rest:
             peak = max(peak, cls.transient([o.name for o in opts]) - gone)
         peak = max([peak] + [cls.grad + f.transient - gone for n, f in zip(full, cls.full) if n])

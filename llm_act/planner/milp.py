@@ -214,7 +214,7 @@ def solve_plan(
     return plan
 
 
-def _plan(blocks, classes, owner, sol: Solution, exact: bool = False) -> Plan:
+def _plan(blocks, classes, owner, sol: Solution, exact: bool = False, ordered: bool = False) -> Plan:
     """The Plan of a solution; a class's whole-block counts go to its blocks in order. Its
     figures are those of `classes`, or of `blocks` themselves (`exact`: the classes hold
     rounded times)."""
@@ -239,7 +239,7 @@ def _plan(blocks, classes, owner, sol: Solution, exact: bool = False) -> Plan:
         choice.append(per_site)
         full.append(mine)
         block_fulls.append(counts)
-    stored, peak, ms, noise = evaluate_choice(classes, picks, fulls)
+    stored, peak, ms, noise = evaluate_choice(classes, picks, fulls, ordered=ordered)
     if exact:  # only the times were rounded: bytes and noise are the classes' own
         ms = sum(exact_added_ms(b, [classes[k].options[i][o].name for i, o in enumerate(picks[k])], mine)
                  for b, k, mine in zip(blocks, owner, full))
@@ -248,11 +248,14 @@ def _plan(blocks, classes, owner, sol: Solution, exact: bool = False) -> Plan:
 
 
 def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str]],
-                  loss_bytes: int = 0, input_bytes: int = 0) -> Plan:
+                  loss_bytes: int = 0, input_bytes: int = 0, ordered: bool = False) -> Plan:
     """The figures of a given choice (e.g. the fixed "keep"/"compress"/"recompute" plans)
     under the same cost model; a site missing from a choice is kept. A choice that
     recomputes every site but the checkpoint is whole-block recompute where the block
-    offers it (`BlockProfile.full_ms`), as the layers run it."""
+    offers it (`BlockProfile.full_ms`), as the layers run it. `ordered`: `blocks` are in
+    layer order and a block's transient counts only what it and the blocks before it store
+    (the later ones have backpropagated: e.g. one block per layer, `MeasuredProfile.
+    blocks(per_layer=True)`); default: every stored byte, the planner's bound."""
     blocks = _check_blocks(blocks)
     choice = list(choice)
     if len(choice) != len(blocks):
@@ -295,4 +298,4 @@ def evaluate_plan(blocks: Sequence[BlockProfile], choice: Sequence[dict[str, str
             )
         picks.append(pick)
     return _plan(blocks, classes + floor, list(range(len(blocks))),
-                 (picks + [[] for _ in floor], fulls + [[] for _ in floor]))
+                 (picks + [[] for _ in floor], fulls + [[] for _ in floor]), ordered=ordered)

@@ -160,6 +160,11 @@ class BlockProfile:
     """the same per backward stage (`llm_act.sites.BACKWARD_STAGES`), for the
     per-site choices: ((stage, bytes), ...). Empty: one stage holding every site, with
     `grad_bytes`."""
+    checkpoint_bytes: Optional[int] = None
+    """what whole-block recompute keeps of its checkpoint (`CHECKPOINT_SITE`): the block's
+    input alone, where the site also holds what the block's first op saves of it (a Hugging
+    Face RMSNorm's normalised copy, rebuilt with the block); None: the whole site. The whole-block
+    options store that share of the site's bytes and rebuild the rest."""
 
     def __post_init__(self) -> None:
         sites = tuple(self.sites)
@@ -188,6 +193,13 @@ class BlockProfile:
             object.__setattr__(self, f, int(v))
         object.__setattr__(self, "grad_bytes", byte_count(self.grad_bytes, "BlockProfile.grad_bytes"))
         object.__setattr__(self, "stage_bytes", _stage_bytes(self.stage_bytes))
+        if self.checkpoint_bytes is not None:
+            object.__setattr__(self, "checkpoint_bytes",
+                               byte_count(self.checkpoint_bytes, "BlockProfile.checkpoint_bytes"))
+            site = seen.get(CHECKPOINT_SITE)
+            if site is None or self.checkpoint_bytes > site.nbytes:
+                raise ValueError(f"BlockProfile.checkpoint_bytes: {self.checkpoint_bytes} must be at most "
+                                 f"the bytes of {CHECKPOINT_SITE!r} (a site of the block), which it is part of")
         if self.full_ms is not None:
             if CHECKPOINT_SITE not in seen:
                 raise ValueError(f"BlockProfile.full_ms: whole-block recompute starts from "

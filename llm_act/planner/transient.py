@@ -85,13 +85,16 @@ def transient_bound(nbytes: Sequence[int], names: Sequence[str], inputs: Sequenc
     return peak
 
 
-def whole_block_bytes(nbytes: Sequence[int], names: Sequence[str], checkpoint: str) -> int:
+def whole_block_bytes(nbytes: Sequence[int], names: Sequence[str], checkpoint: str,
+                      held: Optional[int] = None) -> int:
     """The transient of a block recomputed whole from its checkpoint (`CHECKPOINT_SITE`,
-    stored under `checkpoint`): every other site rebuilt at full precision, and the
-    checkpoint decoded when it is encoded."""
+    stored under `checkpoint`): every other site rebuilt at full precision, with the part of
+    the checkpoint's site it does not hold (`held`: its bytes, default the whole site), and
+    the checkpoint decoded when it is encoded."""
     ckpt = list(names).index(CHECKPOINT_SITE)
-    rest = sum(n for i, n in enumerate(nbytes) if i != ckpt)
-    return rest + (nbytes[ckpt] if checkpoint != KEEP else 0)
+    held = nbytes[ckpt] if held is None else held
+    rest = sum(n for i, n in enumerate(nbytes) if i != ckpt) + nbytes[ckpt] - held
+    return rest + (held if checkpoint != KEEP else 0)
 
 
 def transient_bytes(nbytes: Sequence[int], choices: Sequence[str], names: Sequence[str],

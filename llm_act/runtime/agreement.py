@@ -306,12 +306,14 @@ def agree_profile(profile: Any, g: Optional[Groups]) -> Any:
             means[(layer, site, name, "dec")] = opt.decode_ms
     ints[("other",)] = profile.other_bytes
     ints[("loss",)] = profile.loss_bytes
+    ints[("after",)] = profile.after_blocks_bytes
     for layer, ms in profile.block_ms.items():
         means[(layer, "block")] = ms
     ints = reduce_dict(ints, "max", g.stage)
     means = reduce_dict(means, "mean", g.stage)
     profile.other_bytes = int(ints[("other",)])
     profile.loss_bytes = int(ints[("loss",)])
+    profile.after_blocks_bytes = int(ints[("after",)])
     for (layer, site), st in profile.sites.items():
         st.keep_bytes = int(ints[(layer, site, "keep")])
         st.outlier_rate = means[(layer, site, "outlier")]

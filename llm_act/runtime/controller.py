@@ -159,6 +159,11 @@ class Controller:
         #: (the generic door: `patches.deepspeed.generic`, a Hugging Face model's logits); 0:
         #: not priced (megatron-core's measured path prices its output layer by `output`)
         self.loss_event_bytes = 0
+        #: the door prices the backward: each measured block's gradients in flight, and what the
+        #: forward saves after the blocks as the loss's (`MeasuredProfile.backward_priced`; the
+        #: generic door, whose blocks backpropagate through plain autograd); False on
+        #: megatron-core's measured path, whose fused kernels' backward is not measured
+        self.backward_priced = False
 
         self.adapter = Adapter(self)
         if self.enabled:

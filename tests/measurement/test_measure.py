@@ -97,6 +97,11 @@ def test_profile_contents(gpt, profile):
     assert profile.sites[(1, "final_norm.input")].options["outlier_int4"].encode_ms > 0
     blocks = profile.blocks()
     assert len(blocks) == 2 and blocks[0].count == 2
+    # megatron-core's measured path does not price the gradients in flight (`backward_priced`);
+    # whole-block recompute keeps the block input, its norm's statistics rebuilt with it
+    assert not profile.backward_priced and blocks[0].stage_bytes == () and blocks[0].grad_bytes == 0
+    ln1 = profile.sites[(0, "ln1.input")]
+    assert blocks[0].checkpoint_bytes == ln1.keep_bytes - ln1.side_bytes == R.SEQ * R.BATCH * ln1.shape[-1] * 4
     assert [s.name for s in blocks[1].sites] == ["final_norm.input"] and blocks[1].count == 1
     loose = solve_plan(blocks, 10**9, static_bytes=profile.other_bytes)
     assert all(c == "keep" for ch in loose.choice for c in ch.values()) and loose.overhead_ms == 0

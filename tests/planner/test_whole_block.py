@@ -64,6 +64,50 @@ def test_full_recompute_figures():
     assert enc.variance == pytest.approx(6 * ln1.sensitivity * int8.variance)
 
 
+def test_a_checkpoint_holding_part_of_its_site():
+    """Where the checkpoint site also holds what the block's first op saved of its input (a
+    Hugging Face RMSNorm's normalised copy: `BlockProfile.checkpoint_bytes`), whole-block
+    recompute stores the input alone -- kept, or that share of the site's int8 code -- and
+    rebuilds the rest of the site with the block; the per-site choices still store it all."""
+    block = block_profile(model_shape("gpt2-medium", num_layers=6), count=6)
+    ln1 = next(s for s in block.sites if s.name == CHECKPOINT_SITE)
+    rest = sum(s.nbytes for s in block.sites if s.name != CHECKPOINT_SITE)
+    held = ln1.nbytes // 3
+    part = dataclasses.replace(block, checkpoint_bytes=held)
+    kept = evaluate_plan([part], [recompute_layer()])
+    assert kept.peak_bytes == rest + ln1.nbytes - held
+    assert kept.activation_bytes == 6 * held + kept.peak_bytes
+    int8 = next(c for c in ln1.codecs if c.name == "int8")
+    enc = evaluate_plan([part], [recompute_layer("int8")])
+    assert enc.activation_bytes == 6 * -(-int8.nbytes * held // ln1.nbytes) + rest + ln1.nbytes
+    # the same plan under the whole site's pricing (None) stores the whole site
+    assert full_recompute(block).activation_bytes == 6 * ln1.nbytes + rest
+    per_site = {s.name: "keep" for s in block.sites}
+    assert evaluate_plan([part], [per_site]).activation_bytes == evaluate_plan([block], [per_site]).activation_bytes
+    plan = solve_plan([part], kept.activation_bytes, variance_budget=0.0)
+    assert plan.activation_bytes <= kept.activation_bytes
+    with pytest.raises(ValueError, match="checkpoint_bytes"):
+        dataclasses.replace(block, checkpoint_bytes=ln1.nbytes + 1)
+
+
+def test_an_ordered_evaluation_frees_what_later_blocks_stored():
+    """`evaluate_plan(ordered=True)`: blocks in layer order backpropagate last to first, so a
+    block recomputed whole before a kept one rebuilds after the kept one has freed what it
+    stored; recomputed after it, it rebuilds with everything still held: the planner's bound."""
+    block = block_profile(model_shape("gpt2-medium", num_layers=2), count=1)
+    keep = {s.name: "keep" for s in block.sites}
+    kept_bytes = sum(s.nbytes for s in block.sites)
+    whole_then_kept = [recompute_layer(), keep]
+    bound = evaluate_plan([block, block], whole_then_kept)
+    ordered = evaluate_plan([block, block], whole_then_kept, ordered=True)
+    assert bound.peak_bytes == full_recompute(block).peak_bytes
+    assert ordered.activation_bytes - ordered.peak_bytes == bound.activation_bytes - bound.peak_bytes
+    assert ordered.peak_bytes == max(0, bound.peak_bytes - kept_bytes)
+    kept_then_whole = [keep, recompute_layer()]
+    assert (evaluate_plan([block, block], kept_then_whole, ordered=True).activation_bytes
+            == evaluate_plan([block, block], kept_then_whole).activation_bytes == bound.activation_bytes)
+
+
 @pytest.mark.parametrize("between", [0.25, 0.5, 0.75])
 def test_identical_layers_split_between_whole_and_per_site(between):
     """Between full recompute's memory and the least per-site plan's, with no noise allowed,

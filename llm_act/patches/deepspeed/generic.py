@@ -536,6 +536,7 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
                for bs, block in zip(sites, blocks)]
     controller = Controller(config, {i: dict.fromkeys(names, s) for i, s in enumerate(sites)},
                             num_layers=len(blocks))
+    controller.backward_priced = True  # plain autograd: its gradients in flight are measured by shape
     if switchable:  # what measurement times a whole-block recompute by
         controller.layer_modules.update(enumerate(blocks))
     if output_mode != STOCK:  # the model's output layer and loss, chunked or chosen (`hf_output`)

@@ -391,6 +391,15 @@ def main(args, argv=None) -> int:
             conv.append(json.load(f))
     if args.suite == "memory":
         run_memory(args.quick, args.output_dir, command, say)
+    elif args.suite == "convergence" and getattr(args, "door", "megatron") == "deepspeed":
+        from llm_act.bench import hf_convergence
+
+        others = [flag for flag, given in (("--setting", args.setting), ("--convergence-json", conv),
+                                           ("--quick", args.quick)) if given]
+        if others:
+            raise SystemExit(f"llm-act bench convergence: --door deepspeed trains its own Hugging Face Llama "
+                             f"setting; drop {', '.join(others)}")
+        hf_convergence.run_saved(args.seeds, None, args.save_json, command, say)
     elif args.suite == "convergence":
         setting = C.SETTINGS[args.setting] if args.setting else (None if conv else C.LOW_FLOOR)
         if args.save_json and os.path.exists(args.save_json):

@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--seeds", type=seed_range, default=None, metavar="A-B",
                             help="run only these seeds of the setting (a range A-B or a comma list), "
                                  "e.g. to split the bench over two processes with their own --save-json")
+            sp.add_argument("--door", choices=("megatron", "deepspeed"), default="megatron",
+                            help="megatron: megatron-core GPTs (default); deepspeed: a small Hugging Face "
+                                 "Llama under the DeepSpeed door, auto against compress and stock over "
+                                 "paired seeds (as `llm-act bench hf-convergence`)")
 
     hc = bsub.add_parser("hf-convergence", allow_abbrev=False,
                          help="a Hugging Face Llama under DeepSpeed: auto against compress and stock, paired seeds (CPU)")

@@ -44,3 +44,20 @@ def test_each_plan_trains_through_the_deepspeed_door():
     assert set(by) == set(H.PLANS)
     assert by["compress"]["saved_bytes"] < 0.5 * by[H.STOCK]["saved_bytes"]
     assert by["auto"]["changes"] >= 1 and all(math.isfinite(r["final"]) for r in by.values())
+
+
+def test_bench_convergence_takes_the_deepspeed_door(monkeypatch, capsys, tmp_path):
+    """`llm-act bench convergence --door deepspeed` is the Hugging Face Llama's bench (issue 45,
+    item 4): it runs `hf_convergence` with the seeds and JSON given; the megatron-core settings'
+    flags are refused in one line. (`run_saved` is stood in for: one seed trains for minutes.)"""
+    from llm_act.cli.main import main
+
+    calls = []
+    monkeypatch.setattr(H, "run_saved", lambda *a: calls.append(a[:3]))
+    out = str(tmp_path / "hf.json")
+    assert main(["bench", "convergence", "--door", "deepspeed", "--seeds", "1244-1245", "--save-json", out]) in (0, None)
+    assert calls == [((1244, 1245), None, out)]
+    with pytest.raises(SystemExit) as err:
+        main(["bench", "convergence", "--door", "deepspeed", "--setting", "bf16"])
+    assert "drop --setting" in str(err.value) and "\n" not in str(err.value)
+    assert calls == [((1244, 1245), None, out)]

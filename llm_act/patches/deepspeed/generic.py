@@ -526,7 +526,7 @@ def apply(model: torch.nn.Module, config: ActConfig, checkpointing: Any = None,
     # plan "auto" switches blocks to whole-block recompute and back at tracking points, through
     # torch's checkpoint; with DeepSpeed's activation checkpointing configured it keeps to codecs
     switchable = config.plan == "auto" and not (checkpointing is not None and checkpointing.configured)
-    if config.plan == "auto" and not switchable:
+    if config.plan == "auto" and not switchable and speaks_for_stage():
         log.info("llm_act: plan 'auto' does not recompute %s's blocks: the DeepSpeed config's "
                  "activation_checkpointing recomputes only under plan 'recompute' (drop it to let "
                  "'auto' choose whole-block recompute)", type(model).__name__)

@@ -278,9 +278,10 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
         own += sum(y.numel() * y.element_size() for y in more.get(key, ()))
         side = max(0, held.get(key, 0) - own)
         sites[key] = SiteStats(layer, site, tuple(x.shape), x.dtype, keep.get(key, 0), side)
-    profile = MeasuredProfile(sites, other - (after_blocks if priced else 0), str(probing.device_of(controller)),
+    to_loss = after_blocks if priced else 0  # freed by the loss's backward, before any block's
+    profile = MeasuredProfile(sites, other - to_loss, str(probing.device_of(controller)),
                               {layer: _no_recompute(controller, layer) for layer in controller.layers},
-                              loss_bytes=int(getattr(controller, "loss_event_bytes", 0)) + (after_blocks if priced else 0),
+                              loss_bytes=int(getattr(controller, "loss_event_bytes", 0)) + to_loss,
                               after_blocks_bytes=after_blocks, backward_priced=priced)
     whole = {layer for layer in controller.layers if _recomputes_whole(controller, layer)}
     profile.block_ms = {layer: ms for layer, ms in block_ms.items() if layer in whole}

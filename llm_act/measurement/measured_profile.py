@@ -197,7 +197,8 @@ class MeasuredProfile:
         return cls(sites, int(d["other_bytes"]), d.get("device", "cpu"),
                    {int(k): tuple(v) for k, v in d.get("no_recompute", {}).items()},
                    {int(k): float(v) for k, v in d.get("block_ms", {}).items()},
-                   int(d.get("loss_bytes", 0)), int(d.get("after_blocks_bytes", 0)), bool(d.get("backward_priced", False)))
+                   int(d.get("loss_bytes", 0)), int(d.get("after_blocks_bytes", 0)),
+                   bool(d.get("backward_priced", False)))
 
     # ---- statistics the controller tracks ----------------------------------------------
     def outlier_rates(self) -> dict[str, float]:
@@ -324,9 +325,10 @@ class MeasuredProfile:
                unbiased_only: bool = False, min_bits: int = 1) -> list[BlockProfile]:
         """`BlockProfile`s in layer order: one per group of identical layers (`count` = its
         size; bytes the mean over the group, rounded up, so totals are exact for the uniform
-        plan a group gets), or one per layer with `per_layer` (timed as its group's first layer was). `recompute`: offer
-        "recompute" (the producer's measured forward time); `candidates`: site -> the codec
-        names to offer (default: all measured); `exclude`: sites left out (fixed choices);
+        plan a group gets), or one per layer with `per_layer` (timed as its group's first
+        layer was). `recompute`: offer "recompute" (the producer's measured forward time);
+        `candidates`: site -> the codec names to offer (default: all measured); `exclude`:
+        sites left out (fixed choices);
         `coherence`: site -> the factor a biased codec's noise is charged at (issue 28);
         `unbiased_only`: offer only unbiased roundings and exact codecs (`UNBIASED_CODECS`);
         `min_bits`: offer only codecs storing at least that many bits per value (`has_bits`)."""
@@ -351,7 +353,8 @@ class MeasuredProfile:
                     )
                     for name in names
                 )
-                timed = self.sites.get((first.get(group[0], group[0]), site), stats[0])  # a group's times: its first's
+                # a group's times were measured on its first layer
+                timed = self.sites.get((first.get(group[0], group[0]), site), stats[0])
                 fwd = (timed.forward_ms if recompute and all(self.recomputable(layer, site) for layer in group)
                        else None)
                 inputs = tuple(d for d in PROFILE_INPUTS.get(site, ()) if d in sites)

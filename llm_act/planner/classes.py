@@ -188,7 +188,8 @@ def block_classes(blocks: Sequence[BlockProfile], resolution: float = 0.0) -> tu
     classes: list[BlockClass] = []
     owner: list[int] = []
     for block in blocks:
-        key = (block.sites, block.inflight, block.full_ms, block.grad_bytes, block.stage_bytes, block.checkpoint_bytes)
+        key = (block.sites, block.inflight, block.full_ms, block.grad_bytes, block.stage_bytes,
+               block.checkpoint_bytes)
         if key not in index:
             index[key] = len(classes)
             options = [site_options(s, resolution) for s in block.sites]

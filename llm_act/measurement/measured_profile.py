@@ -240,7 +240,7 @@ class MeasuredProfile:
         st = self.sites.get((layer, CHECKPOINT_SITE))
         if st is None:
             return None
-        return min(st.keep_bytes, math.prod(st.shape) * _itemsize(st.dtype))
+        return min(st.keep_bytes, math.prod(st.shape) * st.dtype.itemsize)
 
     def grad_stages(self, layer: int) -> tuple[tuple[str, int], ...]:
         """The gradients in flight while `layer` backpropagates, per backward stage
@@ -259,7 +259,7 @@ class MeasuredProfile:
 
         def size(site: str) -> int:
             st = self.sites.get((layer, site))
-            return math.prod(st.shape) * _itemsize(st.dtype) if st is not None else 0
+            return math.prod(st.shape) * st.dtype.itemsize if st is not None else 0
 
         hidden = size(CHECKPOINT_SITE)
         return (("mlp", 2 * size(MLP_FC2_INPUT) + hidden), ("attention", 4 * size(ATTN_OUT) + hidden))
@@ -401,10 +401,6 @@ def charged_error(rel_error: float, site: str, name: str, coherence: Optional[Ma
     if not coherence or unbiased_at(name, site):
         return rel_error
     return rel_error * float(coherence.get(site, 1.0))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _mean_up(values: Sequence[int]) -> int:

@@ -218,15 +218,17 @@ def evaluate_choice(classes: list[BlockClass], picks: list[list[int]],
     stored, peak, ms, noise = 0, 0, 0.0, 0.0
     fulls = fulls or no_whole_blocks(classes)
     early = counts_out_early(classes)
-    own = [0 if c.floor or (early and c.freed_first) else
-           (c.count - sum(f)) * sum(c.options[i][o].stored for i, o in enumerate(p))
-           + sum(n * opt.stored for n, opt in zip(f, c.full)) for c, p, f in zip(classes, picks, fulls)]
-    behind = [sum(own[k + 1:]) if ordered else 0 for k in range(len(classes))]
+    # what one micro-batch of each class stores (a floor: nothing)
+    batch = [(c.count - sum(f)) * sum(c.options[i][o].stored for i, o in enumerate(p))
+             + sum(n * opt.stored for n, opt in zip(f, c.full)) for c, p, f in zip(classes, picks, fulls)]
+    # ordered: what the later blocks store, freed before a block backpropagates (the sites
+    # after the blocks count in `gone_early` where the end of forward is its own event)
+    later = [0 if early and c.freed_first else b for c, b in zip(classes, batch)]
+    behind = [sum(later[k + 1:]) if ordered else 0 for k in range(len(classes))]
     encoded = any(c.first and not c.floor and c.encodes_checkpoint(p, f) for c, p, f in zip(classes, picks, fulls))
     # what the sites after the blocks store: freed before any block backpropagates (`counts_out_early`)
-    gone_early = sum(c.inflight * c.count * sum(c.options[i][o].stored for i, o in enumerate(p))
-                     for c, p in zip(classes, picks) if c.freed_first) if counts_out_early(classes) else 0
-    for cls, pick, full, freed in zip(classes, picks, fulls, behind):
+    gone_early = sum(c.inflight * b for c, b in zip(classes, batch) if c.freed_first) if early else 0
+    for cls, pick, full, one, freed in zip(classes, picks, fulls, batch, behind):
         if cls.floor:
             peak = max(peak, cls.grad + (cls.input_bytes if encoded else 0))
             continue
@@ -234,8 +236,7 @@ def evaluate_choice(classes: list[BlockClass], picks: list[list[int]],
         if rest < 0:
             raise ValueError(f"{sum(full)} whole-block choices in a class of {cls.count} blocks")
         opts = [cls.options[i][o] for i, o in enumerate(pick)]
-        stored += cls.inflight * (rest * sum(o.stored for o in opts)
-                                  + sum(n * f.stored for n, f in zip(full, cls.full)))
+        stored += cls.inflight * one
         gone = (0 if cls.freed_first else gone_early) + freed
         if rest:
             peak = max(peak, cls.transient([o.name for o in opts]) - gone)

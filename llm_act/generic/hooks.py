@@ -253,7 +253,10 @@ class SavedTensorCompression:
         self._codecs: dict[str, Codec] = {}
         self._active = False
         self._storages: dict[tuple, _StorageEntry] = {}
-        self._params: set[tuple] = set()
+        #: (data pointer, device) -> weak reference to the parameter storage seen there: a
+        #: ZeRO-3 parameter's gathered storage is freed after its module runs, and an
+        #: activation may then be allocated at the same address
+        self._params: dict[tuple, weakref.ref] = {}
 
     @property
     def active(self) -> bool:
@@ -274,7 +277,7 @@ class SavedTensorCompression:
         self._active = True
         self.stats = HookStats()
         self._storages = {}
-        self._params = set()
+        self._params = {}
         if self.module is not None:
             for p in self.module.parameters():
                 self._note_param(p)
@@ -287,7 +290,7 @@ class SavedTensorCompression:
         self._hooks.__exit__(*exc)
         self._pre.remove()
         self._storages = {}
-        self._params = set()
+        self._params = {}
         self._active = False
 
     # ---- parameters ------------------------------------------------------------------
@@ -297,14 +300,15 @@ class SavedTensorCompression:
         except Exception:  # parameters without a storage (meta, some wrappers)
             return
         if st.nbytes():
-            self._params.add((st.data_ptr(), p.device))
+            self._params[(st.data_ptr(), p.device)] = weakref.ref(st)
 
     def _module_pre(self, module: torch.nn.Module, args: tuple) -> None:
         for p in module.parameters(recurse=False):
             self._note_param(p)
 
     def _is_param(self, t: torch.Tensor, st) -> bool:
-        if (st.data_ptr(), t.device) in self._params:
+        seen = self._params.get((st.data_ptr(), t.device))
+        if seen is not None and seen() is st:  # the parameter's storage itself, still alive
             return True
         return _ledger.param_derived(t)  # a Parameter, a view, or a tracked cast of one
 

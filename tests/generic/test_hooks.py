@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -311,3 +312,29 @@ def test_autocast_weight_copies_count_as_parameters(block, x):
         _run(block, x, cast)
     assert cast.stats.parameters == plain.stats.parameters > 0
     assert cast.stats.encoded == plain.stats.encoded
+
+
+
+def test_an_activation_where_a_freed_parameter_was_is_encoded():
+    """Parameters are told apart by their live storage, not by an address: an activation
+    allocated where a released parameter lived (ZeRO-3 frees a gathered parameter after its
+    module runs) is encoded at its site like any other. Keyed by the address alone it was
+    kept raw, on the ranks whose allocator happened to reuse the block, and "auto"'s
+    measurement then took different paths on different ranks."""
+    numel = 4096
+    memory = np.random.default_rng(0).standard_normal(numel, dtype=np.float32)  # outlives both storages
+    module = torch.nn.Linear(1, 1, bias=False)
+    module.weight = torch.nn.Parameter(torch.from_numpy(memory))
+    module.forward = lambda x: x * 2
+    module.register_forward_hook(lambda m, args, out: setattr(m.weight, "data", torch.empty(0)))
+    x = torch.randn(numel, requires_grad=True)
+    hooks = compress_saved_tensors(None, "int8")
+    with hooks:
+        y = module(x)  # the pre-hook notes the weight's storage; the post-hook frees it
+        z = torch.from_numpy(memory).copy_(y)  # a new storage at the same address
+        assert z.untyped_storage().data_ptr() == memory.ctypes.data
+        out = z.sin()  # saves z
+    assert hooks.stats.parameters == 0
+    assert hooks.stats.by_codec == {"int8": make_codec("int8").nbytes_for((numel,), torch.float32)}
+    out.sum().backward()
+    assert rel_error(x.grad, 2 * torch.cos(2 * x.detach())) < 2e-2

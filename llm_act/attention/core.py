@@ -34,6 +34,7 @@ that error.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -164,11 +165,15 @@ class OutSource:
         self._fetch: Optional[Callable[[], torch.Tensor]] = None
 
     def expect(self, out: torch.Tensor) -> None:
-        self._out = (out.data_ptr(), out.numel(), out.device)
+        # the storage itself (weakly), not its address: memory freed in between may hold
+        # another tensor of the same size at the same address
+        self._out = (weakref.ref(out.untyped_storage()), out.storage_offset(), out.numel())
 
     def offer(self, x: Optional[torch.Tensor], fetch: Callable[[], torch.Tensor]) -> bool:
-        if (self._out is None or not isinstance(x, torch.Tensor)
-                or (x.data_ptr(), x.numel(), x.device) != self._out):
+        if self._out is None or not isinstance(x, torch.Tensor):
+            return False
+        storage, offset, numel = self._out
+        if storage() is not x.untyped_storage() or (x.storage_offset(), x.numel()) != (offset, numel):
             return False
         self._fetch = fetch
         return True

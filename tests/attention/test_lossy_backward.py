@@ -10,6 +10,7 @@ the recompute path and against autograd of the float64 reference with the same m
 - with real codecs, "stored" is worse than "recompute" (the measured reason the default is
   "recompute"), and "auto" runs "recompute".
 """
+import numpy as np
 import pytest
 import torch
 
@@ -138,6 +139,21 @@ def test_out_source_gives_the_output_or_falls_back_to_recompute():
         for a, b in zip(got, expect):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         assert nbytes < 3 * q.numel() * 4 / 2  # encoded q, k, v, lse and the state: no output
+
+
+
+def test_out_source_takes_only_the_output_itself_not_its_address():
+    """An offer is matched to the output by its storage, not by where it lies: a tensor of
+    the same size that the allocator placed where a freed output was is refused."""
+    memory = np.zeros(8 * 16, dtype=np.float32)  # outlives the storages made on it
+    source = OutSource()
+    out = torch.from_numpy(memory).view(8, 16)
+    source.expect(out)
+    assert source.offer(out.reshape(8, 2, 8), lambda: out)  # the output, as its consumer views it
+    del out  # the output's storage is freed
+    stranger = torch.from_numpy(memory)  # another storage, same address and size
+    assert not source.offer(stranger, lambda: stranger)
+    assert not source.offer(torch.zeros(8 * 16), lambda: None)
 
 
 def test_real_codecs_stored_is_worse_so_auto_recomputes():

@@ -281,7 +281,12 @@ def is_whole(choice: Mapping[str, str], block: "BlockProfile") -> bool:
     """Whether `choice` recomputes all of `block` from its checkpoint (every other site
     named "recompute", and the block has the checkpoint); the sites after the blocks
     (`MODEL_SITES`) are no part of it."""
-    names = {s.name for s in block.sites}
+    return recomputes_whole(choice, {s.name for s in block.sites})
+
+
+def recomputes_whole(choice: Mapping[str, str], names: Iterable[str]) -> bool:
+    """`is_whole` for a block given by its site names."""
+    names = set(names)
     return CHECKPOINT_SITE in names and all(
         c == RECOMPUTE for s, c in choice.items() if s != CHECKPOINT_SITE and s not in MODEL_SITES) and all(
         choice.get(s, KEEP) == RECOMPUTE for s in names if s != CHECKPOINT_SITE)

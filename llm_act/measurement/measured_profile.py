@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 
 from llm_act.codecs.registry import CODEC_NAMES, KEEP, RECOMPUTE, UNBIASED_CODECS, has_bits, unbiased_at
+from llm_act.plan import recomputes_whole
 from llm_act.planner.classes import checkpoint_stored
 from llm_act.planner.profile import BlockProfile, CodecOption, SiteProfile
 from llm_act.planner.transient import transient_bytes, whole_block_bytes
@@ -229,9 +230,7 @@ class MeasuredProfile:
     def recomputed_whole(self, layer: int, choice: Mapping[str, str]) -> bool:
         """Whether `choice` ({site: choice} of `layer`) recomputes the block whole: every
         block site but the checkpoint recomputed."""
-        names = self.layer_sites(layer)
-        return CHECKPOINT_SITE in names and all(
-            choice.get(s, KEEP) == RECOMPUTE for s in names if s != CHECKPOINT_SITE)
+        return recomputes_whole(choice, self.layer_sites(layer))
 
     def checkpoint_bytes(self, layer: int) -> Optional[int]:
         """What whole-block recompute of `layer` keeps of its checkpoint site: the block's input

@@ -130,13 +130,15 @@ def test_launcher_loss_tolerance_fails_with_a_broken_codec_quick(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_launcher_hf_auto_replans_within_the_budget(tmp_path, kind):
-    """`--model hf --hf-kind K --act-plan auto --act-budget B`: plan "auto" re-plans the
-    decoder's blocks during the run on both ranks, within the budget, and logs each plan
-    (`slow`: the default run's smoke test of the same is test_hf_auto.py's two-rank ZeRO-3)."""
+def test_launcher_hf_auto_replans_within_the_budget(tmp_path, kind, stage):
+    """`--model hf --hf-kind K --act-plan auto --act-budget B` at ZeRO `stage`: plan "auto"
+    re-plans the decoder's blocks during the run on both ranks, within the budget, and logs
+    each plan (`slow`: the default run's smoke test of the same is test_hf_auto.py's two-rank
+    ZeRO-3)."""
     budget = 40_000_000
-    result = _launch(2, tmp_path, steps=4, extra=("--model", "hf", "--hf-kind", kind, "--act-plan", "auto",
+    result = _launch(stage, tmp_path, steps=4, extra=("--model", "hf", "--hf-kind", kind, "--act-plan", "auto",
                                                    "--act-budget", str(budget)))
     on = result["on"]
     assert on["model"] == "hf" and on["compressed"] and on["tracked"] == [1, 2, 4]

@@ -198,7 +198,8 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
                     codecs: Optional[Sequence[str]] = None,
                     keep_from: Optional[MeasuredProfile] = None,
                     every_layer: Optional[Sequence[str]] = None,
-                    all_codecs_at: Collection[tuple[int, str]] = ()) -> MeasuredProfile:
+                    all_codecs_at: Collection[tuple[int, str]] = (),
+                    any_rank: Callable[[bool], bool] = bool) -> MeasuredProfile:
     """Measure every site the controller drives on the batch `forward()` runs (see the module
     docstring). `times_from`: reuse the times of that profile or of its `times()` dict
     (same model and shapes) instead of measuring them;
@@ -210,7 +211,9 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
     whatever `codecs` says;
     `keep_from`: an earlier profile whose keep bytes (and bytes outside the sites) are
     taken where every site has the same shape and dtype again -- they depend on nothing
-    else -- so the keep-everything pass is skipped."""
+    else -- so the keep-everything pass is skipped; `any_rank`: whether a rank-local finding
+    holds on any rank measuring beside this one (`agreement.any_rank`): where one rank's
+    shapes moved, every rank runs the keep pass, whose forward holds collectives."""
     if not callable(forward):
         raise TypeError(f"forward: expected a callable running one forward pass, got {forward!r}")
     if not controller.layers:
@@ -255,7 +258,7 @@ def measure_profile(controller: ControlledModel, forward: Callable[[], Any], *,
         finally:
             for h in handles:
                 h.remove()
-        if keep is None and not _same_shapes(keep_from, captured):
+        if keep is None and any_rank(not _same_shapes(keep_from, captured)):
             snap.restore()
             probing.install(controller, {})
             keep = keep_pass()

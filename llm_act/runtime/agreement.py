@@ -264,6 +264,15 @@ def reduce_dict(values: Mapping[Any, float], op: str, group: Any = None) -> dict
     return out
 
 
+def any_rank(flag: bool, g: Optional[Groups]) -> bool:
+    """Whether `flag` holds on any rank of the stage: a rank-local finding (this rank's batch
+    has new shapes) that decides whether a measuring pass runs is taken alike everywhere, as a
+    pass holds collectives (ZeRO-3's parameter gathers, tensor parallelism's)."""
+    if g is None:
+        return bool(flag)
+    return reduce_dict({"any": float(bool(flag))}, "max", g.stage)["any"] > 0
+
+
 def broadcast(obj: Any, g: Optional[Groups], op: str = "broadcast of the plan") -> Any:
     """`obj` of the stage's source rank, on every rank of the stage."""
     dist = initialized_dist()

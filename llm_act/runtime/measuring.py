@@ -281,22 +281,29 @@ class Measurements:
         # every codec at a share of the sites in turn: each (layer, site) every FULL_PROFILE_EVERY points
         pairs = [(layer, site) for layer in c.layers for site in c.sites(layer)]
         turn = {key for i, key in enumerate(pairs) if i % FULL_PROFILE_EVERY == point % FULL_PROFILE_EVERY}
+        # each finding below is this rank's (its batch's shapes); the passes it decides on hold
+        # collectives, so every rank of the stage takes the same path
+        def anywhere(flag: bool) -> bool:
+            return agreement.any_rank(flag, g)
+
         profile = None
-        if self.profile is not None and self.step_tap is not None and self.step_tap.samples:
-            # from the tracking iteration's own step: no pass (None: the shapes moved)
-            profile = profile_from_samples(c, self.step_tap.samples, self.profile, codecs=fresh, all_codecs_at=turn)
-        if profile is None and self.profile is not None:  # a probe given: its capture pass
-            profile = measure_profile(c, probe, times_from=self.times, codecs=fresh, keep_from=self.profile,
-                                      all_codecs_at=turn, repeats=TIMING_REPEATS)
-            if _same_sites(profile, self.profile):
-                profile.carry_options(self.profile)
-            else:
-                profile = None
+        if self.profile is not None:
+            if self.step_tap is not None and self.step_tap.samples:
+                # from the tracking iteration's own step: no pass (None: the shapes moved)
+                profile = profile_from_samples(c, self.step_tap.samples, self.profile, codecs=fresh,
+                                               all_codecs_at=turn)
+            if anywhere(profile is None):  # a probe given: its capture pass
+                profile = measure_profile(c, probe, times_from=self.times, codecs=fresh, keep_from=self.profile,
+                                          all_codecs_at=turn, repeats=TIMING_REPEATS, any_rank=anywhere)
+                if anywhere(not _same_sites(profile, self.profile)):
+                    profile = None
+                else:
+                    profile.carry_options(self.profile)
         if profile is None:
             # the first point (or new shapes): every codec on the first layer of each group of
             # identical layers, those of the plan on every layer
             profile = measure_profile(c, probe, times_from=self.times, keep_from=self.profile, every_layer=fresh,
-                                      repeats=TIMING_REPEATS)
+                                      repeats=TIMING_REPEATS, any_rank=anywhere)
         profile = agreement.agree_profile(profile, g)
         if self.times is None:
             self.times = profile.times()

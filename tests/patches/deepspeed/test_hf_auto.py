@@ -289,3 +289,43 @@ def _zero_worker(rank, world, port, kind, stage):
 @pytest.mark.parametrize("kind", ["qwen3", pytest.param("llama", marks=pytest.mark.slow)])
 def test_auto_agrees_under_zero_on_two_ranks(kind, stage):
     spawn(_zero_worker, 2, kind, stage, timeout=400)
+
+
+def _ragged_worker(rank, world, port):
+    """Each rank its own sequence length at the last tracking point (dynamic padding): rank 1's
+    shapes move there, rank 0's do not."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    from llm_act.patches.deepspeed import initialize
+
+    model = _model("qwen3")
+    config = _ds_config({"plan": "auto", "budget": LOOSE}, stage=3)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every weight gathered in forward
+    engine = initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    forwards = []  # every forward of the model: the training steps' and the measuring passes'
+    engine.module.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    for i in range(STEPS):
+        seq = SEQ - 8 if (rank == 1 and i == STEPS - 1) else SEQ
+        ids = torch.randint(0, 256, (2, seq + 1), generator=torch.Generator().manual_seed(1000 * rank + i))
+        engine.backward(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss)
+        engine.step()
+    c = engine.act_controller
+    assert c.adapter.tracked == [1, 2, 4] and c.adapter.round.skipped == []
+    seen = [None] * world
+    dist.all_gather_object(seen, (len(forwards), c.plan, [h["changes"] for h in c.history]))
+    assert seen[0][0] == seen[1][0], f"forwards per rank: {seen[0][0]} and {seen[1][0]}"
+    assert seen[0] == seen[1], "the ranks run different plans"
+
+
+@pytest.mark.dist
+def test_auto_measures_alike_when_one_rank_changes_shape_under_zero3():
+    """A tracking point where only one rank's batch has a new sequence length: that rank cannot
+    reuse its last profile, and its measuring forward gathers ZeRO-3's parameters; every rank
+    then measures alike (the choice is agreed), so none waits for a collective the other
+    never makes."""
+    spawn(_ragged_worker, 2, timeout=400)

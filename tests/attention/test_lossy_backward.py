@@ -141,7 +141,6 @@ def test_out_source_gives_the_output_or_falls_back_to_recompute():
         assert nbytes < 3 * q.numel() * 4 / 2  # encoded q, k, v, lse and the state: no output
 
 
-
 def test_out_source_takes_only_the_output_itself_not_its_address():
     """An offer is matched to the output by its storage, not by where it lies: a tensor of
     the same size that the allocator placed where a freed output was is refused."""

@@ -314,7 +314,6 @@ def test_autocast_weight_copies_count_as_parameters(block, x):
     assert cast.stats.encoded == plain.stats.encoded
 
 
-
 def test_an_activation_where_a_freed_parameter_was_is_encoded():
     """Parameters are told apart by their live storage, not by an address: an activation
     allocated where a released parameter lived (ZeRO-3 frees a gathered parameter after its

@@ -38,22 +38,24 @@ def _model(kind):
     return hf_decoder.build(kind, hidden_size=64, num_layers=2, max_positions=64, seed=7)
 
 
-def _ds_config(section, stage=0):
+def _ds_config(section, stage=0, **zero):
+    """`zero`: further `zero_optimization` settings."""
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-            "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
+            "zero_optimization": {"stage": stage, **zero}, "steps_per_print": 10**6,
             "activation_compression": section}
 
 
-def _auto_engine(kind, section, stage=0):
+def _auto_engine(kind, section, stage=0, **zero):
     from llm_act.patches.deepspeed import initialize
 
     model = _model(kind)
-    return initialize(model=model, model_parameters=model.parameters(), config=_ds_config(section, stage))[0]
+    return initialize(model=model, model_parameters=model.parameters(),
+                      config=_ds_config(section, stage, **zero))[0]
 
 
-def _token_pair(seed):
-    ids = torch.randint(0, 256, (2, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+def _token_pair(seed, seq=SEQ):
+    ids = torch.randint(0, 256, (2, seq + 1), generator=torch.Generator().manual_seed(seed))
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -260,14 +262,20 @@ def test_from_config_file_builds_what_the_file_says_and_refuses_what_cannot_be_p
 # ---- two ranks -------------------------------------------------------------------------------
 
 
-def _zero_worker(rank, world, port, kind, stage):
+def _join(rank, world, port):
+    """This process as rank `rank` of a gloo group of `world`, one torch thread."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     import deepspeed
-    import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
+
+
+def _zero_worker(rank, world, port, kind, stage):
+    import torch.distributed as dist
+
+    _join(rank, world, port)
     smallest = _smallest(kind, stage)
     engine = _auto_engine(kind, {"plan": "auto", "budget": smallest}, stage)
     _steps(engine, STEPS, rank)  # each rank its own data: their measurements differ
@@ -294,25 +302,16 @@ def test_auto_agrees_under_zero_on_two_ranks(kind, stage):
 def _ragged_worker(rank, world, port):
     """Each rank its own sequence length at the last tracking point (dynamic padding): rank 1's
     shapes move there, rank 0's do not."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    import deepspeed
     import torch.distributed as dist
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.set_num_threads(1)
-    from llm_act.patches.deepspeed import initialize
-
-    model = _model("qwen3")
-    config = _ds_config({"plan": "auto", "budget": LOOSE}, stage=3)
-    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every weight gathered in forward
-    engine = initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    _join(rank, world, port)
+    # no persistence threshold: every weight is gathered in forward
+    engine = _auto_engine("qwen3", {"plan": "auto", "budget": LOOSE}, 3, stage3_param_persistence_threshold=0)
     forwards = []  # every forward of the model: the training steps' and the measuring passes'
     engine.module.register_forward_pre_hook(lambda module, args: forwards.append(1))
     for i in range(STEPS):
-        seq = SEQ - 8 if (rank == 1 and i == STEPS - 1) else SEQ
-        ids = torch.randint(0, 256, (2, seq + 1), generator=torch.Generator().manual_seed(1000 * rank + i))
-        engine.backward(engine(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss)
+        tokens, labels = _token_pair(1000 * rank + i, SEQ - 8 if (rank == 1 and i == STEPS - 1) else SEQ)
+        engine.backward(engine(input_ids=tokens, labels=labels).loss)
         engine.step()
     c = engine.act_controller
     assert c.adapter.tracked == [1, 2, 4] and c.adapter.round.skipped == []

@@ -85,9 +85,10 @@ def _parser() -> argparse.ArgumentParser:
                             help="save the result as JSON after every run; if the file holds an "
                                  "unfinished result of the same settings, its runs are kept")
             sp.add_argument("--setting", choices=("fp32", "bf16"), default=None,
-                            help="fp32: the low-floor measurement (10 paired seeds, two sizes; the "
-                                 "default when no --convergence-json is given); bf16: the chaotic "
-                                 "setting of earlier rounds, as confirmation")
+                            help="fp32: the low-floor measurement (10 paired seeds, three models; the "
+                                 "default when no --convergence-json is given); bf16: the same plans, "
+                                 "models and seeds in bf16 (chaotic here), as confirmation, with a "
+                                 "control of its own")
             sp.add_argument("--seeds", type=seed_range, default=None, metavar="A-B",
                             help="run only these seeds of the setting (a range A-B or a comma list), "
                                  "e.g. to split the bench over two processes with their own --save-json")

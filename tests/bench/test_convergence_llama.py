@@ -128,6 +128,61 @@ def test_the_pilot_command_parses():
         pilot_parser().parse_args(["--models", "gpt9", "--save-json", "x.json"])
 
 
+def test_the_pilot_runs_the_bf16_confirmation_by_its_setting():
+    """`--setting bf16`: the low floor's plans, models and seeds in bf16, with a control of its
+    own (one bf16 ulp); without it the pilot runs the low floor."""
+    a = pilot_parser().parse_args(["--setting", "bf16", "--save-json", "x.json"])
+    assert C.SETTINGS[a.setting] is C.BF16 and a.plans is None and a.models is None
+    assert C.BF16.bf16 and C.BF16.control == C.STOCK_ULP and C.DEFAULT in C.BF16.plans
+    assert C.BF16.models == C.LOW_FLOOR.models and C.BF16.seeds == C.LOW_FLOOR.seeds
+    assert C.SETTINGS[pilot_parser().parse_args(["--save-json", "x.json"]).setting] is C.LOW_FLOOR
+
+
+def test_the_pilot_refuses_a_json_of_another_setting(tmp_path, capsys):
+    """A --save-json holding another setting's (or step count's) runs is refused in one line,
+    untouched: `run` would start afresh and save over it."""
+    from llm_act.bench.convergence_pilot import main
+
+    out = tmp_path / "fp32.json"
+    held = json.dumps({"setting": "fp32", "steps": 300, "models": {"quick": {"runs": {"stock seed 1": {}}}}})
+    out.write_text(held)
+    for argv in (["--setting", "bf16"], ["--steps", "30"]):
+        with pytest.raises(SystemExit, match=r"holds runs of setting 'fp32' at 300 steps.*another --save-json"):
+            main([*argv, "--models", "quick", "--seeds", "1", "--save-json", str(out)])
+        assert out.read_text() == held
+
+
+def test_the_bf16_control_moves_the_master_weights_too():
+    """In bf16 the optimizer steps fp32 masters and copies them back into the parameters:
+    the one-ulp control moves both, so its start survives the first step (moving only the
+    parameters trained stock again, bit for bit)."""
+    pytest.importorskip("megatron.core")
+    from llm_act.train import parallel
+    from llm_act.train.data import embedded_corpus
+    from llm_act.train.loop import quiet_megatron_warnings
+    from llm_act.train.trainer import Trainer
+
+    quiet_megatron_warnings()
+    model, data = C.llama("tiny", 2, 32, 4, 2, 64, 16, 2), embedded_corpus()
+    args = C.train_args(4, 7, False, model=model, setting=C.BF16)
+    parallel.init(args)
+    try:
+        stock, moved = Trainer(args, data), Trainer(C.train_args(4, 7, False, model=model, setting=C.BF16), data)
+        C.perturb_one_ulp(moved, 7)
+        before = [p.detach().clone() for c in stock.chunks for p in c.parameters()]
+        after = [p.detach().clone() for c in moved.chunks for p in c.parameters()]
+        assert all(p.dtype == torch.bfloat16 for p in before)
+        for p, q in zip(before, after):  # every value one bf16 ulp away
+            assert bool((q != p).all()) and torch.equal(torch.nextafter(p, q), q)
+        assert all(torch.equal(m, p.float()) for p, m in zip(moved.optimizer.params, moved.optimizer.masters))
+        stock.train_step()
+        moved.train_step()
+        trained = zip((p for c in stock.chunks for p in c.parameters()), (p for c in moved.chunks for p in c.parameters()))
+        assert not all(torch.equal(p, q) for p, q in trained)
+    finally:
+        parallel.destroy_parallel()
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_run():
     """A tiny Llama-style GPT, 4 steps of the default plan (fp32), process group up."""

@@ -704,6 +704,15 @@ def _pct(x: float) -> str:
     return "n/a" if not math.isfinite(x) else f"{x:+.2%}"
 
 
+def _spread(x: float, digits: int = 2) -> str:
+    """An unsigned share (a standard error, stock's spread): "n/a" where one seed gives none."""
+    return "n/a" if not math.isfinite(x) else f"{x:.{digits}%}"
+
+
+def _over(n: int) -> str:
+    return "1 seed" if n == 1 else f"{n} seeds"
+
+
 def _control(c: Optional[dict]) -> str:
     return "not run" if c is None else f"{_pct(c['mean'])} (bound {_pct(c['upper'])})"
 
@@ -730,7 +739,7 @@ def sentences(result: dict) -> list[str]:
                 f"average (at most {p['changes_per_100_max']:.1f} in one run).")
             lines.append(
                 f"- **{name}, {plan}** (memory {p['memory']:.3f} of stock) paired with stock over "
-                f"{p['n']} seeds ends **{p['mean']:+.2%}** on average (standard error {p['se']:.2%}; "
+                f"{_over(p['n'])} ends **{p['mean']:+.2%}** on average (standard error {_spread(p['se'])}; "
                 f"one-sided {level} upper bound **{_pct(p['upper'])}**; per seed {per})."
                 + moved + beside)
     for name, s in summ.items():
@@ -745,7 +754,7 @@ def sentences(result: dict) -> list[str]:
                 f"- **{name}, biased codecs charged or excluded** (issue 28 item 3): excluding them "
                 f"(\"{AUTO_TARGET} unbiased\") against charging their measured coherence "
                 f"(\"{AUTO_TARGET}\"), paired over {both['n']} seeds: {_pct(both['mean'])} on average "
-                f"(standard error {both['se']:.2%}, one-sided {level} upper bound {_pct(both['upper'])}): "
+                f"(standard error {_spread(both['se'])}, one-sided {level} upper bound {_pct(both['upper'])}): "
                 + _which_better(both) + ".")
     for name, parts in verdicts(result).items():
         plan = verdict_plan(result)
@@ -757,7 +766,8 @@ def sentences(result: dict) -> list[str]:
         ok = all(v for v in parts.values() if v is not None)
         why = [f"its upper bound {_pct(p['upper'])} is {'at most' if parts['bound'] else 'above'} "
                f"{TARGET_GAP:+.1%}" + (" although its mean is not" if not parts["bound"] and
-                                       p["mean"] <= TARGET_GAP else "")]
+                                       p["mean"] <= TARGET_GAP else "")
+               if p["n"] > 1 else "one seed gives no bound"]
         if not parts["memory"]:
             why.append(f"it stores {p['memory']:.3f} of stock, more than {TARGET_FRACTION}")
         if parts["vs_gact"] is not None:
@@ -773,7 +783,7 @@ def sentences(result: dict) -> list[str]:
         floor = "" if control is None else (
             f" The control, {_describe_control(control_name)}, has an upper bound of "
             f"{_pct(control['upper'])} (per seed {', '.join(f'{d:+.3%}' for d in control['per_seed'].values())})"
-            + (f": at this floor {control['n']} seeds cannot show even stock itself within the target."
+            + (f": at this floor {_over(control['n'])} cannot show even stock itself within the target."
                if not control["meets"] else "."))
         gact = "" if parts["vs_gact"] is None else f" and {TARGET_VS_GACT:+.1%} above {GACT}"
         lines.append(
@@ -890,13 +900,13 @@ def table(result: dict) -> str:
     for name, s in summ.items():
         finals = ", ".join(f"{x:.4f}" for x in s["stock_finals"])
         rows.append(f"| {name} | stock | 1.000 | | | | |{' |' if with_gact else ''} {finals} | | | | "
-                    f"{s['stock_spread']:.2%} |")
+                    f"{_spread(s['stock_spread'])} |")
         for plan, p in s["plans"].items():
             meas = "" if p["measuring"] is None else f"{p['measuring']:.1%}"
             label = f"**{plan}** (verdict)" if plan == verdict else plan
             control = "" if plan == control_name else _control(s["control"])
             gact = (" " + ("" if "vs_gact" not in p else _control(p["vs_gact"])) + " |") if with_gact else ""
-            rows.append(f"| {name} | {label} | {p['memory']:.3f} | {p['mean']:+.3%} | {p['se']:.3%} | "
+            rows.append(f"| {name} | {label} | {p['memory']:.3f} | {p['mean']:+.3%} | {_spread(p['se'], 3)} | "
                         f"{_pct(p['upper'])} | {'yes' if p['meets'] else 'no'} |{gact} "
                         + ", ".join(f"{d:+.2%}" for d in p["per_seed"].values())
                         + f" | {control} | {meas} | {_changes(p)} | |")

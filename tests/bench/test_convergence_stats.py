@@ -173,3 +173,22 @@ def test_the_committed_low_floor_result_re_renders():
     assert C.target_met(res) == {"quick": False, "mid": False}
     assert round(summ["quick"]["plans"][C.AUTO_TARGET]["upper"], 4) == 0.0064
     assert round(summ["mid"]["plans"][C.AUTO_TARGET]["upper"], 4) == 0.0141
+
+
+def test_the_bf16_confirmation_reads_back_one_seed_without_nan():
+    """docs/convergence_bf16_{quick,llama}_2026-12-07.json (issue 42's bf16 confirmation): bf16
+    runs with the one-bf16-ulp control; the Llama-style model ran one seed, which gives no
+    standard error and no bound, and the report says so instead of printing nan."""
+    results = {}
+    for model in ("quick", "llama"):
+        with open(os.path.join(ROOT, "docs", f"convergence_bf16_{model}_2026-12-07.json")) as f:
+            results[model] = json.load(f)
+    for res in results.values():
+        assert C.setting_of(res) is C.BF16 and C.control_plan(res) == C.STOCK_ULP
+    quick = C.summary(results["quick"])["quick"]
+    assert quick["plans"][C.DEFAULT]["n"] == 10 and quick["plans"][C.DEFAULT]["memory"] < C.TARGET_FRACTION
+    assert quick["control"]["upper"] < quick["plans"][C.DEFAULT]["upper"]
+    one = results["llama"]
+    text = C.table(one) + "\n".join(C.sentences(one))
+    assert "nan" not in text and "1 seeds" not in text
+    assert "over 1 seed ends" in text and "one seed gives no bound" in text

@@ -394,11 +394,7 @@ def perturb_one_ulp(trainer, seed: int) -> None:
     (the control: a perturbation at the rounding scale), and the optimizer's fp32 master copy
     of a bf16 parameter with it: the first step would otherwise copy the unmoved master back."""
     nudge_one_ulp([p for c in trainer.chunks for p in c.parameters()], seed)
-    opt = trainer.optimizer
-    with torch.no_grad():
-        for p, master in zip(opt.params, opt.masters):
-            if master is not p:
-                master.copy_(p)
+    trainer.optimizer.reload_model_params()
 
 
 def nudge_one_ulp(params, seed: int) -> None:

@@ -69,6 +69,9 @@ class GpuOptimizer:
         stepped, grad_norm, _ = self.optimizer.step()
         return bool(stepped), float("nan") if grad_norm is None else float(grad_norm)
 
+    def reload_model_params(self) -> None:
+        self.optimizer.reload_model_params()
+
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 

@@ -169,6 +169,15 @@ class CpuOptimizer:
         dist.all_reduce(total, group=self.mp_group)
         return math.sqrt(float(total))
 
+    def reload_model_params(self) -> None:
+        """Copy the parameters into their fp32 masters after something outside the optimizer
+        changed them (megatron-core's name for it): a bf16 parameter's next step would
+        otherwise copy the unchanged master back over it."""
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    m.copy_(p)
+
     def step(self) -> tuple[bool, float]:
         """Reduce, clip, step. Returns (stepped, grad norm before clipping)."""
         self._reduce()

@@ -186,11 +186,7 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
         else:
             self.scheduler.step(int(state["iteration"]))
-            if not self.cuda:  # the fp32 masters must follow the loaded weights
-                with torch.no_grad():
-                    for p, m in zip(self.optimizer.params, self.optimizer.masters):
-                        if m is not p:
-                            m.copy_(p)
+            self.optimizer.reload_model_params()  # the fp32 masters must follow the loaded weights
         self.iteration = int(state["iteration"])
         self.consumed_samples = int(state["consumed_train_samples"])
         if load_rng:

@@ -247,9 +247,10 @@ class Setting:
 LLAMA_MODEL = llama("llama", 3, 192, 6, 2, 512, 128, 8)
 MID_MODEL = gpt("mid", 2, 128, 4, 64, 8)
 #: the bf16 confirmation: the low floor's plans, models and seeds in bf16 at lr 2e-3 over 300
-#: steps (chaotic: the control moves ~1% a seed), with its own control, stock from a start
-#: moved by one bf16 ulp. Results of issues 15 and 28 in this setting ran other plans on
-#: `MODELS` with `STOCK_AGAIN` as control; each result names its plans, models and control.
+#: steps, with its own control, stock from a start moved by one bf16 ulp (chaotic: a final
+#: loss moves by up to half a percent a seed). Results of issues 15 and 28 in this setting ran
+#: other plans on `MODELS` with `STOCK_AGAIN` as control; each result names its plans, models
+#: and control.
 BF16 = Setting("bf16", True, 2e-3, 300, STOCK_ULP,
                (STOCK_ULP, DEFAULT, "compress", INT2_EVERYWHERE),
                (QUICK_MODEL, MID_MODEL, LLAMA_MODEL), tuple(range(1234, 1244)))

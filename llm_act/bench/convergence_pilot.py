@@ -31,9 +31,14 @@ def _seeds(text: str) -> tuple[int, ...]:
     return seed_range(text)
 
 
+def _models() -> dict:
+    """Every bench model by name, over the settings (they share the low floor's three)."""
+    return {m.name: m for s in C.SETTINGS.values() for m in s.models}
+
+
 def parser() -> argparse.ArgumentParser:
     setting = C.LOW_FLOOR
-    models = {m.name: m for s in C.SETTINGS.values() for m in s.models}
+    models = _models()
     p = argparse.ArgumentParser(prog="python -m llm_act.bench.convergence_pilot", allow_abbrev=False,
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--setting", choices=tuple(C.SETTINGS), default=C.LOW_FLOOR.name,
@@ -70,7 +75,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     setting = C.SETTINGS[args.setting]
-    models = {m.name: m for s in C.SETTINGS.values() for m in s.models}
+    models = _models()
     previous = None
     if os.path.exists(args.save_json):
         with open(args.save_json) as f:

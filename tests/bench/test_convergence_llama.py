@@ -138,7 +138,7 @@ def test_the_pilot_runs_the_bf16_confirmation_by_its_setting():
     assert C.SETTINGS[pilot_parser().parse_args(["--save-json", "x.json"]).setting] is C.LOW_FLOOR
 
 
-def test_the_pilot_refuses_a_json_of_another_setting(tmp_path, capsys):
+def test_the_pilot_refuses_a_json_of_another_setting(tmp_path):
     """A --save-json holding another setting's (or step count's) runs is refused in one line,
     untouched: `run` would start afresh and save over it."""
     from llm_act.bench.convergence_pilot import main
